@@ -1,0 +1,26 @@
+"""jax_ring: exact long-context attention for JAX, on one device or many.
+
+Public API (everything else lives in ``jax_ring._src``):
+
+* :func:`dot_product_attention`: a drop-in superset of
+  ``jax.nn.dot_product_attention``.
+* :class:`AttentionConfig`, :class:`BlockMask`, :func:`attention` and
+  :func:`attention_backward`: the block-kernel contract that the
+  context-parallel strategies build on.
+"""
+
+from jax_ring._src.api import dot_product_attention
+from jax_ring._src.config import AttentionConfig
+from jax_ring._src.kernel import attention, attention_backward
+from jax_ring._src.mask import BlockMask
+from jax_ring._src.xla_backend import MASK_VALUE
+
+__all__ = [
+    "AttentionConfig",
+    "BlockMask",
+    "MASK_VALUE",
+    "attention",
+    "attention_backward",
+    "dot_product_attention",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,55 @@
+"""The one static configuration that travels through every jax_ring layer.
+
+Everything that changes the traced program (mask kind, window, scale, soft
+cap, backend, block sizes) lives in :class:`AttentionConfig`: a frozen,
+hashable dataclass that is passed as a single ``config=`` through the public
+API, the custom VJP and the primitives' static parameters. Runtime values
+(segment ids, lengths, diagonal offsets) are *not* here: they travel as
+operands in :class:`jax_ring._src.mask.BlockMask`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, get_args
+
+Implementation = Literal["xla", "cudnn"]
+IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
+
+# Defaults for the pure-JAX blockwise backend. 512 x 512 float32 logits per
+# (kv head, group) is 1 MiB: large enough for matmul efficiency on CPU, small
+# enough that a 32k-token sequence never holds more than a block row of
+# scores at once.
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_KV = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Static attention options, hashable so that it can be a primitive param.
+
+  Attributes:
+    scale: multiplier of ``q @ k^T``.
+    is_causal: key position ``p_k`` is visible to query position ``p_q`` only
+      if ``p_k <= p_q``. Positions are *global*: local index plus the
+      block's offset (see ``BlockMask``), so one flag serves both a single
+      device (offsets 0, top-left aligned like ``jax.nn``) and a ring step.
+    local_window: ``(left, right)``: ``p_q - left <= p_k <= p_q + right``,
+      the same meaning as ``jax.nn.dot_product_attention(local_window_size=)``.
+    logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``
+      (Gemma-2), applied after scaling and before bias and masking.
+    implementation: the resolved backend; ``None`` only before dispatch.
+    block_q: query rows per block in the blockwise backend.
+    block_kv: key rows per block in the blockwise backend.
+  """
+
+  scale: float
+  is_causal: bool = False
+  local_window: tuple[int, int] | None = None
+  logits_soft_cap: float | None = None
+  implementation: Implementation | None = None
+  block_q: int = DEFAULT_BLOCK_Q
+  block_kv: int = DEFAULT_BLOCK_KV
+
+  def replace(self, **changes) -> "AttentionConfig":
+    return dataclasses.replace(self, **changes)

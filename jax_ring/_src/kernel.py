@@ -1,0 +1,229 @@
+"""The block-kernel contract: two primitives, their custom VJP and dispatch.
+
+Every strategy (single device, ring, all-gather, Ulysses) calls attention
+through exactly these two functions:
+
+* :func:`attention` ``(q, k, v, bias, mask, config) -> (out, lse)``
+* :func:`attention_backward`
+  ``(q, k, v, bias, mask, out, lse, dout, dlse, config) -> (dq, dk, dv, dbias)``
+
+Shapes: ``q (B, T, N, H)``, ``k, v (B, S, K, H)`` with ``N % K == 0``,
+``bias (B|1, N|1, T, S)`` or None, ``out (B, T, N, H)`` in q's dtype,
+``lse (B, T, N)`` float32. ``mask`` is a :class:`~jax_ring._src.mask.BlockMask`;
+``config`` an :class:`~jax_ring._src.config.AttentionConfig` whose
+``implementation`` is already resolved.
+
+``lse`` is the natural-log logsumexp of the scaled, capped, biased and masked
+logits; a fully masked row has ``out = 0`` and ``lse = MASK_VALUE`` (-1e30,
+finite: see ``xla_backend``). The backward takes *any* ``out``/``lse``, in
+particular the global ones of a ring after merging, and an optional
+cotangent of ``lse`` (None = zero), so ``lse`` is differentiable too.
+
+Each function binds a ``jax.extend.core.Primitive`` whose operands are
+``q, k, v, [bias], *mask_leaves`` (the mask pytree is flattened; its treedef
+is a static param). Lowerings are registered per platform: the pure-JAX
+backend everywhere now; a CUDA lowering to cuDNN can be added without
+touching any caller. Batching folds a vmapped axis into B when the offsets
+are unbatched, and otherwise maps the primitive over it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from jax_ring._src import xla_backend
+from jax_ring._src.config import AttentionConfig
+from jax_ring._src.mask import BlockMask
+
+_fwd_p = Primitive("jax_ring_attention_fwd")
+_fwd_p.multiple_results = True
+_bwd_p = Primitive("jax_ring_attention_bwd")
+_bwd_p.multiple_results = True
+
+
+# --- operand packing -------------------------------------------------------
+
+def _pack(bias, mask, *extra):
+  leaves, tree = jax.tree.flatten(mask.as_operands())
+  head = [] if bias is None else [bias]
+  return head + [x for x in extra if x is not None] + leaves, tree
+
+
+def _unpack_fwd(args, mask_tree, has_bias):
+  q, k, v, *rest = args
+  bias = rest.pop(0) if has_bias else None
+  return q, k, v, bias, jax.tree.unflatten(mask_tree, rest)
+
+
+def _unpack_bwd(args, mask_tree, has_bias, has_dlse):
+  q, k, v, *rest = args
+  bias = rest.pop(0) if has_bias else None
+  out, lse, dout = rest[:3]
+  rest = rest[3:]
+  dlse = rest.pop(0) if has_dlse else None
+  return q, k, v, bias, out, lse, dout, dlse, jax.tree.unflatten(mask_tree, rest)
+
+
+# --- primitive rules --------------------------------------------------------
+
+def _fwd_impl(*args, config, mask_tree, has_bias):
+  q, k, v, bias, mask = _unpack_fwd(args, mask_tree, has_bias)
+  return xla_backend.forward(q, k, v, bias, mask, config)
+
+
+def _bwd_impl(*args, config, mask_tree, has_bias, has_dlse):
+  q, k, v, bias, out, lse, dout, dlse, mask = _unpack_bwd(
+      args, mask_tree, has_bias, has_dlse)
+  dq, dk, dv, dbias = xla_backend.backward(q, k, v, bias, mask, out, lse, dout,
+                                           dlse, config)
+  return (dq, dk, dv) + (() if dbias is None else (dbias,))
+
+
+def _fwd_abstract(*args, config, mask_tree, has_bias):
+  del config, mask_tree, has_bias
+  q = args[0]
+  b, t, n, _ = q.shape
+  return (jax.core.ShapedArray(q.shape, q.dtype),
+          jax.core.ShapedArray((b, t, n), jnp.float32))
+
+
+def _bwd_abstract(*args, config, mask_tree, has_bias, has_dlse):
+  del config, mask_tree, has_dlse
+  shaped = lambda x: jax.core.ShapedArray(x.shape, x.dtype)
+  return tuple(shaped(x) for x in args[:3 + has_bias])
+
+
+for _p, _impl, _abstract, _static in (
+    (_fwd_p, _fwd_impl, _fwd_abstract, ("config", "mask_tree", "has_bias")),
+    (_bwd_p, _bwd_impl, _bwd_abstract,
+     ("config", "mask_tree", "has_bias", "has_dlse"))):
+  _p.def_impl(jax.jit(_impl, static_argnames=_static))
+  _p.def_abstract_eval(_abstract)
+  mlir.register_lowering(_p, mlir.lower_fun(_impl, multiple_results=True))
+
+
+def _batch_rule(prim, leading, args, dims, **params):
+  """Fold the vmapped axis into B, or map over it if an offset is batched.
+
+  ``leading[i]`` is what operand i's axis 0 is: "B" (batch), "B|1" (batch
+  or a broadcast 1: bias, dense mask) or "scalar" (offsets).
+  """
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+  if any(kind == "scalar" and d is not None
+         for kind, d in zip(leading, dims)):
+    batched = [d is not None for d in dims]
+
+    def one(xs):
+      it = iter(xs)
+      return prim.bind(*[next(it) if bt else a
+                         for a, bt in zip(args, batched)], **params)
+    outs = lax.map(one, [a for a, bt in zip(args, batched) if bt])
+    return outs, [0] * len(outs)
+
+  b = args[0].shape[1] if dims[0] is not None else args[0].shape[0]
+  folded = []
+  for a, d, kind in zip(args, dims, leading):
+    if kind == "scalar" or (d is None and kind == "B|1" and a.shape[0] == 1):
+      folded.append(a)  # shared by every vmapped instance
+      continue
+    if d is None:
+      a = jnp.broadcast_to(a[None], (size,) + a.shape)
+    a = jnp.broadcast_to(a, (size, b) + a.shape[2:])
+    folded.append(a.reshape((size * b,) + a.shape[2:]))
+  outs = prim.bind(*folded, **params)
+  return [o.reshape((size, -1) + o.shape[1:]) for o in outs], [0] * len(outs)
+
+
+def _leading_kinds(params, num_args, extra):
+  kinds = ["B", "B", "B"] + (["B|1"] if params["has_bias"] else []) + extra
+  tree = params["mask_tree"]
+  probe = jax.tree.unflatten(tree, list(range(tree.num_leaves)))
+  by_field = {
+      getattr(probe, f): k for f, k in (
+          ("q_offset", "scalar"), ("kv_offset", "scalar"),
+          ("q_segment_ids", "B"), ("kv_segment_ids", "B"),
+          ("q_lengths", "B"), ("kv_lengths", "B"), ("dense", "B|1"))
+      if getattr(probe, f) is not None}
+  kinds += [by_field[i] for i in range(tree.num_leaves)]
+  assert len(kinds) == num_args
+  return kinds
+
+
+def _fwd_batch(args, dims, **params):
+  kinds = _leading_kinds(params, len(args), [])
+  return _batch_rule(_fwd_p, kinds, args, dims, **params)
+
+
+def _bwd_batch(args, dims, **params):
+  # The bias gradient is per vmapped instance, so a shared bias cannot stay
+  # shared here: give it a full batch and reduce dbias back afterwards.
+  kinds = _leading_kinds(params, len(args),
+                         ["B", "B", "B"] + (["B"] if params["has_dlse"] else []))
+  bias_b = None
+  if params["has_bias"]:
+    bias, d = args[3], dims[3]
+    bias_b = bias.shape[0] if d is None else jnp.moveaxis(bias, d, 0).shape[1]
+    kinds[3] = "B"
+  outs, out_dims = _batch_rule(_bwd_p, kinds, args, dims, **params)
+  if bias_b == 1:
+    outs = list(outs)
+    outs[3] = outs[3].sum(1, keepdims=True)
+  return outs, out_dims
+
+
+batching.primitive_batchers[_fwd_p] = _fwd_batch
+batching.primitive_batchers[_bwd_p] = _bwd_batch
+
+
+# --- the contract -----------------------------------------------------------
+
+def _forward(q, k, v, bias, mask, config):
+  args, tree = _pack(bias, mask)
+  return tuple(_fwd_p.bind(q, k, v, *args, config=config, mask_tree=tree,
+                           has_bias=bias is not None))
+
+
+def attention_backward(q, k, v, bias, mask: BlockMask, out, lse, dout, dlse,
+                       config: AttentionConfig):
+  """Block backward from given out/lse: ``(dq, dk, dv, dbias or None)``."""
+  args, tree = _pack(bias, mask, out, lse, dout, dlse)
+  grads = _bwd_p.bind(q, k, v, *args, config=config, mask_tree=tree,
+                      has_bias=bias is not None, has_dlse=dlse is not None)
+  return tuple(grads) + ((None,) if bias is None else ())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def attention(q, k, v, bias, mask: BlockMask, config: AttentionConfig):
+  """Block forward: ``(out, lse)``. Differentiable in q, k, v, bias, lse."""
+  return _forward(q, k, v, bias, mask, config)
+
+
+def _attention_fwd(q, k, v, bias, mask, config):
+  q, k, v, bias, mask = jax.tree.map(
+      lambda p: p.value, (q, k, v, bias, mask),
+      is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+  out, lse = _forward(q, k, v, bias, mask, config)
+  return (out, lse), (q, k, v, bias, mask, out, lse)
+
+
+def _attention_bwd(config, res, cts):
+  q, k, v, bias, mask, out, lse = res
+  dout, dlse = cts
+  if isinstance(dout, SymbolicZero):
+    dout = jnp.zeros_like(out)
+  if isinstance(dlse, SymbolicZero):
+    dlse = None
+  dq, dk, dv, dbias = attention_backward(q, k, v, bias, mask, out, lse, dout,
+                                         dlse, config)
+  return dq, dk, dv, dbias, None
+
+
+attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

@@ -1,0 +1,167 @@
+"""The mask description of the block-kernel contract, and the one mask builder.
+
+A block call sees a query block and a key/value block that may be slices of a
+longer sequence held elsewhere (a ring step). The static half of the mask
+(causal, window) is in :class:`~jax_ring._src.config.AttentionConfig`; the
+runtime half is a :class:`BlockMask`:
+
+=================  ===========  ==============================================
+field              shape        meaning
+=================  ===========  ==============================================
+``q_offset``       ``()``       global position of this query block's row 0
+``kv_offset``      ``()``       global position of this kv block's row 0
+``q_segment_ids``  ``(B, T)``   packed-document id of each query token
+``kv_segment_ids`` ``(B, S)``   packed-document id of each key token
+``q_lengths``      ``(B,)``     queries at global position ``>= q_lengths``
+                                are padding (output 0)
+``kv_lengths``     ``(B,)``     keys at global position ``>= kv_lengths``
+                                are padding (never attended)
+``dense``          ``(B|1, N|1, T, S)``  arbitrary boolean mask, True = keep
+=================  ===========  ==============================================
+
+Query ``i`` sees key ``j`` iff every present condition holds, with global
+positions ``p_q = q_offset + i`` and ``p_k = kv_offset + j``:
+
+* causal: ``p_k <= p_q``; window ``(L, R)``: ``p_q - L <= p_k <= p_q + R``;
+* segments: ``q_segment_ids[b, i] == kv_segment_ids[b, j]``;
+* lengths: ``p_q < q_lengths[b]`` and ``p_k < kv_lengths[b]``;
+* dense: ``dense[b, n, i, j]``.
+
+So "this Q chunk starts at global token a, this KV chunk at token b" is
+``BlockMask(q_offset=a, kv_offset=b)``, and windows, segments and lengths
+compose with it. Offsets may be Python ints or traced int32 scalars.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Array = Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockMask:
+  """Runtime mask operands of one block call. See the module docstring."""
+
+  q_offset: Array = 0
+  kv_offset: Array = 0
+  q_segment_ids: Array | None = None
+  kv_segment_ids: Array | None = None
+  q_lengths: Array | None = None
+  kv_lengths: Array | None = None
+  dense: Array | None = None
+
+  def as_operands(self) -> "BlockMask":
+    """Offsets as int32 scalars, ids and lengths as int32, dense as bool."""
+    cast = lambda x, dt: None if x is None else jnp.asarray(x, dt)
+    return BlockMask(
+        q_offset=cast(self.q_offset, jnp.int32),
+        kv_offset=cast(self.kv_offset, jnp.int32),
+        q_segment_ids=cast(self.q_segment_ids, jnp.int32),
+        kv_segment_ids=cast(self.kv_segment_ids, jnp.int32),
+        q_lengths=cast(self.q_lengths, jnp.int32),
+        kv_lengths=cast(self.kv_lengths, jnp.int32),
+        dense=cast(self.dense, jnp.bool_),
+    )
+
+
+def block_visibility(mask: BlockMask, config, *, q_start, kv_start, block_q,
+                     block_kv, q_len, kv_len, heads):
+  """Boolean visibility of one (query block, kv block) tile.
+
+  Args:
+    mask: the block call's ``BlockMask`` (operands already padded to whole
+      blocks along T and S).
+    config: the ``AttentionConfig`` (``is_causal``, ``local_window``).
+    q_start, kv_start: local index of the tile's first query / key row.
+    block_q, block_kv: tile size.
+    q_len, kv_len: true (unpadded) local lengths T and S; rows past them are
+      the backend's block padding and are always hidden.
+    heads: ``(K, G)``, kv heads and query heads per kv head.
+
+  Returns:
+    bool array broadcastable to ``(B, K, G, block_q, block_kv)``.
+  """
+  qi = q_start + jnp.arange(block_q, dtype=jnp.int32)
+  kj = kv_start + jnp.arange(block_kv, dtype=jnp.int32)
+  vis = (qi < q_len)[:, None] & (kj < kv_len)[None, :]
+  pq = (mask.q_offset + qi)[:, None]
+  pk = (mask.kv_offset + kj)[None, :]
+  if config.is_causal:
+    vis &= pk <= pq
+  if config.local_window is not None:
+    left, right = config.local_window
+    vis &= (pk >= pq - left) & (pk <= pq + right)
+  vis = vis[None, None, None]  # (1, 1, 1, bq, bk)
+
+  if mask.q_segment_ids is not None:
+    sq = jax.lax.dynamic_slice_in_dim(mask.q_segment_ids, q_start, block_q, 1)
+    sk = jax.lax.dynamic_slice_in_dim(mask.kv_segment_ids, kv_start, block_kv,
+                                      1)
+    vis = vis & (sq[:, :, None] == sk[:, None, :])[:, None, None]
+  if mask.q_lengths is not None:
+    ok = pq[None, :, :] < mask.q_lengths[:, None, None]
+    vis = vis & ok[:, None, None]
+  if mask.kv_lengths is not None:
+    ok = pk[None, :, :] < mask.kv_lengths[:, None, None]
+    vis = vis & ok[:, None, None]
+  if mask.dense is not None:
+    d = jax.lax.dynamic_slice_in_dim(mask.dense, q_start, block_q, 2)
+    d = jax.lax.dynamic_slice_in_dim(d, kv_start, block_kv, 3)
+    vis = vis & group_heads(d, heads)
+  return vis
+
+
+def group_heads(x, heads):
+  """``(B|1, N|1, ...)`` -> ``(B|1, K|1, G|1, ...)`` matching grouped logits."""
+  k, g = heads
+  if x.shape[1] == 1:
+    return x[:, :, None]
+  return x.reshape(x.shape[0], k, g, *x.shape[2:])
+
+
+def kv_block_range(config, mask: BlockMask, q_start, block_q, block_kv,
+                   num_kv_blocks):
+  """``[lo, hi)`` of kv blocks that causal/window masks leave visible.
+
+  Only the static mask kinds prune whole blocks; segments, lengths and dense
+  masks are applied inside the tile. Works with traced offsets.
+  """
+  lo, hi = 0, num_kv_blocks
+  shift = mask.q_offset - mask.kv_offset  # p_q - p_k for local i == j
+  first_q = q_start + shift  # kv-local index of the tile's first query
+  last_q = first_q + block_q - 1
+  right = 0 if config.is_causal else None
+  if config.local_window is not None:
+    left, r = config.local_window
+    right = r if right is None else min(right, r)
+    lo = jnp.maximum(0, jnp.floor_divide(first_q - left, block_kv))
+  if right is not None:
+    hi = jnp.minimum(num_kv_blocks,
+                     jnp.floor_divide(last_q + right, block_kv) + 1)
+  return lo, hi
+
+
+def q_block_range(config, mask: BlockMask, kv_start, block_q, block_kv,
+                  num_q_blocks):
+  """``[lo, hi)`` of query blocks that can see the kv tile at ``kv_start``."""
+  lo, hi = 0, num_q_blocks
+  shift = mask.kv_offset - mask.q_offset  # p_k - p_q for local j == i
+  first_k = kv_start + shift  # q-local index of the tile's first key
+  last_k = first_k + block_kv - 1
+  # A query sees key k only if p_q >= p_k - right(=0 causal) and
+  # p_q <= p_k + left.
+  right = 0 if config.is_causal else None
+  if config.local_window is not None:
+    left, r = config.local_window
+    right = r if right is None else min(right, r)
+    hi = jnp.minimum(num_q_blocks,
+                     jnp.floor_divide(last_k + left, block_q) + 1)
+  if right is not None:
+    lo = jnp.maximum(0, jnp.floor_divide(first_k - right, block_q))
+  return lo, hi

@@ -1,0 +1,122 @@
+"""Trace-time validators. Each raises ``ValueError`` naming the argument and
+the shapes involved; each message is pinned by a unit test."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import jax.numpy as jnp
+
+from jax_ring._src.config import IMPLEMENTATIONS
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
+                jnp.dtype(jnp.float16))
+
+
+def qkv(query, key, value) -> None:
+  """Layout ``q (B, T, N, H)``, ``k, v (B, S, K, H)``, one float dtype."""
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if x.ndim != 4:
+      raise ValueError(
+          f"{name} must have rank 4 (B, T, N, H) or 3 (T, N, H); got shape "
+          f"{tuple(x.shape)}")
+  if key.shape != value.shape:
+    raise ValueError(f"key and value must have the same shape; got key "
+                     f"{tuple(key.shape)} and value {tuple(value.shape)}")
+  if query.shape[0] != key.shape[0] or query.shape[3] != key.shape[3]:
+    raise ValueError(
+        f"query and key must agree on batch (dim 0) and head_dim (dim 3); got "
+        f"query {tuple(query.shape)} and key {tuple(key.shape)}")
+  n, k = query.shape[2], key.shape[2]
+  if n % k:
+    raise ValueError(
+        f"query heads ({n}) must be divisible by key/value heads ({k}); got "
+        f"query {tuple(query.shape)} and key {tuple(key.shape)}")
+  dtypes = (query.dtype, key.dtype, value.dtype)
+  if len(set(dtypes)) != 1:
+    raise ValueError(
+        f"query, key and value must have one dtype; got query {query.dtype}, "
+        f"key {key.dtype}, value {value.dtype}")
+  if query.dtype not in FLOAT_DTYPES:
+    raise ValueError(
+        f"query, key and value must be float32, bfloat16 or float16; got "
+        f"{query.dtype}")
+
+
+def window(local_window_size) -> tuple[int, int] | None:
+  """``int | (left, right) | None`` -> ``(left, right) | None``."""
+  if local_window_size is None:
+    return None
+  pair = local_window_size
+  if isinstance(pair, (int, np.integer)):
+    pair = (pair, pair)
+  ok = (isinstance(pair, (tuple, list)) and len(pair) == 2 and
+        all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) and
+            w >= 0 for w in pair))
+  if not ok:
+    raise ValueError(
+        "local_window_size must be a non-negative int or a (left, right) pair "
+        f"of non-negative ints; got {local_window_size!r}")
+  return int(pair[0]), int(pair[1])
+
+
+def scalar_options(scale, logits_soft_cap) -> None:
+  if scale is not None and not (isinstance(scale, (int, float)) and
+                                math.isfinite(scale)):
+    raise ValueError(f"scale must be a finite Python number; got {scale!r}")
+  if logits_soft_cap is not None and not (
+      isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0 and
+      math.isfinite(logits_soft_cap)):
+    raise ValueError(
+        f"logits_soft_cap must be a positive finite number; got "
+        f"{logits_soft_cap!r}")
+
+
+def implementation(impl) -> None:
+  if impl is not None and impl not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be None or one of "
+                     f"{IMPLEMENTATIONS}; got {impl!r}")
+
+
+def broadcastable(name, x, target) -> None:
+  """``bias``/``mask``: 4-D and broadcastable to ``(B, N, T, S)``."""
+  if x.ndim != 4 or any(d not in (1, t) for d, t in zip(x.shape, target)):
+    raise ValueError(
+        f"{name} must be 4-D and broadcastable to (B, N, T, S) = "
+        f"{tuple(target)}; got shape {tuple(x.shape)}")
+
+
+def bool_mask(mask) -> None:
+  if mask.dtype != jnp.bool_:
+    raise ValueError(
+        f"mask must be a boolean array (True = attend); got dtype {mask.dtype}"
+        f" with shape {tuple(mask.shape)}. Pass additive masks as bias.")
+
+
+def seq_lengths(name, lengths, batch) -> None:
+  if lengths.ndim != 1 or lengths.shape[0] != batch or not jnp.issubdtype(
+      lengths.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an int array of shape (B,) = "
+                     f"({batch},); got {lengths.dtype} {tuple(lengths.shape)}")
+
+
+def segment_ids(ids, q_shape, kv_shape):
+  """``(B, T)`` array (needs T == S) or a ``(q_ids, kv_ids)`` pair."""
+  b, t = q_shape[:2]
+  s = kv_shape[1]
+  if isinstance(ids, (tuple, list)):
+    if len(ids) != 2:
+      raise ValueError(f"segment_ids pair must be (q_ids, kv_ids); got "
+                       f"{len(ids)} items")
+    q_ids, kv_ids = (jnp.asarray(x) for x in ids)
+  else:
+    q_ids = kv_ids = jnp.asarray(ids)
+  expect = f"(B, T) = {(b, t)} for queries and (B, S) = {(b, s)} for keys"
+  for x, want in ((q_ids, (b, t)), (kv_ids, (b, s))):
+    if tuple(x.shape) != want or not jnp.issubdtype(x.dtype, jnp.integer):
+      got = (f"{q_ids.dtype} {tuple(q_ids.shape)} and {kv_ids.dtype} "
+             f"{tuple(kv_ids.shape)}")
+      raise ValueError(f"segment_ids must be int arrays of shape {expect}; "
+                       f"got {got}")
+  return q_ids, kv_ids

@@ -1,0 +1,249 @@
+"""The block-kernel contract against the float64 reference, on small tiles.
+
+Small tiles (bq=16, bk=8) and odd lengths make every case cross several
+partial tiles, so tile pruning, padding and the online softmax are all on the
+path. The public API is tested on its own in test_api.py.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ring
+from jax_ring._src import kernel
+import reference as ref
+
+B, T, S, N, K, H = 2, 37, 29, 4, 2, 16
+TILES = dict(block_q=16, block_kv=8)
+SCALE = 0.3
+
+
+def _lengths(lo, hi):
+  return np.array([lo, hi], np.int32)
+
+
+CASES = {
+    "full": ref.Case(SCALE),
+    "causal": ref.Case(SCALE, is_causal=True),
+    # q starts 11 tokens after kv: the diagonal is offset downwards.
+    "causal_q_after_kv": ref.Case(SCALE, is_causal=True, q_offset=11),
+    # kv starts after q: the first rows see nothing (fully masked).
+    "causal_kv_after_q": ref.Case(SCALE, is_causal=True, kv_offset=9),
+    "window": ref.Case(SCALE, window=(5, 3)),
+    "window_causal_offset": ref.Case(SCALE, is_causal=True, window=(7, 0),
+                                     q_offset=20, kv_offset=13),
+    "padding": ref.Case(SCALE, q_lengths=_lengths(30, 37),
+                        kv_lengths=_lengths(17, 29)),
+    "segments": ref.Case(SCALE, q_segment_ids=ref.random_segments(1, B, T, 4),
+                         kv_segment_ids=ref.random_segments(1, B, S, 4)),
+    "soft_cap": ref.Case(SCALE * 8, soft_cap=3.0),
+    "dense": ref.Case(SCALE, dense=np.random.default_rng(2).random(
+        (1, N, T, S)) > 0.4),
+    "everything": ref.Case(
+        SCALE, is_causal=True, window=(9, 0), soft_cap=4.0, q_offset=6,
+        q_segment_ids=ref.random_segments(3, B, T, 3),
+        kv_segment_ids=ref.random_segments(3, B, S, 3),
+        kv_lengths=_lengths(22, 29)),
+}
+
+
+def run_kernel(q, k, v, do, case, bias=None, dlse=None, **tiles):
+  """jax_ring forward and vjp through the contract, jitted."""
+  cfg = ref.config(case, **(tiles or TILES))
+  mask = ref.block_mask(case)
+
+  @jax.jit
+  def f(q, k, v, bias, mask):
+    (out, lse), vjp = jax.vjp(
+        lambda q, k, v, bias: kernel.attention(q, k, v, bias, mask, cfg),
+        q, k, v, bias)
+    cts = (do, jnp.zeros_like(lse) if dlse is None else dlse)
+    return out, lse, vjp(cts)
+
+  return f(q, k, v, bias, mask)
+
+
+def check(q, k, v, do, case, *, bias=None, dlse=None, **tiles):
+  out, lse, (dq, dk, dv, dbias) = run_kernel(q, k, v, do, case, bias, dlse,
+                                             **tiles)
+  r_out, r_lse, r_g = ref.attention(q, k, v, case, bias=bias, dout=do,
+                                    dlse=dlse)
+  dt = q.dtype
+  ref.assert_close(out, r_out, dt, "out")
+  # lse is float32 whatever the input dtype; its error follows the logits'.
+  ref.assert_close(lse, r_lse, dt, "lse")
+  ref.assert_close(dq, r_g["q"], dt, "dq")
+  ref.assert_close(dk, r_g["k"], dt, "dk")
+  ref.assert_close(dv, r_g["v"], dt, "dv")
+  if bias is not None:
+    ref.assert_close(dbias, r_g["bias"], dt, "dbias")
+  return out, lse
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_mask_cases_match_reference(name):
+  q, k, v, do = ref.random_qkv(hash(name) % 1000, B, T, S, N, K, H)
+  check(q, k, v, do, CASES[name])
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4, 8])
+def test_gqa_groups(groups):
+  kh = 2
+  q, k, v, do = ref.random_qkv(groups, B, T, S, kh * groups, kh, H)
+  check(q, k, v, do, CASES["causal_q_after_kv"])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("name", ["causal", "everything"])
+def test_dtypes(dtype, name):
+  q, k, v, do = ref.random_qkv(5, B, T, S, N, K, H, dtype)
+  out, _ = check(q, k, v, do, CASES[name])
+  assert out.dtype == dtype
+
+
+@pytest.mark.parametrize("bias_shape", [(B, N, T, S), (1, N, T, S),
+                                        (B, 1, T, S), (1, 1, T, S)])
+def test_bias_and_its_gradient(bias_shape):
+  q, k, v, do = ref.random_qkv(7, B, T, S, N, K, H)
+  bias = jax.random.normal(jax.random.key(8), bias_shape)
+  check(q, k, v, do, CASES["causal"], bias=bias)
+
+
+def test_lse_cotangent():
+  q, k, v, do = ref.random_qkv(9, B, T, S, N, K, H)
+  dlse = jax.random.normal(jax.random.key(10), (B, T, N))
+  check(q, k, v, do, CASES["window_causal_offset"], dlse=dlse)
+
+
+@pytest.mark.parametrize("tiles", [dict(block_q=37, block_kv=29),
+                                   dict(block_q=5, block_kv=7),
+                                   dict(block_q=64, block_kv=3)])
+def test_tile_sizes_do_not_change_the_result(tiles):
+  q, k, v, do = ref.random_qkv(11, B, T, S, N, K, H)
+  check(q, k, v, do, CASES["everything"], **tiles)
+
+
+def test_fully_masked_rows_are_zero_with_finite_grads():
+  q, k, v, do = ref.random_qkv(12, B, T, S, N, K, H)
+  case = CASES["causal_kv_after_q"]  # rows p_q < 9 see no key
+  out, lse, grads = run_kernel(q, k, v, do, case)
+  assert np.all(np.asarray(out[:, :9]) == 0)
+  assert np.all(np.asarray(lse[:, :9]) == jax_ring.MASK_VALUE)
+  assert np.all(np.asarray(grads[0][:, :9]) == 0)
+  for g in grads[:3]:
+    assert np.all(np.isfinite(np.asarray(g)))
+
+
+def test_backward_from_external_global_out_and_lse():
+  """The ring's use: KV split in two blocks, partial results merged, then
+  each block's backward is given the *merged* out and lse."""
+  q, k, v, do = ref.random_qkv(13, B, T, S, N, K, H)
+  case = ref.Case(SCALE, is_causal=True, q_offset=S - T + 20)
+  cfg = ref.config(case, **TILES)
+  cut = 13
+  halves = [(slice(0, cut), 0), (slice(cut, S), cut)]
+  parts = []
+  for sl, off in halves:
+    mask = jax_ring.BlockMask(q_offset=case.q_offset, kv_offset=off)
+    parts.append(kernel.attention(q, k[:, sl], v[:, sl], None, mask, cfg))
+  (o1, l1), (o2, l2) = parts
+  lse = jnp.logaddexp(l1, l2)
+  out = (o1 * jnp.exp(l1 - lse)[..., None] + o2 * jnp.exp(l2 - lse)[..., None])
+  dq = 0
+  dks, dvs = [], []
+  for sl, off in halves:
+    mask = jax_ring.BlockMask(q_offset=case.q_offset, kv_offset=off)
+    g = kernel.attention_backward(q, k[:, sl], v[:, sl], None, mask, out, lse,
+                                  do, None, cfg)
+    dq = dq + g[0]
+    dks.append(g[1])
+    dvs.append(g[2])
+  r_out, r_lse, r_g = ref.attention(q, k, v, case, dout=do)
+  ref.assert_close(out, r_out, q.dtype, "merged out")
+  ref.assert_close(lse, r_lse, q.dtype, "merged lse")
+  ref.assert_close(dq, r_g["q"], q.dtype, "dq")
+  ref.assert_close(jnp.concatenate(dks, 1), r_g["k"], q.dtype, "dk")
+  ref.assert_close(jnp.concatenate(dvs, 1), r_g["v"], q.dtype, "dv")
+
+
+def test_traced_offsets_equal_static_offsets():
+  q, k, v, do = ref.random_qkv(14, B, T, S, N, K, H)
+  case = CASES["window_causal_offset"]
+  cfg = ref.config(case, **TILES)
+
+  @jax.jit
+  def f(qo, ko):
+    return kernel.attention(q, k, v, None,
+                            jax_ring.BlockMask(q_offset=qo, kv_offset=ko), cfg)
+
+  out, lse = f(case.q_offset, case.kv_offset)
+  r_out, r_lse = ref.attention(q, k, v, case)
+  ref.assert_close(out, r_out, q.dtype, "out")
+  ref.assert_close(lse, r_lse, q.dtype, "lse")
+
+
+def test_vmap_folds_into_batch_and_maps_over_offsets():
+  q, k, v, do = ref.random_qkv(15, 3 * B, T, S, N, K, H)
+  case = CASES["segments"]
+  cfg = ref.config(case, **TILES)
+  seg_q = jnp.asarray(np.concatenate([case.q_segment_ids] * 3))
+  seg_k = jnp.asarray(np.concatenate([case.kv_segment_ids] * 3))
+  split = lambda x: x.reshape(3, B, *x.shape[1:])
+
+  def loss(q, k, v, sq, sk, qo):
+    mask = jax_ring.BlockMask(q_offset=qo, q_segment_ids=sq,
+                              kv_segment_ids=sk)
+    out, lse = kernel.attention(q, k, v, None, mask, cfg)
+    return jnp.sum(out * do[:B]) + jnp.sum(lse)
+
+  grad = jax.grad(loss, argnums=(0, 1, 2))
+  # Offsets unbatched (fold into B) and batched (map over the axis).
+  for qo in (jnp.zeros((), jnp.int32), jnp.array([0, 3, 5], jnp.int32)):
+    in_axes = (0, 0, 0, 0, 0, None if qo.ndim == 0 else 0)
+    got = jax.jit(jax.vmap(grad, in_axes))(split(q), split(k), split(v),
+                                           split(seg_q), split(seg_k), qo)
+    for i in range(3):
+      qi = qo if qo.ndim == 0 else qo[i]
+      want = grad(split(q)[i], split(k)[i], split(v)[i], split(seg_q)[i],
+                  split(seg_k)[i], qi)
+      for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a[i]), np.asarray(b),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_bias_gradient_is_per_instance():
+  q, k, v, do = ref.random_qkv(16, B, T, S, N, K, H)
+  cfg = ref.config(CASES["causal"], **TILES)
+  bias = jax.random.normal(jax.random.key(17), (1, N, T, S))
+  scales = jnp.array([0.5, 1.0, 2.0])
+
+  def loss(c, bias):
+    out, _ = kernel.attention(q * c, k, v, bias, jax_ring.BlockMask(), cfg)
+    return jnp.sum(out * do)
+
+  got = jax.vmap(jax.grad(loss, argnums=1), (0, None))(scales, bias)
+  for i, c in enumerate(scales):
+    np.testing.assert_allclose(np.asarray(got[i]),
+                               np.asarray(jax.grad(loss, 1)(c, bias)),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_runs_are_bitwise_deterministic():
+  q, k, v, do = ref.random_qkv(18, B, T, S, N, K, H)
+  a = run_kernel(q, k, v, do, CASES["everything"])
+  b = run_kernel(q, k, v, do, CASES["everything"])
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_eager_primitive_matches_jit():
+  q, k, v, do = ref.random_qkv(19, B, T, S, N, K, H)
+  cfg = ref.config(CASES["causal"], **TILES)
+  eager = kernel.attention(q, k, v, None, jax_ring.BlockMask(), cfg)
+  jitted = jax.jit(functools.partial(kernel.attention, config=cfg))(
+      q, k, v, None, jax_ring.BlockMask())
+  for x, y in zip(eager, jitted):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
