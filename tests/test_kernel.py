@@ -7,6 +7,7 @@ path. The public API is tested on its own in test_api.py.
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -235,8 +236,7 @@ def test_runs_are_bitwise_deterministic():
   q, k, v, do = ref.random_qkv(18, B, T, S, N, K, H)
   a = run_kernel(q, k, v, do, CASES["everything"])
   b = run_kernel(q, k, v, do, CASES["everything"])
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    assert np.array_equal(np.asarray(x), np.asarray(y))
+  chex.assert_trees_all_equal(a, b, strict=True)
 
 
 def test_eager_primitive_matches_jit():
@@ -245,5 +245,4 @@ def test_eager_primitive_matches_jit():
   eager = kernel.attention(q, k, v, None, jax_ring.BlockMask(), cfg)
   jitted = jax.jit(functools.partial(kernel.attention, config=cfg))(
       q, k, v, None, jax_ring.BlockMask())
-  for x, y in zip(eager, jitted):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  chex.assert_trees_all_equal(eager, jitted)

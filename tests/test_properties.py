@@ -1,0 +1,44 @@
+"""Property tests: random shapes, tiles and masks against the reference."""
+
+import dataclasses
+
+import hypothesis.strategies as st
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+
+import reference as ref
+from test_kernel import check
+
+
+@st.composite
+def problems(draw):
+  b = draw(st.integers(1, 2))
+  t, s = draw(st.integers(1, 33)), draw(st.integers(1, 33))
+  kh, g = draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 3]))
+  h = draw(st.sampled_from([8, 16]))
+  case = ref.Case(
+      scale=draw(st.floats(0.05, 1.0)),
+      is_causal=draw(st.booleans()),
+      window=draw(st.none() | st.tuples(st.integers(0, 12),
+                                        st.integers(0, 12))),
+      soft_cap=draw(st.none() | st.floats(1.0, 20.0)),
+      q_offset=draw(st.integers(0, 20)), kv_offset=draw(st.integers(0, 20)))
+  if draw(st.booleans()):
+    nseg = draw(st.integers(1, 4))
+    seed = draw(st.integers(0, 2**16))
+    case = dataclasses.replace(
+        case, q_segment_ids=ref.random_segments(seed, b, t, nseg),
+        kv_segment_ids=ref.random_segments(seed + 1, b, s, nseg))
+  tiles = dict(block_q=draw(st.integers(1, 40)),
+               block_kv=draw(st.integers(1, 40)))
+  return (b, t, s, kh * g, kh, h), case, tiles, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_random_problems_match_reference(problem):
+  shape, case, tiles, seed = problem
+  q, k, v, do = ref.random_qkv(seed, *shape[:3], *shape[3:], jnp.float32)
+  check(q, k, v, do, case, **tiles)
