@@ -20,8 +20,8 @@ particular the global ones of a ring after merging, and an optional
 cotangent of ``lse`` (None = zero), so ``lse`` is differentiable too.
 
 Each function binds a ``jax.extend.core.Primitive`` whose operands are
-``q, k, v, [bias], *mask_leaves`` (the mask pytree is flattened; its treedef
-is a static param). Lowerings are registered per platform: the pure-JAX
+``q, k, v, [bias], *mask_arrays`` (the mask pytree is flattened; its treedef
+and any offsets given as Python ints are static params). Lowerings are registered per platform: the pure-JAX
 backend everywhere now; a CUDA lowering to cuDNN can be added without
 touching any caller. Batching folds a vmapped axis into B when the offsets
 are unbatched, and otherwise maps the primitive over it.
@@ -51,59 +51,77 @@ _bwd_p.multiple_results = True
 # --- operand packing -------------------------------------------------------
 
 def _pack(bias, mask, *extra):
+  """Operands ``[bias], *extra, *mask_arrays`` and the mask's static params.
+
+  Offsets given as Python ints stay static (``mask_static``), so that a
+  backend that needs a compile-time diagonal (cuDNN) can see them; traced
+  offsets and every array travel as operands.
+  """
   leaves, tree = jax.tree.flatten(mask.as_operands())
+  static = tuple((i, x) for i, x in enumerate(leaves) if isinstance(x, int))
+  arrays = [x for x in leaves if not isinstance(x, int)]
   head = [] if bias is None else [bias]
-  return head + [x for x in extra if x is not None] + leaves, tree
+  operands = head + [x for x in extra if x is not None] + arrays
+  return operands, dict(mask_tree=tree, mask_static=static)
 
 
-def _unpack_fwd(args, mask_tree, has_bias):
+def _unpack_mask(arrays, mask_tree, mask_static):
+  leaves = list(arrays)
+  for i, x in mask_static:  # ascending i: each insert lands at its index
+    leaves.insert(i, x)
+  return jax.tree.unflatten(mask_tree, leaves)
+
+
+def _unpack_fwd(args, mask_tree, mask_static, has_bias):
   q, k, v, *rest = args
   bias = rest.pop(0) if has_bias else None
-  return q, k, v, bias, jax.tree.unflatten(mask_tree, rest)
+  return q, k, v, bias, _unpack_mask(rest, mask_tree, mask_static)
 
 
-def _unpack_bwd(args, mask_tree, has_bias, has_dlse):
+def _unpack_bwd(args, mask_tree, mask_static, has_bias, has_dlse):
   q, k, v, *rest = args
   bias = rest.pop(0) if has_bias else None
   out, lse, dout = rest[:3]
   rest = rest[3:]
   dlse = rest.pop(0) if has_dlse else None
-  return q, k, v, bias, out, lse, dout, dlse, jax.tree.unflatten(mask_tree, rest)
+  mask = _unpack_mask(rest, mask_tree, mask_static)
+  return q, k, v, bias, out, lse, dout, dlse, mask
 
 
 # --- primitive rules --------------------------------------------------------
 
-def _fwd_impl(*args, config, mask_tree, has_bias):
-  q, k, v, bias, mask = _unpack_fwd(args, mask_tree, has_bias)
+def _fwd_impl(*args, config, mask_tree, mask_static, has_bias):
+  q, k, v, bias, mask = _unpack_fwd(args, mask_tree, mask_static, has_bias)
   return xla_backend.forward(q, k, v, bias, mask, config)
 
 
-def _bwd_impl(*args, config, mask_tree, has_bias, has_dlse):
+def _bwd_impl(*args, config, mask_tree, mask_static, has_bias, has_dlse):
   q, k, v, bias, out, lse, dout, dlse, mask = _unpack_bwd(
-      args, mask_tree, has_bias, has_dlse)
+      args, mask_tree, mask_static, has_bias, has_dlse)
   dq, dk, dv, dbias = xla_backend.backward(q, k, v, bias, mask, out, lse, dout,
                                            dlse, config)
   return (dq, dk, dv) + (() if dbias is None else (dbias,))
 
 
-def _fwd_abstract(*args, config, mask_tree, has_bias):
-  del config, mask_tree, has_bias
+def _fwd_abstract(*args, config, mask_tree, mask_static, has_bias):
+  del config, mask_tree, mask_static, has_bias
   q = args[0]
   b, t, n, _ = q.shape
   return (jax.core.ShapedArray(q.shape, q.dtype),
           jax.core.ShapedArray((b, t, n), jnp.float32))
 
 
-def _bwd_abstract(*args, config, mask_tree, has_bias, has_dlse):
-  del config, mask_tree, has_dlse
+def _bwd_abstract(*args, config, mask_tree, mask_static, has_bias, has_dlse):
+  del config, mask_tree, mask_static, has_dlse
   shaped = lambda x: jax.core.ShapedArray(x.shape, x.dtype)
   return tuple(shaped(x) for x in args[:3 + has_bias])
 
 
 for _p, _impl, _abstract, _static in (
-    (_fwd_p, _fwd_impl, _fwd_abstract, ("config", "mask_tree", "has_bias")),
+    (_fwd_p, _fwd_impl, _fwd_abstract,
+     ("config", "mask_tree", "mask_static", "has_bias")),
     (_bwd_p, _bwd_impl, _bwd_abstract,
-     ("config", "mask_tree", "has_bias", "has_dlse"))):
+     ("config", "mask_tree", "mask_static", "has_bias", "has_dlse"))):
   _p.def_impl(jax.jit(_impl, static_argnames=_static))
   _p.def_abstract_eval(_abstract)
   mlir.register_lowering(_p, mlir.lower_fun(_impl, multiple_results=True))
@@ -145,6 +163,7 @@ def _batch_rule(prim, leading, args, dims, **params):
 def _leading_kinds(params, num_args, extra):
   kinds = ["B", "B", "B"] + (["B|1"] if params["has_bias"] else []) + extra
   tree = params["mask_tree"]
+  static = {i for i, _ in params["mask_static"]}
   probe = jax.tree.unflatten(tree, list(range(tree.num_leaves)))
   by_field = {
       getattr(probe, f): k for f, k in (
@@ -152,7 +171,7 @@ def _leading_kinds(params, num_args, extra):
           ("q_segment_ids", "B"), ("kv_segment_ids", "B"),
           ("q_lengths", "B"), ("kv_lengths", "B"), ("dense", "B|1"))
       if getattr(probe, f) is not None}
-  kinds += [by_field[i] for i in range(tree.num_leaves)]
+  kinds += [by_field[i] for i in range(tree.num_leaves) if i not in static]
   assert len(kinds) == num_args
   return kinds
 
@@ -186,17 +205,18 @@ batching.primitive_batchers[_bwd_p] = _bwd_batch
 # --- the contract -----------------------------------------------------------
 
 def _forward(q, k, v, bias, mask, config):
-  args, tree = _pack(bias, mask)
-  return tuple(_fwd_p.bind(q, k, v, *args, config=config, mask_tree=tree,
-                           has_bias=bias is not None))
+  args, params = _pack(bias, mask)
+  return tuple(_fwd_p.bind(q, k, v, *args, config=config,
+                           has_bias=bias is not None, **params))
 
 
 def attention_backward(q, k, v, bias, mask: BlockMask, out, lse, dout, dlse,
                        config: AttentionConfig):
   """Block backward from given out/lse: ``(dq, dk, dv, dbias or None)``."""
-  args, tree = _pack(bias, mask, out, lse, dout, dlse)
-  grads = _bwd_p.bind(q, k, v, *args, config=config, mask_tree=tree,
-                      has_bias=bias is not None, has_dlse=dlse is not None)
+  args, params = _pack(bias, mask, out, lse, dout, dlse)
+  grads = _bwd_p.bind(q, k, v, *args, config=config,
+                      has_bias=bias is not None, has_dlse=dlse is not None,
+                      **params)
   return tuple(grads) + ((None,) if bias is None else ())
 
 

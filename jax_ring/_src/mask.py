@@ -39,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = Any
 
@@ -57,11 +58,14 @@ class BlockMask:
   dense: Array | None = None
 
   def as_operands(self) -> "BlockMask":
-    """Offsets as int32 scalars, ids and lengths as int32, dense as bool."""
+    """Offsets as Python ints (static) or int32 scalars (traced), ids and
+    lengths as int32, dense as bool."""
     cast = lambda x, dt: None if x is None else jnp.asarray(x, dt)
+    offset = lambda x: int(x) if isinstance(x, (int, np.integer)) else cast(
+        x, jnp.int32)
     return BlockMask(
-        q_offset=cast(self.q_offset, jnp.int32),
-        kv_offset=cast(self.kv_offset, jnp.int32),
+        q_offset=offset(self.q_offset),
+        kv_offset=offset(self.kv_offset),
         q_segment_ids=cast(self.q_segment_ids, jnp.int32),
         kv_segment_ids=cast(self.kv_segment_ids, jnp.int32),
         q_lengths=cast(self.q_lengths, jnp.int32),
