@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jax_ring
+from jax_ring._src import cudnn
 
 Q = jnp.ones((2, 8, 4, 16))
 KV = jnp.ones((2, 6, 2, 16))
@@ -95,11 +96,18 @@ def test_error_message(name):
     call(**kw)
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu",
-                    reason="on a GPU the cuDNN extension may be built")
 def test_cudnn_unavailable_is_a_clear_error():
-  with pytest.raises(ValueError, match=re.escape(
-      "implementation='cudnn' is not available in this install")):
+  if cudnn.LOAD_ERROR is None:  # built: on a CPU it still cannot serve
+    message = ("implementation='cudnn' does not support platform 'cpu' (cuDNN"
+               " needs an NVIDIA GPU)")
+    if jax.default_backend() == "gpu":
+      message = ("implementation='cudnn' does not support dtype float32 "
+                 "(cuDNN takes bfloat16 or float16; float32 runs on "
+                 "implementation='xla')")
+  else:
+    message = ("implementation='cudnn' is not available in this install: the "
+               "jax_ring cudnn extension is not built or not loaded")
+  with pytest.raises(ValueError, match="^" + re.escape(message)):
     call(implementation="cudnn")
 
 

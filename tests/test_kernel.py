@@ -186,6 +186,20 @@ def test_traced_offsets_equal_static_offsets():
   ref.assert_close(lse, r_lse, q.dtype, "lse")
 
 
+def test_int_offsets_stay_static_params_through_the_vjp():
+  q, k, v, do = ref.random_qkv(20, B, T, S, N, K, H)
+  cfg = ref.config(CASES["causal"], **TILES)
+  mask = jax_ring.BlockMask(q_offset=5, kv_offset=2)
+  loss = lambda q: jnp.sum(kernel.attention(q, k, v, None, mask, cfg)[0] * do)
+  jaxpr = jax.make_jaxpr(jax.grad(loss))(q)
+  eqns = [e for e in jaxpr.jaxpr.eqns
+          if e.primitive.name.startswith("jax_ring_attention")]
+  assert {e.primitive.name for e in eqns} == {"jax_ring_attention_fwd",
+                                              "jax_ring_attention_bwd"}
+  for e in eqns:
+    assert dict(e.params["mask_static"]) == {0: 5, 1: 2}, e.params
+
+
 def test_vmap_folds_into_batch_and_maps_over_offsets():
   q, k, v, do = ref.random_qkv(15, 3 * B, T, S, N, K, H)
   case = CASES["segments"]

@@ -7,6 +7,7 @@ import math
 import jax.numpy as jnp
 
 from jax_ring._src import backends, kernel, validate
+from jax_ring._src import cudnn  # noqa: F401  (registers cuDNN when built)
 from jax_ring._src.config import AttentionConfig
 from jax_ring._src.mask import BlockMask
 

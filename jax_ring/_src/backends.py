@@ -1,11 +1,12 @@
 """Backend registry and the ``implementation=`` choice.
 
-A backend declares which options it cannot serve. ``implementation=None``
-picks the first registered backend (in preference order) that serves the
-call; an explicit name that cannot serve raises a ``ValueError`` naming the
-option it lacks. The pure-JAX ``"xla"`` backend serves everything and is
-always last. The cuDNN backend registers itself here once its extension is
-built and loaded (see csrc/).
+A backend implements the block-kernel contract (``forward``, ``backward``
+with the signatures of ``xla_backend``) for one lowering platform, and says
+which calls it cannot serve. ``implementation=None`` picks the most recently
+registered backend that serves the call, else ``"xla"``; an explicit name that
+cannot serve raises a ``ValueError`` naming the option it lacks. The
+pure-JAX ``"xla"`` backend serves everything on every platform. The cuDNN
+backend (``cudnn.py``) registers itself when its extension is built.
 """
 
 from __future__ import annotations
@@ -13,17 +14,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from jax_ring._src import xla_backend
 from jax_ring._src.config import AttentionConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
   name: str
+  forward: Callable  # (q, k, v, bias, mask, config) -> (out, lse)
+  backward: Callable  # (q, k, v, bias, mask, out, lse, dout, dlse, config)
   # (config, query, key, bias, mask) -> None if served, else the reason.
   unsupported: Callable[..., str | None]
+  platform: str | None = None  # the lowering platform; None = all
 
 
-_XLA = Backend("xla", lambda *_: None)
+XLA = Backend("xla", xla_backend.forward, xla_backend.backward,
+              lambda *_: None)
 _REGISTRY: dict[str, Backend] = {}
 
 
@@ -32,13 +38,22 @@ def register(backend: Backend) -> None:
   _REGISTRY[backend.name] = backend
 
 
+def get(name: str | None) -> Backend:
+  return _REGISTRY.get(name, XLA)
+
+
+def registered() -> list[Backend]:
+  return list(_REGISTRY.values())
+
+
 def resolve(requested, config: AttentionConfig, query, key, bias, mask) -> str:
   """Name of the backend that runs this call."""
-  preference = [*reversed(_REGISTRY.values()), _XLA]
-  if requested is None:
-    return next(b.name for b in preference
-                if b.unsupported(config, query, key, bias, mask) is None)
   if requested == "xla":
+    return "xla"
+  if requested is None:
+    for backend in reversed(_REGISTRY.values()):
+      if backend.unsupported(config, query, key, bias, mask) is None:
+        return backend.name
     return "xla"
   if requested not in _REGISTRY:
     raise ValueError(

@@ -21,24 +21,27 @@ cotangent of ``lse`` (None = zero), so ``lse`` is differentiable too.
 
 Each function binds a ``jax.extend.core.Primitive`` whose operands are
 ``q, k, v, [bias], *mask_arrays`` (the mask pytree is flattened; its treedef
-and any offsets given as Python ints are static params). Lowerings are registered per platform: the pure-JAX
-backend everywhere now; a CUDA lowering to cuDNN can be added without
-touching any caller. Batching folds a vmapped axis into B when the offsets
+and any offsets given as Python ints are static params). Lowerings are per
+platform: the pure-JAX backend everywhere, and on CUDA the backend that
+``config.implementation`` names (cuDNN once built; see ``backends``).
+Batching folds a vmapped axis into B when the offsets
 are unbatched, and otherwise maps the primitive over it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from jax_ring._src import xla_backend
+from jax_ring._src import backends
 from jax_ring._src.config import AttentionConfig
 from jax_ring._src.mask import BlockMask
 
@@ -90,17 +93,31 @@ def _unpack_bwd(args, mask_tree, mask_static, has_bias, has_dlse):
 
 # --- primitive rules --------------------------------------------------------
 
-def _fwd_impl(*args, config, mask_tree, mask_static, has_bias):
+def _fwd_impl(*args, config, mask_tree, mask_static, has_bias, backend=None):
   q, k, v, bias, mask = _unpack_fwd(args, mask_tree, mask_static, has_bias)
-  return xla_backend.forward(q, k, v, bias, mask, config)
+  return (backend or backends.XLA).forward(q, k, v, bias, mask, config)
 
 
-def _bwd_impl(*args, config, mask_tree, mask_static, has_bias, has_dlse):
+def _bwd_impl(*args, config, mask_tree, mask_static, has_bias, has_dlse,
+              backend=None):
   q, k, v, bias, out, lse, dout, dlse, mask = _unpack_bwd(
       args, mask_tree, mask_static, has_bias, has_dlse)
-  dq, dk, dv, dbias = xla_backend.backward(q, k, v, bias, mask, out, lse, dout,
-                                           dlse, config)
+  dq, dk, dv, dbias = (backend or backends.XLA).backward(
+      q, k, v, bias, mask, out, lse, dout, dlse, config)
   return (dq, dk, dv) + (() if dbias is None else (dbias,))
+
+
+def _platform_lowering(impl, platform):
+  """Lower with the configured backend if it lowers on ``platform``."""
+
+  def rule(ctx, *args, config, **params):
+    backend = backends.get(config.implementation)
+    if backend.platform not in (None, platform):
+      backend = backends.XLA
+    fn = functools.partial(impl, config=config, backend=backend, **params)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+  return rule
 
 
 def _fwd_abstract(*args, config, mask_tree, mask_static, has_bias):
@@ -125,6 +142,8 @@ for _p, _impl, _abstract, _static in (
   _p.def_impl(jax.jit(_impl, static_argnames=_static))
   _p.def_abstract_eval(_abstract)
   mlir.register_lowering(_p, mlir.lower_fun(_impl, multiple_results=True))
+  mlir.register_lowering(_p, _platform_lowering(_impl, "cuda"),
+                         platform="cuda")
 
 
 def _batch_rule(prim, leading, args, dims, **params):
@@ -220,22 +239,34 @@ def attention_backward(q, k, v, bias, mask: BlockMask, out, lse, dout, dlse,
   return tuple(grads) + ((None,) if bias is None else ())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def attention(q, k, v, bias, mask: BlockMask, config: AttentionConfig):
   """Block forward: ``(out, lse)``. Differentiable in q, k, v, bias, lse."""
-  return _forward(q, k, v, bias, mask, config)
+  # Python-int offsets bypass the custom VJP's pytree: it would turn them
+  # into traced arrays, and cuDNN needs them static.
+  static = tuple((f, int(getattr(mask, f))) for f in ("q_offset", "kv_offset")
+                 if isinstance(getattr(mask, f), (int, np.integer)))
+  mask = dataclasses.replace(mask, **{f: None for f, _ in static})
+  return _attention(q, k, v, bias, mask, static, config)
 
 
-def _attention_fwd(q, k, v, bias, mask, config):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q, k, v, bias, mask, static, config):
+  return _forward(q, k, v, bias, dataclasses.replace(mask, **dict(static)),
+                  config)
+
+
+def _attention_fwd(q, k, v, bias, mask, static, config):
   q, k, v, bias, mask = jax.tree.map(
       lambda p: p.value, (q, k, v, bias, mask),
       is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
-  out, lse = _forward(q, k, v, bias, mask, config)
+  out, lse = _forward(q, k, v, bias, dataclasses.replace(mask, **dict(static)),
+                      config)
   return (out, lse), (q, k, v, bias, mask, out, lse)
 
 
-def _attention_bwd(config, res, cts):
+def _attention_bwd(static, config, res, cts):
   q, k, v, bias, mask, out, lse = res
+  mask = dataclasses.replace(mask, **dict(static))
   dout, dlse = cts
   if isinstance(dout, SymbolicZero):
     dout = jnp.zeros_like(out)
@@ -246,4 +277,4 @@ def _attention_bwd(config, res, cts):
   return dq, dk, dv, dbias, None
 
 
-attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

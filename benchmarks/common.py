@@ -1,0 +1,67 @@
+"""Shared benchmark plumbing: timing, environment record, JSON + table out."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import platform
+import time
+
+import jax
+import numpy as np
+
+import jax_ring
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def time_fn(fn, *args, repeats=5, min_batch_s=0.05):
+  """Median seconds per call over `repeats` batches of async calls, each
+  batch synchronised once, after a warm-up (compilation, cuDNN plan builds).
+  Batches last about `min_batch_s`, so short kernels do not time the host."""
+  jax.block_until_ready(fn(*args))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  calls = int(min(50, max(1, min_batch_s / (time.perf_counter() - t0))))
+  samples = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / calls)
+  return float(np.median(samples))
+
+
+def environment():
+  dev = jax.devices()[0]
+  env = dict(device=dev.device_kind, platform=dev.platform,
+             device_count=jax.device_count(), host=platform.node(),
+             jax=jax.__version__, jax_ring=jax_ring.__version__)
+  try:
+    from jax_ring._src import cudnn
+    if cudnn._cudnn is not None:
+      env["cudnn"] = int(cudnn._cudnn.cudnn_version())
+  except Exception:  # pragma: no cover - informational only
+    pass
+  return env
+
+
+def write(name, rows, columns, extra=None):
+  """Print `rows` (dicts) as a table of `columns`, save JSON, return path."""
+  env = environment()
+  widths = [max(len(c), 10) for c in columns]
+  print(" ".join(c.rjust(w) for c, w in zip(columns, widths)))
+  for r in rows:
+    cells = []
+    for c, w in zip(columns, widths):
+      v = r.get(c, "")
+      cells.append((f"{v:.3f}" if isinstance(v, float) else str(v)).rjust(w))
+    print(" ".join(cells))
+  tag = env["device"].replace(" ", "_").replace("/", "_")
+  path = RESULTS / f"{name}_{tag}.json"
+  RESULTS.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(dict(benchmark=name, **env, **(extra or {}),
+                                  rows=rows), indent=2) + "\n")
+  print(f"wrote {path}")
+  return path

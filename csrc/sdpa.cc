@@ -1,0 +1,267 @@
+// cuDNN SDPA graph construction and the per-process plan cache.
+#include "sdpa.h"
+
+#include <functional>
+#include <optional>
+#include <type_traits>
+#include <unordered_map>
+#include <vector>
+
+#include <cuda_runtime.h>
+#include <cudnn_frontend.h>
+
+namespace fe = cudnn_frontend;
+
+namespace jax_ring {
+
+class SdpaPlan {
+ public:
+  std::shared_ptr<fe::graph::Graph> graph;
+  int64_t workspace = 0;
+};
+
+size_t SdpaKeyHash::operator()(const SdpaKey& key) const {
+  size_t h = 0;
+  auto mix = [&h](auto v) {
+    h ^= std::hash<decltype(v)>()(v) + 0x9e3779b97f4a7c15ULL + (h << 6) +
+         (h >> 2);
+  };
+  mix(key.backward);
+  mix(static_cast<int32_t>(key.dtype));
+  mix(key.device);
+  for (int64_t v : {key.b, key.full_t, key.full_s, key.n, key.k, key.h,
+                    key.row_start, key.col_start, key.right_bound,
+                    key.left_bound}) {
+    mix(v);
+  }
+  mix(key.padding);
+  mix(key.scale);
+  mix(key.softcap);
+  return h;
+}
+
+namespace {
+
+// (B, heads, rows, H) view of a BSHD buffer with `full_rows` rows.
+std::shared_ptr<fe::graph::Tensor_attributes> Bshd(
+    fe::graph::Graph& g, const char* name, Uid uid, int64_t b, int64_t heads,
+    int64_t rows, int64_t full_rows, int64_t h) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid)
+                      .set_dim({b, heads, rows, h})
+                      .set_stride({full_rows * heads * h, h, heads * h, 1}));
+}
+
+void SetBshd(const std::shared_ptr<fe::graph::Tensor_attributes>& t, Uid uid,
+             int64_t b, int64_t heads, int64_t rows, int64_t full_rows,
+             int64_t h) {
+  t->set_output(true).set_uid(uid).set_dim({b, heads, rows, h}).set_stride(
+      {full_rows * heads * h, h, heads * h, 1});
+}
+
+// Soft cap as a score modifier, with the band applied inside it.
+template <typename Attrs>
+void SetSoftcap(Attrs& attrs, const SdpaKey& key) {
+  namespace mods = fe::graph::attn::score_modifiers;
+  using Tensor = std::shared_ptr<fe::graph::Tensor_attributes>;
+  // One Softcap (it keeps the pre-tanh scores for its backward) and one cap
+  // scalar per graph: a tensor keeps its uid, so they must not be shared.
+  auto softcap = std::make_shared<mods::Softcap>();
+  auto cap = std::make_shared<fe::graph::Tensor_attributes>(key.softcap);
+  std::optional<int64_t> left, right;
+  if (key.left_bound >= 1) left = key.left_bound;
+  if (key.right_bound >= 0) right = key.right_bound;
+  attrs.set_score_mod(
+      [=](std::shared_ptr<fe::graph::Graph> graph, Tensor scores) -> Tensor {
+        scores = softcap->forward(graph, scores, cap);
+        if (!left && !right) return scores;
+        return mods::sliding_window_mask(
+            graph, scores, fe::DiagonalAlignment_t::TOP_LEFT, left, right,
+            /*s_q=*/0, /*s_kv=*/0, nullptr, nullptr, nullptr, nullptr);
+      });
+  if constexpr (std::is_same_v<Attrs, fe::graph::SDPA_backward_attributes>) {
+    attrs.set_score_mod_bprop(
+        [=](std::shared_ptr<fe::graph::Graph> graph, Tensor grad) -> Tensor {
+          return softcap->backward(graph, grad, cap);
+        });
+  }
+}
+
+template <typename Attrs>
+void SetMask(Attrs& attrs, const SdpaKey& key, fe::graph::Graph& g) {
+  if (key.softcap > 0) {
+    SetSoftcap(attrs, key);
+    return;
+  }
+  if (key.right_bound >= 0 || key.left_bound >= 1) {
+    attrs.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT);
+  }
+  if (key.right_bound >= 0) {
+    attrs.set_diagonal_band_right_bound(static_cast<int>(key.right_bound));
+  }
+  if (key.left_bound >= 1) {
+    attrs.set_diagonal_band_left_bound(static_cast<int>(key.left_bound));
+  }
+  if (key.padding) {
+    auto seq = [&](const char* name, Uid uid) {
+      return g.tensor(fe::graph::Tensor_attributes()
+                          .set_name(name)
+                          .set_uid(uid)
+                          .set_dim({key.b, 1, 1, 1})
+                          .set_stride({1, 1, 1, 1})
+                          .set_data_type(fe::DataType_t::INT32));
+    };
+    attrs.set_padding_mask(true)
+        .set_seq_len_q(seq("seq_q", kSeqQ))
+        .set_seq_len_kv(seq("seq_kv", kSeqKV));
+  }
+}
+
+std::string Check(fe::error_t status, const char* stage) {
+  if (status.is_good()) return "";
+  return std::string("cuDNN ") + stage + ": " + status.get_message();
+}
+
+std::shared_ptr<SdpaPlan> Build(const SdpaKey& key, cudnnHandle_t handle,
+                                std::string* error) {
+  auto g = std::make_shared<fe::graph::Graph>();
+  g->set_io_data_type(key.dtype == Dtype::kBF16 ? fe::DataType_t::BFLOAT16
+                                                : fe::DataType_t::HALF)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  const int64_t t = key.full_t - key.row_start;
+  const int64_t s = key.full_s - key.col_start;
+  auto q = Bshd(*g, "q", kQ, key.b, key.n, t, key.full_t, key.h);
+  auto k = Bshd(*g, "k", kK, key.b, key.k, s, key.full_s, key.h);
+  auto v = Bshd(*g, "v", kV, key.b, key.k, s, key.full_s, key.h);
+  const std::vector<int64_t> stats_dim = {key.b, key.n, t, 1};
+  // Packed (B, N, t): the only stats layout cuDNN 9.19's backward reads.
+  const std::vector<int64_t> stats_stride = {key.n * t, t, 1, 1};
+
+  if (!key.backward) {
+    auto attrs = fe::graph::SDPA_attributes()
+                     .set_name("jax_ring_sdpa_fwd")
+                     .set_generate_stats(true)
+                     .set_attn_scale(key.scale);
+    SetMask(attrs, key, *g);
+    auto [o, stats] = g->sdpa(q, k, v, attrs);
+    SetBshd(o, kO, key.b, key.n, t, key.full_t, key.h);
+    stats->set_output(true)
+        .set_uid(kStats)
+        .set_data_type(fe::DataType_t::FLOAT)
+        .set_dim(stats_dim)
+        .set_stride(stats_stride);
+  } else {
+    auto o = Bshd(*g, "o", kO, key.b, key.n, t, key.full_t, key.h);
+    auto dout = Bshd(*g, "dout", kDO, key.b, key.n, t, key.full_t, key.h);
+    auto stats = g->tensor(fe::graph::Tensor_attributes()
+                               .set_name("stats")
+                               .set_uid(kStats)
+                               .set_dim(stats_dim)
+                               .set_stride(stats_stride)
+                               .set_data_type(fe::DataType_t::FLOAT));
+    auto attrs = fe::graph::SDPA_backward_attributes()
+                     .set_name("jax_ring_sdpa_bwd")
+                     .set_attn_scale(key.scale);
+    SetMask(attrs, key, *g);
+    auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, attrs);
+    SetBshd(dq, kDQ, key.b, key.n, t, key.full_t, key.h);
+    SetBshd(dk, kDK, key.b, key.k, s, key.full_s, key.h);
+    SetBshd(dv, kDV, key.b, key.k, s, key.full_s, key.h);
+  }
+
+  auto plan = std::make_shared<SdpaPlan>();
+  plan->graph = g;
+  auto failed = [&](fe::error_t status, const char* stage) {
+    *error = Check(status, stage);
+    return !error->empty();
+  };
+  if (failed(g->validate(), "validate") ||
+      failed(g->build_operation_graph(handle), "build_operation_graph") ||
+      failed(g->create_execution_plans({fe::HeurMode_t::A}),
+             "create_execution_plans") ||
+      failed(g->check_support(handle), "check_support") ||
+      failed(g->build_plans(handle), "build_plans") ||
+      failed(g->get_workspace_size(plan->workspace), "get_workspace_size")) {
+    return nullptr;
+  }
+  return plan;
+}
+
+struct DeviceHandle {
+  std::mutex mu;
+  cudnnHandle_t handle = nullptr;
+};
+
+std::mutex& RegistryMutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+}  // namespace
+
+std::shared_ptr<SdpaPlan> GetPlan(const SdpaKey& key, cudnnHandle_t handle,
+                                  std::string* error) {
+  static auto* cache =
+      new std::unordered_map<SdpaKey, std::shared_ptr<SdpaPlan>, SdpaKeyHash>();
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  auto it = cache->find(key);
+  if (it != cache->end()) return it->second;
+  std::shared_ptr<SdpaPlan> plan;
+  try {
+    plan = Build(key, handle, error);
+  } catch (const std::exception& e) {
+    *error = std::string("cuDNN graph build threw: ") + e.what();
+  }
+  if (plan) cache->emplace(key, plan);
+  return plan;
+}
+
+int64_t WorkspaceSize(const SdpaPlan& plan) { return plan.workspace; }
+
+bool Execute(const SdpaPlan& plan, cudnnHandle_t handle, void* const* ptrs,
+             void* workspace, std::string* error) {
+  std::unordered_map<int64_t, void*> pack;
+  for (int64_t uid = kQ; uid <= kSeqKV; ++uid) {
+    if (ptrs[uid] != nullptr) pack.emplace(uid, ptrs[uid]);
+  }
+  try {
+    *error = Check(plan.graph->execute(handle, pack, workspace), "execute");
+  } catch (const std::exception& e) {
+    *error = std::string("cuDNN execute threw: ") + e.what();
+  }
+  return error->empty();
+}
+
+namespace {
+DeviceHandle& Device(int32_t device) {
+  static auto* handles = new std::unordered_map<int32_t, DeviceHandle>();
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  return (*handles)[device];
+}
+}  // namespace
+
+cudnnHandle_t HandleFor(int32_t device, std::string* error) {
+  DeviceHandle& d = Device(device);
+  std::lock_guard<std::mutex> lock(d.mu);
+  if (d.handle == nullptr) {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    if (previous != device) cudaSetDevice(device);
+    cudnnStatus_t status = cudnnCreate(&d.handle);
+    if (previous != device) cudaSetDevice(previous);
+    if (status != CUDNN_STATUS_SUCCESS) {
+      *error = std::string("cudnnCreate failed: ") +
+               cudnnGetErrorString(status);
+      d.handle = nullptr;
+    }
+  }
+  return d.handle;
+}
+
+std::unique_lock<std::mutex> LockHandle(int32_t device) {
+  return std::unique_lock<std::mutex>(Device(device).mu);
+}
+
+}  // namespace jax_ring

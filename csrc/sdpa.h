@@ -1,0 +1,74 @@
+// cuDNN fused attention graphs (forward and backward), built once per shape.
+//
+// Layout: every tensor is BSHD in memory, as jax_ring passes it:
+//   q, out, dout  (B, T, N, H)     k, v  (B, S, K, H)
+// A call may start at row `row_start` of q and column `col_start` of k/v
+// (a diagonal shifted out of cuDNN's bounds, see ../jax_ring/_src/cudnn.py):
+// the graph then sees t = T - row_start rows and s = S - col_start keys,
+// with the strides of the full buffers. The stats (logsumexp) are a packed
+// float32 (B, N, t) buffer of the window's rows only.
+//
+// Mask, in the (row_start, col_start)-shifted local indices i, j:
+//   right_bound >= 0 : keep j <= i + right_bound      (causal: 0)
+//   left_bound  >= 1 : keep j >  i - left_bound       (window of left - 1)
+//   padding          : keep i < seq_len_q[b], j < seq_len_kv[b]
+//   softcap > 0      : logits -> softcap * tanh(logits / softcap), through a
+//                      cuDNN score modifier; the band then goes inside it
+//                      (score modifiers exclude cuDNN's built-in masks), and
+//                      padding is not served with it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include <cudnn.h>
+
+namespace jax_ring {
+
+enum class Dtype : int32_t { kBF16 = 0, kF16 = 1 };
+
+struct SdpaKey {
+  bool backward;
+  Dtype dtype;
+  int32_t device;
+  int64_t b, full_t, full_s, n, k, h;  // buffer shapes
+  int64_t row_start, col_start;
+  int64_t right_bound;  // < 0: none
+  int64_t left_bound;   // < 1: none
+  bool padding;
+  float scale;
+  float softcap;  // <= 0: none
+
+  bool operator==(const SdpaKey&) const = default;
+};
+
+struct SdpaKeyHash {
+  size_t operator()(const SdpaKey& key) const;
+};
+
+// Tensor uids in a graph's variant pack.
+enum Uid : int64_t {
+  kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kSeqQ, kSeqKV,
+};
+
+class SdpaPlan;  // opaque: a built cuDNN graph and its workspace size
+
+// The plan for `key`, built on first use and cached for the process.
+// Returns nullptr and sets `error` if cuDNN cannot build it.
+std::shared_ptr<SdpaPlan> GetPlan(const SdpaKey& key, cudnnHandle_t handle,
+                                  std::string* error);
+
+int64_t WorkspaceSize(const SdpaPlan& plan);
+
+// Runs the plan on `handle`'s stream. `ptrs` maps Uid -> device pointer.
+bool Execute(const SdpaPlan& plan, cudnnHandle_t handle, void* const* ptrs,
+             void* workspace, std::string* error);
+
+// The process's cuDNN handle for `device`, and the lock that serialises its
+// use (a handle carries its stream, so two threads must not interleave).
+cudnnHandle_t HandleFor(int32_t device, std::string* error);
+std::unique_lock<std::mutex> LockHandle(int32_t device);
+
+}  // namespace jax_ring

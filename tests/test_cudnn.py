@@ -1,0 +1,149 @@
+"""cuDNN backend against the float64 reference and jax.nn's cuDNN path.
+
+GPU only: on a machine without a GPU every test here is skipped (the CPU
+suite checks the cuDNN mask mapping in test_cudnn_band.py). On a GPU the
+extension must be built (JAX_RING_CUDNN=ON pip install ...), else they fail.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ring
+from jax_ring._src import cudnn, kernel
+import reference as ref
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
+                                reason="needs an NVIDIA GPU")
+
+B, T, S, N, K, H = 2, 197, 229, 8, 2, 64
+SCALE = 0.125
+LENGTHS = dict(q_lengths=np.array([150, 197], np.int32),
+               kv_lengths=np.array([90, 229], np.int32))
+CASES = {
+    "full": ref.Case(SCALE),
+    "causal": ref.Case(SCALE, is_causal=True),
+    "causal_q_after_kv": ref.Case(SCALE, is_causal=True, q_offset=40),
+    "causal_kv_after_q": ref.Case(SCALE, is_causal=True, kv_offset=31),
+    "window": ref.Case(SCALE, window=(17, 5)),
+    "window_causal_offset": ref.Case(SCALE, is_causal=True, window=(50, 0),
+                                     q_offset=70, kv_offset=9),
+    "padding": ref.Case(SCALE, **LENGTHS),
+    "padding_causal_offset": ref.Case(SCALE, is_causal=True, q_offset=12,
+                                      **LENGTHS),
+    "soft_cap": ref.Case(SCALE * 4, soft_cap=2.0),
+    "soft_cap_causal": ref.Case(SCALE * 4, soft_cap=2.0, is_causal=True),
+    "soft_cap_window_offset": ref.Case(SCALE * 4, soft_cap=2.0,
+                                       is_causal=True, window=(50, 0),
+                                       q_offset=70, kv_offset=9),
+}
+
+
+def test_extension_is_loaded():
+  assert cudnn.LOAD_ERROR is None, cudnn.LOAD_ERROR
+
+
+def run(q, k, v, do, case, implementation="cudnn"):
+  cfg = ref.config(case).replace(implementation=implementation)
+  mask = ref.block_mask(case)
+
+  def f(q, k, v):
+    (out, lse), vjp = jax.vjp(
+        lambda q, k, v: kernel.attention(q, k, v, None, mask, cfg), q, k, v)
+    return out, lse, vjp((do, jnp.zeros_like(lse)))
+
+  return jax.jit(f)(q, k, v)
+
+
+def check(q, k, v, do, case):
+  out, lse, (dq, dk, dv) = run(q, k, v, do, case)
+  r_out, r_lse, r_g = ref.attention(q, k, v, case, dout=do)
+  dt = q.dtype
+  ref.assert_close(out, r_out, dt, "out")
+  ref.assert_close(lse, r_lse, dt, "lse")
+  for name, got in (("q", dq), ("k", dk), ("v", dv)):
+    ref.assert_close(got, r_g[name], dt, "d" + name)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_mask_cases(name):
+  q, k, v, do = ref.random_qkv(1, B, T, S, N, K, H, jnp.bfloat16)
+  check(q, k, v, do, CASES[name])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("groups", [1, 2, 4, 8])
+def test_dtypes_heads_gqa(dtype, head_dim, groups):
+  q, k, v, do = ref.random_qkv(2, 1, 160, 160, 2 * groups, 2, head_dim, dtype)
+  check(q, k, v, do, ref.Case(head_dim**-0.5, is_causal=True))
+
+
+def test_backward_from_external_global_out_and_lse():
+  q, k, v, do = ref.random_qkv(3, B, T, S, N, K, H, jnp.bfloat16)
+  case = ref.Case(SCALE, is_causal=True, q_offset=S - T)
+  cfg = ref.config(case).replace(implementation="cudnn")
+  cut = 101
+  parts = [(slice(0, cut), 0), (slice(cut, S), cut)]
+  outs = [kernel.attention(q, k[:, sl], v[:, sl], None,
+                           jax_ring.BlockMask(q_offset=S - T, kv_offset=off),
+                           cfg) for sl, off in parts]
+  (o1, l1), (o2, l2) = outs
+  lse = jnp.logaddexp(l1, l2)
+  out = (o1 * jnp.exp(l1 - lse)[..., None] +
+         o2 * jnp.exp(l2 - lse)[..., None]).astype(q.dtype)
+  grads = [kernel.attention_backward(
+      q, k[:, sl], v[:, sl], None,
+      jax_ring.BlockMask(q_offset=S - T, kv_offset=off), out, lse, do, None,
+      cfg) for sl, off in parts]
+  r_out, r_lse, r_g = ref.attention(q, k, v, case, dout=do)
+  ref.assert_close(out, r_out, q.dtype, "merged out")
+  ref.assert_close(grads[0][0] + grads[1][0], r_g["q"], q.dtype, "dq")
+  ref.assert_close(jnp.concatenate([g[1] for g in grads], 1), r_g["k"],
+                   q.dtype, "dk")
+  ref.assert_close(jnp.concatenate([g[2] for g in grads], 1), r_g["v"],
+                   q.dtype, "dv")
+
+
+@pytest.mark.parametrize("kw", [dict(is_causal=True), dict(),
+                                dict(local_window_size=(64, 0),
+                                     is_causal=True)],
+                         ids=["causal", "full", "window"])
+def test_matches_jax_nn_cudnn(kw):
+  q, k, v, do = ref.random_qkv(4, 2, 256, 256, 8, 8, 128, jnp.bfloat16)
+
+  def grads(fn):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out,) + vjp(do)
+
+  ours = jax.jit(lambda: grads(lambda q, k, v: jax_ring.dot_product_attention(
+      q, k, v, implementation="cudnn", **kw)))()
+  theirs = jax.jit(lambda: grads(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, implementation="cudnn", **kw)))()
+  for name, a, b in zip(("out", "dq", "dk", "dv"), ours, theirs):
+    ref.assert_close(a, np.asarray(b.astype(jnp.float32)), q.dtype, name)
+
+
+def test_default_implementation_lowers_to_the_ffi_call():
+  q, k, v, _ = ref.random_qkv(5, 1, 128, 128, 4, 4, 64, jnp.bfloat16)
+  loss = lambda q, k, v: jax_ring.dot_product_attention(
+      q, k, v, is_causal=True).astype(jnp.float32).sum()
+  hlo = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile().as_text()
+  assert "jax_ring_sdpa_fwd" in hlo and "jax_ring_sdpa_bwd" in hlo
+
+
+def test_soft_cap_with_padding_falls_back_with_a_reason():
+  q, k, v, _ = ref.random_qkv(7, 2, 64, 64, 4, 4, 64, jnp.bfloat16)
+  with pytest.raises(ValueError, match="logits_soft_cap with padding"):
+    jax_ring.dot_product_attention(
+        q, k, v, logits_soft_cap=2.0, implementation="cudnn",
+        key_value_seq_lengths=np.array([30, 64], np.int32))
+
+
+def test_float32_falls_back_to_xla_and_explicit_cudnn_says_why():
+  q, k, v, _ = ref.random_qkv(6, 1, 64, 64, 4, 4, 64, jnp.float32)
+  hlo = jax.jit(jax_ring.dot_product_attention).lower(q, k, v).as_text()
+  assert "jax_ring_sdpa_fwd" not in hlo
+  with pytest.raises(ValueError, match="does not support dtype float32"):
+    jax_ring.dot_product_attention(q, k, v, implementation="cudnn")

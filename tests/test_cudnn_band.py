@@ -1,0 +1,61 @@
+"""The cuDNN mask mapping, checked on the CPU against the reference mask.
+
+cuDNN's band semantics (top-left diagonal, ``i' - left < j' <= i' + right``
+after skipping ``row_start`` rows and ``col_start`` keys) are replayed in
+NumPy, so every causal/window/offset combination is covered without a GPU.
+"""
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ring._src import cudnn
+import reference as ref
+
+
+def cudnn_visibility(bnd, t, s):
+  i = np.arange(t)[:, None] - bnd.row_start
+  j = np.arange(s)[None, :] - bnd.col_start
+  vis = (i >= 0) & (j >= 0)
+  if bnd.right_bound >= 0:
+    vis &= j <= i + bnd.right_bound
+  if bnd.left_bound >= 1:
+    vis &= j > i - bnd.left_bound
+  return vis & (not bnd.empty)
+
+
+def test_band_reproduces_every_causal_window_offset_mask():
+  checked = 0
+  for t, s in ((5, 5), (3, 7), (8, 4)):
+    for causal, window, d in itertools.product(
+        (False, True), (None, (0, 0), (2, 0), (1, 3), (0, 6), (9, 9)),
+        range(-9, 10)):
+      case = ref.Case(1.0, is_causal=causal, window=window,
+                      q_offset=max(d, 0), kv_offset=max(-d, 0))
+      bnd = cudnn.band(ref.config(case), case.q_offset, case.kv_offset, t, s)
+      want = ref.visibility(case, 1, 1, t, s)[0, 0]
+      np.testing.assert_array_equal(cudnn_visibility(bnd, t, s), want,
+                                    err_msg=f"{case} {t}x{s} -> {bnd}")
+      if not bnd.empty:
+        # cuDNN's own limits: right_bound >= 0 (or none: -1), left >= 1.
+        assert bnd.right_bound >= -1 and bnd.left_bound >= 0
+        full = jnp.full((1,), t - bnd.row_start), jnp.full((1,), s - bnd.col_start)
+        valid = np.asarray(cudnn._row_valid(bnd, *full, t))[0]
+        np.testing.assert_array_equal(valid, want.any(-1))
+        if not cudnn._rows_may_be_empty(bnd, False, t, s):
+          assert valid.all()
+      checked += 1
+  assert checked == 3 * 2 * 6 * 19
+
+
+def test_padding_lengths_follow_the_shifted_window():
+  case = ref.Case(1.0, is_causal=True, q_offset=6, kv_offset=0)
+  mask = ref.block_mask(ref.Case(1.0, q_offset=6, kv_offset=0,
+                                 q_lengths=np.array([9, 20], np.int32),
+                                 kv_lengths=np.array([3, 20], np.int32)))
+  bnd = cudnn.band(ref.config(case), 6, 0, 8, 8)
+  seq_q, seq_kv, padding = cudnn._window_lengths(mask, bnd, 2, 8, 8)
+  assert padding
+  np.testing.assert_array_equal(np.asarray(seq_q), [3, 8])
+  np.testing.assert_array_equal(np.asarray(seq_kv), [3, 8])
