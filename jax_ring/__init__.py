@@ -4,6 +4,9 @@ Public API (everything else lives in ``jax_ring._src``):
 
 * :func:`dot_product_attention`: a drop-in superset of
   ``jax.nn.dot_product_attention``.
+* :func:`ring_attention` (inside ``shard_map``) and the load-balance
+  reorder helpers :func:`reorder_for_load_balance`,
+  :func:`reorder_from_load_balance`.
 * :class:`AttentionConfig`, :class:`BlockMask`, :func:`attention` and
   :func:`attention_backward`: the block-kernel contract that the
   context-parallel strategies build on.
@@ -12,7 +15,10 @@ Public API (everything else lives in ``jax_ring._src``):
 from jax_ring._src.api import dot_product_attention
 from jax_ring._src.config import AttentionConfig
 from jax_ring._src.kernel import attention, attention_backward
+from jax_ring._src.layout import (reorder_for_load_balance,
+                                  reorder_from_load_balance)
 from jax_ring._src.mask import BlockMask
+from jax_ring._src.ring import ring_attention
 from jax_ring._src.xla_backend import MASK_VALUE
 
 __all__ = [
@@ -22,5 +28,8 @@ __all__ = [
     "attention",
     "attention_backward",
     "dot_product_attention",
+    "reorder_for_load_balance",
+    "reorder_from_load_balance",
+    "ring_attention",
 ]
 __version__ = "0.1.0"

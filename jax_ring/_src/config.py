@@ -11,6 +11,7 @@ operands in :class:`jax_ring._src.mask.BlockMask`.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Literal, get_args
 
 Implementation = Literal["xla", "cudnn"]
@@ -53,3 +54,13 @@ class AttentionConfig:
 
   def replace(self, **changes) -> "AttentionConfig":
     return dataclasses.replace(self, **changes)
+
+
+# TransformerEngine's switch between its two ring loop forms; honoured for
+# users coming from TE. Read here, at the API edge, and nowhere deeper.
+RING_LOOP_ENV = "NVTE_FUSED_RING_ATTENTION_USE_SCAN"
+
+
+def loop_from_environment() -> str:
+  """``"scan"`` if NVTE_FUSED_RING_ATTENTION_USE_SCAN=1, else "unrolled"."""
+  return "scan" if os.environ.get(RING_LOOP_ENV, "0") == "1" else "unrolled"

@@ -41,7 +41,7 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from jax_ring._src import backends
+from jax_ring._src import backends, vma
 from jax_ring._src.config import AttentionConfig
 from jax_ring._src.mask import BlockMask
 
@@ -120,18 +120,18 @@ def _platform_lowering(impl, platform):
   return rule
 
 
+# Output types copy the input avals (`update`), which keeps their sharding and
+# the manual axes they vary over inside shard_map; `_match_varying` has made
+# those equal across operands before binding (vma.match).
 def _fwd_abstract(*args, config, mask_tree, mask_static, has_bias):
   del config, mask_tree, mask_static, has_bias
   q = args[0]
-  b, t, n, _ = q.shape
-  return (jax.core.ShapedArray(q.shape, q.dtype),
-          jax.core.ShapedArray((b, t, n), jnp.float32))
+  return q.update(), q.update(shape=q.shape[:3], dtype=jnp.float32)
 
 
 def _bwd_abstract(*args, config, mask_tree, mask_static, has_bias, has_dlse):
   del config, mask_tree, mask_static, has_dlse
-  shaped = lambda x: jax.core.ShapedArray(x.shape, x.dtype)
-  return tuple(shaped(x) for x in args[:3 + has_bias])
+  return tuple(x.update() for x in args[:3 + has_bias])
 
 
 for _p, _impl, _abstract, _static in (
@@ -225,7 +225,8 @@ batching.primitive_batchers[_bwd_p] = _bwd_batch
 
 def _forward(q, k, v, bias, mask, config):
   args, params = _pack(bias, mask)
-  return tuple(_fwd_p.bind(q, k, v, *args, config=config,
+  operands = vma.match(q, k, v, *args)
+  return tuple(_fwd_p.bind(*operands, config=config,
                            has_bias=bias is not None, **params))
 
 
@@ -233,7 +234,7 @@ def attention_backward(q, k, v, bias, mask: BlockMask, out, lse, dout, dlse,
                        config: AttentionConfig):
   """Block backward from given out/lse: ``(dq, dk, dv, dbias or None)``."""
   args, params = _pack(bias, mask, out, lse, dout, dlse)
-  grads = _bwd_p.bind(q, k, v, *args, config=config,
+  grads = _bwd_p.bind(*vma.match(q, k, v, *args), config=config,
                       has_bias=bias is not None, has_dlse=dlse is not None,
                       **params)
   return tuple(grads) + ((None,) if bias is None else ())

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ring._src.config import IMPLEMENTATIONS
 
@@ -120,3 +121,26 @@ def segment_ids(ids, q_shape, kv_shape):
       raise ValueError(f"segment_ids must be int arrays of shape {expect}; "
                        f"got {got}")
   return q_ids, kv_ids
+
+
+def mesh_axis(axis_name) -> int:
+  """Size of ``axis_name``, which must be bound (inside shard_map)."""
+  try:
+    return int(jax.lax.axis_size(axis_name))
+  except NameError:
+    raise ValueError(
+        f"axis_name {axis_name!r} is not a mesh axis bound here: call "
+        "ring_attention inside shard_map over a mesh with that axis") from None
+
+
+def ring_options(load_balance, loop, local_len, cp_size) -> None:
+  if load_balance not in (None, "dual_chunk"):
+    raise ValueError(f"load_balance must be None or 'dual_chunk'; got "
+                     f"{load_balance!r}")
+  if loop not in (None, "scan", "unrolled"):
+    raise ValueError(f"loop must be None, 'scan' or 'unrolled'; got {loop!r}")
+  if load_balance == "dual_chunk" and local_len % 2:
+    raise ValueError(
+        f"load_balance='dual_chunk' needs the global sequence length "
+        f"({local_len * cp_size}) divisible by 2 * cp_size = {2 * cp_size}; "
+        f"the local query length is {local_len}")

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ring._src import mask as mask_lib
+from jax_ring._src import vma
 from jax_ring._src.config import AttentionConfig
 from jax_ring._src.mask import BlockMask
 
@@ -159,9 +160,10 @@ def forward(q, k, v, bias, mask: BlockMask, config: AttentionConfig):
       return m_new, l, alpha[..., None] * acc + pv
 
     stats_shape = (b, kh, g, tl.bq)
-    init = (jnp.full(stats_shape, MASK_VALUE, jnp.float32),
-            jnp.zeros(stats_shape, jnp.float32),
-            jnp.zeros(stats_shape + (tl.h,), jnp.float32))
+    init = vma.like((jnp.full(stats_shape, MASK_VALUE, jnp.float32),
+                     jnp.zeros(stats_shape, jnp.float32),
+                     jnp.zeros(stats_shape + (tl.h,), jnp.float32)),
+                    qi, k, v, *jax.tree.leaves(mask), *jax.tree.leaves(bias))
     lo, hi = mask_lib.kv_block_range(config, mask, q_start, tl.bq, tl.bk,
                                      tl.nk)
     m, l, acc = lax.fori_loop(lo, hi, kv_step, init)
@@ -232,15 +234,18 @@ def backward(q, k, v, bias, mask: BlockMask, out, lse, dout, dlse,
       return dq, dbias, dk, dv
 
     dq, dbias = carry
-    zeros = jnp.zeros((b, tl.bk, kh, tl.h), jnp.float32)
+    zeros = vma.like(jnp.zeros((b, tl.bk, kh, tl.h), jnp.float32), *everything)
     lo, hi = mask_lib.q_block_range(config, mask, kv_start, tl.bq, tl.bk,
                                     tl.nq)
     dq, dbias, dk, dv = lax.fori_loop(lo, hi, q_step,
                                       (dq, dbias, zeros, zeros))
     return (dq, dbias), (dk, dv)
 
+  everything = (qg, dog, lse_r, delta_r, kp, vp, *jax.tree.leaves(mask),
+                *jax.tree.leaves(biasp))
   dq0 = jnp.zeros((b, tl.tp, kh, g, tl.h), jnp.float32)
   dbias0 = None if biasp is None else jnp.zeros(biasp.shape, jnp.float32)
+  dq0, dbias0 = vma.like((dq0, dbias0), *everything)
   (dq, dbias), (dks, dvs) = lax.scan(kv_tile, (dq0, dbias0),
                                      jnp.arange(tl.nk))
   dq = dq.reshape(b, tl.tp, n, tl.h)[:, :tl.t].astype(q.dtype)

@@ -1,0 +1,151 @@
+"""Ring attention on simulated CPU meshes against the float64 reference."""
+
+import itertools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_ring
+import reference as ref
+
+B, S, N, K, H = 2, 48, 4, 2, 16  # S divisible by 2 * cp for cp in 2, 4, 8
+
+
+def mesh(cp):
+  if len(jax.devices()) < cp:
+    pytest.skip(f"needs {cp} devices")
+  return Mesh(np.array(jax.devices()[:cp]), ("cp",))
+
+
+def rank_coded_qkv(seed, cp, kv_heads=K):
+  """Random q, k, v, dout with shard r of the sequence shifted by r / 2, so
+  that a shard landing on the wrong device changes the numbers."""
+  q, k, v, do = ref.random_qkv(seed, B, S, S, N, kv_heads, H)
+  code = (jnp.arange(S) // (S // cp) * 0.5)[None, :, None, None]
+  return q + code, k - code, v + code, do
+
+
+def run_ring(q, k, v, do, cp, **kw):
+  """Global inputs in natural order -> ring -> global out and grads."""
+  lb = kw.get("load_balance")
+  fwd = lambda x: jax_ring.reorder_for_load_balance(x, cp) if lb else x
+  bwd = lambda x: jax_ring.reorder_from_load_balance(x, cp) if lb else x
+  spec = P(None, "cp")
+  f = jax.shard_map(
+      lambda q, k, v: jax_ring.ring_attention(q, k, v, axis_name="cp",
+                                              implementation="xla", **kw),
+      mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
+
+  @jax.jit
+  def go(q, k, v, do):
+    out, vjp = jax.vjp(f, fwd(q), fwd(k), fwd(v))
+    return bwd(out), tuple(bwd(g) for g in vjp(fwd(do)))
+
+  return go(q, k, v, do)
+
+
+@pytest.mark.parametrize(
+    "cp, causal, load_balance, loop",
+    list(itertools.product([2, 4, 8], [True, False], [None, "dual_chunk"],
+                           ["scan", "unrolled"])),
+    ids=lambda x: {None: "contiguous"}.get(x, str(x)))
+def test_ring_matches_reference(cp, causal, load_balance, loop):
+  q, k, v, do = rank_coded_qkv(cp, cp)
+  out, (dq, dk, dv) = run_ring(q, k, v, do, cp, is_causal=causal,
+                               load_balance=load_balance, loop=loop)
+  r_out, _, g = ref.attention(q, k, v, ref.Case(H**-0.5, is_causal=causal),
+                              dout=do)
+  ref.assert_close(out, r_out, q.dtype, "out")
+  ref.assert_close(dq, g["q"], q.dtype, "dq")
+  ref.assert_close(dk, g["k"], q.dtype, "dk")
+  ref.assert_close(dv, g["v"], q.dtype, "dv")
+
+
+@pytest.mark.parametrize("kv_heads", [1, 4])
+def test_ring_gqa_mqa_and_soft_cap(kv_heads):
+  q, k, v, do = rank_coded_qkv(11, 4, kv_heads)
+  out, (dq, dk, dv) = run_ring(q, k, v, do, 4, is_causal=True,
+                               load_balance="dual_chunk", logits_soft_cap=3.0)
+  r_out, _, g = ref.attention(
+      q, k, v, ref.Case(H**-0.5, is_causal=True, soft_cap=3.0), dout=do)
+  ref.assert_close(out, r_out, q.dtype, "out")
+  for name, got in (("q", dq), ("k", dk), ("v", dv)):
+    ref.assert_close(got, g[name], q.dtype, "d" + name)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_ring_16_bit(dtype):
+  q, k, v, do = (x.astype(dtype) for x in rank_coded_qkv(12, 4))
+  out, (dq, dk, dv) = run_ring(q, k, v, do, 4, is_causal=True,
+                               load_balance="dual_chunk")
+  assert out.dtype == dtype
+  r_out, _, g = ref.attention(q, k, v, ref.Case(H**-0.5, is_causal=True),
+                              dout=do)
+  ref.assert_close(out, r_out, dtype, "out")
+  for name, got in (("q", dq), ("k", dk), ("v", dv)):
+    ref.assert_close(got, g[name], dtype, "d" + name)
+
+
+@pytest.mark.parametrize("loop", ["scan", "unrolled"])
+def test_forward_permutes_stacked_kv_only(loop):
+  cp = 4
+  q, k, v, _ = rank_coded_qkv(13, cp)
+  spec = P(None, "cp")
+  f = jax.jit(jax.shard_map(
+      lambda q, k, v: jax_ring.ring_attention(
+          q, k, v, axis_name="cp", is_causal=True, load_balance="dual_chunk",
+          loop=loop, implementation="xla"),
+      mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec))
+  hlo = f.lower(q, k, v).compile().as_text()
+  permutes = re.findall(r"collective-permute(?:-start)?\(", hlo)
+  # Unrolled: one permute per step but the last. Scan: the first step's,
+  # one in the loop body, none for the peeled last step.
+  assert len(permutes) == (cp - 1 if loop == "unrolled" else 2), permutes
+  assert "all-gather" not in hlo and "all-to-all" not in hlo
+  # Each permute moves the stacked (2, B, T, K, H) KV buffer.
+  t = S // cp
+  assert re.search(rf"f32\[2,{B},{t},{K},{H}\][^\n]*collective-permute", hlo)
+
+
+def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):
+  q, k, v, do = rank_coded_qkv(14, 4)
+  kw = dict(is_causal=True, load_balance="dual_chunk")
+  scan = run_ring(q, k, v, do, 4, loop="scan", **kw)
+  unrolled = run_ring(q, k, v, do, 4, loop="unrolled", **kw)
+  for a, b in zip(jax.tree.leaves(scan), jax.tree.leaves(unrolled)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  monkeypatch.setenv("NVTE_FUSED_RING_ATTENTION_USE_SCAN", "1")
+  assert jax_ring._src.config.loop_from_environment() == "scan"
+  monkeypatch.setenv("NVTE_FUSED_RING_ATTENTION_USE_SCAN", "0")
+  assert jax_ring._src.config.loop_from_environment() == "unrolled"
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_reorder_round_trips_and_places_chunks(cp):
+  x = jnp.arange(2 * 4 * cp).reshape(2, 4 * cp)
+  y = jax_ring.reorder_for_load_balance(x, cp)
+  np.testing.assert_array_equal(jax_ring.reorder_from_load_balance(y, cp), x)
+  chunks = np.asarray(y[0]).reshape(2 * cp, 2) // 2  # chunk id of each token
+  want = [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
+  np.testing.assert_array_equal(chunks[:, 0], want)
+
+
+def test_errors():
+  q = jnp.ones((1, 6, 2, 8))
+  with pytest.raises(ValueError, match=re.escape(
+      "axis_name 'cp' is not a mesh axis bound here")):
+    jax_ring.ring_attention(q, q, q, axis_name="cp")
+  spec = P(None, "cp")
+  f = jax.shard_map(lambda x: jax_ring.ring_attention(
+      x, x, x, axis_name="cp", load_balance="dual_chunk"),
+                    mesh=mesh(2), in_specs=spec, out_specs=spec)
+  with pytest.raises(ValueError, match=re.escape(
+      "load_balance='dual_chunk' needs the global sequence length (6) "
+      "divisible by 2 * cp_size = 4; the local query length is 3")):
+    f(q)
+  with pytest.raises(ValueError, match="divisible by 2 \\* cp_size = 4"):
+    jax_ring.reorder_for_load_balance(q, 2)
