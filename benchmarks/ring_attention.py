@@ -1,0 +1,101 @@
+"""Ring attention on all local GPUs against "theoretic": the single-GPU cuDNN
+time for the full sequence divided by the number of GPUs (the convention of
+ring-flash-attention), measured in the same process.
+
+  XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \\
+    python benchmarks/ring_attention.py [--seq 16384 ...] [--kv-heads 32 8]
+
+B=1, N=32, D=128, bf16, dual-chunk causal and non-causal, both loop forms.
+Efficiency = theoretic time / ring time (forward; forward+backward).
+Also checks the ring's output against the single-GPU result (max relative
+error) for every shape. Writes benchmarks/results/ring_attention_<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("XLA_FLAGS",
+                      "--xla_gpu_enable_latency_hiding_scheduler=true")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jax_ring  # noqa: E402
+from common import time_fn, write  # noqa: E402
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--seq", type=int, nargs="+",
+                 default=[16384, 32768, 65536, 131072, 262144])
+  p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
+  p.add_argument("--heads", type=int, default=32)
+  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--causal-only", action="store_true")
+  p.add_argument("--implementation", default="cudnn")
+  a = p.parse_args()
+  cp = jax.device_count()
+  mesh = Mesh(np.array(jax.devices()), ("cp",))
+  sharded = NamedSharding(mesh, P(None, "cp"))
+  rows = []
+  for s in a.seq:
+    for kh in a.kv_heads:
+      for causal in (True,) if a.causal_only else (True, False):
+        ks = jax.random.split(jax.random.key(s + kh), 4)
+        q = jax.random.normal(ks[0], (1, s, a.heads, a.head_dim), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (1, s, kh, a.head_dim), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (1, s, kh, a.head_dim), jnp.bfloat16)
+        do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+        flops = 4 * s * s * a.heads * a.head_dim * (0.5 if causal else 1.0)
+        row = dict(seq=s, cp=cp, heads=a.heads, kv_heads=kh, causal=causal)
+
+        single = lambda q, k, v: jax_ring.dot_product_attention(
+            q, k, v, is_causal=causal, implementation=a.implementation)
+        f1 = jax.jit(single)
+        fb1 = jax.jit(lambda q, k, v, do: jax.vjp(single, q, k, v)[1](do))
+        want = f1(q, k, v)
+        t1, tb1 = time_fn(f1, q, k, v), time_fn(fb1, q, k, v, do)
+        row["single_fwd_ms"], row["single_fwdbwd_ms"] = t1 * 1e3, tb1 * 1e3
+        row["single_fwd_tflops"] = flops / t1 / 1e12
+
+        lb = "dual_chunk" if causal else None
+        re_ = lambda x: jax_ring.reorder_for_load_balance(x, cp) if lb else x
+        un_ = lambda x: jax_ring.reorder_from_load_balance(x, cp) if lb else x
+        qs, kss, vs, dos = (jax.device_put(re_(x), sharded)
+                            for x in (q, k, v, do))
+        for loop in ("unrolled", "scan"):
+          ring = jax.shard_map(
+              lambda q, k, v, loop=loop: jax_ring.ring_attention(
+                  q, k, v, axis_name="cp", is_causal=causal, load_balance=lb,
+                  loop=loop, implementation=a.implementation),
+              mesh=mesh, in_specs=(P(None, "cp"),) * 3,
+              out_specs=P(None, "cp"))
+          fr = jax.jit(ring)
+          fbr = jax.jit(lambda q, k, v, do, ring=ring: jax.vjp(
+              ring, q, k, v)[1](do))
+          got = un_(fr(qs, kss, vs))
+          err = float(jnp.max(jnp.abs(got.astype(jnp.float32) -
+                                      want.astype(jnp.float32))) /
+                      jnp.max(jnp.abs(want.astype(jnp.float32))))
+          tr, tbr = time_fn(fr, qs, kss, vs), time_fn(fbr, qs, kss, vs, dos)
+          row[f"{loop}_fwd_ms"], row[f"{loop}_fwdbwd_ms"] = tr * 1e3, tbr * 1e3
+          row[f"{loop}_fwd_eff"] = t1 / cp / tr
+          row[f"{loop}_fwdbwd_eff"] = tb1 / cp / tbr
+          row[f"{loop}_max_rel_err"] = err
+        rows.append(row)
+        print(row, flush=True)
+  write("ring_attention", rows,
+        ["seq", "kv_heads", "causal", "single_fwd_tflops", "unrolled_fwd_eff",
+         "unrolled_fwdbwd_eff", "scan_fwd_eff", "scan_fwdbwd_eff",
+         "unrolled_max_rel_err"],
+        extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
+                   xla_flags=os.environ.get("XLA_FLAGS", ""),
+                   efficiency="(single-GPU cuDNN time / cp) / ring time"))
+
+
+if __name__ == "__main__":
+  main()
