@@ -149,3 +149,64 @@ def test_errors():
     f(q)
   with pytest.raises(ValueError, match="divisible by 2 \\* cp_size = 4"):
     jax_ring.reorder_for_load_balance(q, 2)
+
+
+def test_2d_mesh_data_by_cp_with_heads_unsharded():
+  """Batch on a data axis, sequence on cp: the ring runs per data shard."""
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 devices")
+  dp, cp = 2, 4
+  m = Mesh(np.array(jax.devices()[:dp * cp]).reshape(dp, cp), ("data", "cp"))
+  q, k, v, do = rank_coded_qkv(15, cp)
+  spec = P("data", "cp")
+  f = jax.shard_map(
+      lambda q, k, v: jax_ring.ring_attention(
+          q, k, v, axis_name="cp", is_causal=True, load_balance="dual_chunk",
+          implementation="xla"),
+      mesh=m, in_specs=(spec,) * 3, out_specs=spec)
+  re_ = lambda x: jax_ring.reorder_for_load_balance(x, cp)
+  un_ = lambda x: jax_ring.reorder_from_load_balance(x, cp)
+
+  @jax.jit
+  def go(q, k, v, do):
+    out, vjp = jax.vjp(f, re_(q), re_(k), re_(v))
+    return un_(out), tuple(un_(g) for g in vjp(re_(do)))
+
+  out, (dq, dk, dv) = go(q, k, v, do)
+  r_out, _, g = ref.attention(q, k, v, ref.Case(H**-0.5, is_causal=True),
+                              dout=do)
+  ref.assert_close(out, r_out, q.dtype, "out")
+  for name, got in (("q", dq), ("k", dk), ("v", dv)):
+    ref.assert_close(got, g[name], q.dtype, "d" + name)
+
+
+@pytest.mark.parametrize("load_balance", [None, "dual_chunk"],
+                         ids=["contiguous", "dual_chunk"])
+@pytest.mark.parametrize("loop", ["scan", "unrolled"])
+def test_ring_packed_segments_cross_shard_boundaries(load_balance, loop):
+  cp = 4
+  q, k, v, do = rank_coded_qkv(16, cp)
+  ids = ref.random_segments(17, B, S, 5)  # 5 documents of random lengths
+  spec = P(None, "cp")
+  lb = load_balance
+  re_ = lambda x: jax_ring.reorder_for_load_balance(x, cp) if lb else x
+  un_ = lambda x: jax_ring.reorder_from_load_balance(x, cp) if lb else x
+  f = jax.shard_map(
+      lambda q, k, v, ids: jax_ring.ring_attention(
+          q, k, v, axis_name="cp", is_causal=True, load_balance=lb,
+          segment_ids=ids, loop=loop, implementation="xla"),
+      mesh=mesh(cp), in_specs=(spec,) * 4, out_specs=spec)
+
+  @jax.jit
+  def go(q, k, v, do, ids):
+    out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, re_(ids)), re_(q), re_(k),
+                       re_(v))
+    return un_(out), tuple(un_(g) for g in vjp(re_(do)))
+
+  out, (dq, dk, dv) = go(q, k, v, do, jnp.asarray(ids))
+  case = ref.Case(H**-0.5, is_causal=True, q_segment_ids=ids,
+                  kv_segment_ids=ids)
+  r_out, _, g = ref.attention(q, k, v, case, dout=do)
+  ref.assert_close(out, r_out, q.dtype, "out")
+  for name, got in (("q", dq), ("k", dk), ("v", dv)):
+    ref.assert_close(got, g[name], q.dtype, "d" + name)

@@ -80,8 +80,9 @@ def merge(out, lse, out_i, lse_i):
 
 
 def _send_next(x, rc: RingConfig):
+  """Every array of ``x`` to the next device on the ring."""
   perm = [(j, (j + 1) % rc.cp_size) for j in range(rc.cp_size)]
-  return lax.ppermute(x, rc.axis_name, perm)
+  return jax.tree.map(lambda a: lax.ppermute(a, rc.axis_name, perm), x)
 
 
 def _kinds(rc: RingConfig, causal: bool):
@@ -94,55 +95,69 @@ def _kinds(rc: RingConfig, causal: bool):
 
 
 # --- one block, forward and backward, by kind -------------------------------
+#
+# ``kv`` is what travels the ring: (stacked K/V (2, B, T, K, H), the kv
+# segment ids (B, T) or None). ``q_seg`` is this device's query segment ids.
 
-def _block_fwd(kind, q, kv, cfgs):
+def _mask(q_seg, kv_seg):
+  if q_seg is None:
+    return BlockMask()
+  return BlockMask(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+
+
+def _halves(kind, q, q_seg, kv):
+  """The (q rows, q ids, k, v, kv ids) a block of ``kind`` works on."""
+  (k, v), kv_seg = (kv[0][0], kv[0][1]), kv[1]
+  c = q.shape[1] // 2
+  cut = lambda x, sl: None if x is None else x[:, sl]
+  if kind == "half_q":
+    return q[:, c:], cut(q_seg, slice(c, None)), k, v, kv_seg
+  if kind == "half_kv":
+    half = slice(0, c)
+    return q, q_seg, k[:, half], v[:, half], cut(kv_seg, half)
+  return q, q_seg, k, v, kv_seg
+
+
+def _block_fwd(kind, q, q_seg, kv, cfgs):
   causal_cfg, full_cfg = cfgs
-  k, v = kv[0], kv[1]
   b, t, n, h = q.shape
   c = t // 2
   masked = lambda rows: vma.like(
       (jnp.zeros((b, rows, n, h), jnp.float32),
-       jnp.full((b, rows, n), MASK_VALUE, jnp.float32)), q, kv)
+       jnp.full((b, rows, n), MASK_VALUE, jnp.float32)), q, kv[0])
   if kind == "skip":
     return masked(t)
-  if kind == "half_q":
-    o, l = kernel.attention(q[:, c:], k, v, None, BlockMask(), full_cfg)
-    zo, zl = masked(c)
-    return (jnp.concatenate([zo, o.astype(jnp.float32)], 1),
-            jnp.concatenate([zl, l], 1))
-  if kind == "half_kv":
-    k, v = k[:, :c], v[:, :c]
+  qq, qs, k, v, ks = _halves(kind, q, q_seg, kv)
   cfg = causal_cfg if kind == "diag" else full_cfg
-  o, l = kernel.attention(q, k, v, None, BlockMask(), cfg)
-  return o.astype(jnp.float32), l
+  o, l = kernel.attention(qq, k, v, None, _mask(qs, ks), cfg)
+  o = o.astype(jnp.float32)
+  if kind == "half_q":
+    zo, zl = masked(c)
+    return jnp.concatenate([zo, o], 1), jnp.concatenate([zl, l], 1)
+  return o, l
 
 
-def _block_bwd(kind, q, kv, out, lse, dout, cfgs):
+def _block_bwd(kind, q, q_seg, kv, out, lse, dout, cfgs):
   """(dq, dkv) of one block, dq (B, T, N, H) and dkv (2, B, T, K, H), f32."""
   causal_cfg, full_cfg = cfgs
-  k, v = kv[0], kv[1]
-  t = q.shape[1]
-  c = t // 2
+  c = q.shape[1] // 2
   f32 = lambda x: x.astype(jnp.float32)
   if kind == "skip":
     return vma.like((jnp.zeros(q.shape, jnp.float32),
-                     jnp.zeros(kv.shape, jnp.float32)), q, kv, out, dout)
-  if kind == "half_q":
-    dq, dk, dv, _ = kernel.attention_backward(
-        q[:, c:], k, v, None, BlockMask(), out[:, c:], lse[:, c:],
-        dout[:, c:], None, full_cfg)
-    dq = jnp.concatenate([jnp.zeros_like(f32(dq)), f32(dq)], 1)
-    return dq, jnp.stack([f32(dk), f32(dv)])
-  if kind == "half_kv":
-    dq, dk, dv, _ = kernel.attention_backward(
-        q, k[:, :c], v[:, :c], None, BlockMask(), out, lse, dout, None,
-        full_cfg)
-    pad = lambda x: jnp.concatenate([f32(x), jnp.zeros_like(f32(x))], 1)
-    return f32(dq), jnp.stack([pad(dk), pad(dv)])
+                     jnp.zeros(kv[0].shape, jnp.float32)), q, kv[0], out,
+                    dout)
+  qq, qs, k, v, ks = _halves(kind, q, q_seg, kv)
+  rows = slice(c, None) if kind == "half_q" else slice(None)
   cfg = causal_cfg if kind == "diag" else full_cfg
-  dq, dk, dv, _ = kernel.attention_backward(q, k, v, None, BlockMask(), out,
-                                            lse, dout, None, cfg)
-  return f32(dq), jnp.stack([f32(dk), f32(dv)])
+  dq, dk, dv, _ = kernel.attention_backward(
+      qq, k, v, None, _mask(qs, ks), out[:, rows], lse[:, rows],
+      dout[:, rows], None, cfg)
+  dq, dkv = f32(dq), jnp.stack([f32(dk), f32(dv)])
+  if kind == "half_q":
+    dq = jnp.concatenate([jnp.zeros_like(dq), dq], 1)
+  if kind == "half_kv":
+    dkv = jnp.concatenate([dkv, jnp.zeros_like(dkv)], 2)
+  return dq, dkv
 
 
 def _step_kind_call(fn, rc, causal, step, *args):
@@ -182,70 +197,75 @@ def _ring_loop(rc, first, later, kv, carry):
   return later(cp - 1, kv, carry)
 
 
-def _forward(q, k, v, cfgs, rc: RingConfig):
+def _forward(q, k, v, seg, cfgs, rc: RingConfig):
   causal = cfgs[0].is_causal
   first_kind = "diag" if causal else "full"
+  q_seg, kv_seg = seg
 
   def first(kv, carry):
-    return _block_fwd(first_kind, q, kv, cfgs)
+    return _block_fwd(first_kind, q, q_seg, kv, cfgs)
 
   def later(step, kv, carry):
-    part = _step_kind_call(lambda kind, kv: _block_fwd(kind, q, kv, cfgs),
-                           rc, causal, step, kv)
+    part = _step_kind_call(
+        lambda kind, kv: _block_fwd(kind, q, q_seg, kv, cfgs), rc, causal,
+        step, kv)
     return merge(*carry, *part)
 
-  out, lse = _ring_loop(rc, first, later, jnp.stack([k, v]), None)
+  out, lse = _ring_loop(rc, first, later, (jnp.stack([k, v]), kv_seg), None)
   return out.astype(q.dtype), lse
 
 
-def _backward(q, k, v, out, lse, dout, cfgs, rc: RingConfig):
+def _backward(q, k, v, seg, out, lse, dout, cfgs, rc: RingConfig):
   causal = cfgs[0].is_causal
   first_kind = "diag" if causal else "full"
+  q_seg, kv_seg = seg
 
   # The carry is (dq, dkv): dkv belongs to the KV held at this step, so it
   # moves with it after the step's compute.
   def first(kv, carry):
-    return _block_bwd(first_kind, q, kv, out, lse, dout, cfgs)
+    return _block_bwd(first_kind, q, q_seg, kv, out, lse, dout, cfgs)
 
   def later(step, kv, carry):
     dq, dkv = carry
     dkv = _send_next(dkv, rc)
     dq_i, dkv_i = _step_kind_call(
-        lambda kind, kv: _block_bwd(kind, q, kv, out, lse, dout, cfgs),
+        lambda kind, kv: _block_bwd(kind, q, q_seg, kv, out, lse, dout, cfgs),
         rc, causal, step, kv)
     return dq + dq_i, dkv + dkv_i
 
-  dq, dkv = _ring_loop(rc, first, later, jnp.stack([k, v]), None)
+  dq, dkv = _ring_loop(rc, first, later, (jnp.stack([k, v]), kv_seg), None)
   if rc.cp_size > 1:
     dkv = _send_next(dkv, rc)  # back to the owner
   return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def ring(q, k, v, cfgs: tuple[AttentionConfig, AttentionConfig],
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def ring(q, k, v, seg, cfgs: tuple[AttentionConfig, AttentionConfig],
          rc: RingConfig):
-  """Ring attention on local shards. ``cfgs`` is the (diagonal,
-  off-diagonal) block config pair."""
-  return _forward(q, k, v, cfgs, rc)[0]
+  """Ring attention on local shards. ``seg`` is (q ids, kv ids) or
+  (None, None); ``cfgs`` the (diagonal, off-diagonal) block configs."""
+  return _forward(q, k, v, seg, cfgs, rc)[0]
 
 
-def _ring_fwd(q, k, v, cfgs, rc):
-  out, lse = _forward(q, k, v, cfgs, rc)
-  return out, (q, k, v, out, lse)
+def _ring_fwd(q, k, v, seg, cfgs, rc):
+  out, lse = _forward(q, k, v, seg, cfgs, rc)
+  return out, (q, k, v, seg, out, lse)
 
 
 def _ring_bwd(cfgs, rc, res, dout):
-  q, k, v, out, lse = res
-  return _backward(q, k, v, out, lse, dout.astype(q.dtype), cfgs, rc)
+  q, k, v, seg, out, lse = res
+  dq, dk, dv = _backward(q, k, v, seg, out, lse, dout.astype(q.dtype), cfgs,
+                         rc)
+  return dq, dk, dv, (None, None)
 
 
 ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
-                   load_balance: LoadBalance | None = None, scale=None,
-                   logits_soft_cap=None, implementation=None,
-                   loop: Loop | None = None):
+                   load_balance: LoadBalance | None = None,
+                   segment_ids=None, scale=None, logits_soft_cap=None,
+                   implementation=None, loop: Loop | None = None):
   """Exact attention over a sequence sharded along mesh axis ``axis_name``.
 
   Call it inside ``shard_map`` on the local shards: ``query (B, T, N, H)``,
@@ -258,6 +278,9 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
     axis_name: the mesh axis the sequence is sharded over.
     is_causal: causal mask in global positions.
     load_balance: ``None`` (contiguous shards) or ``"dual_chunk"``.
+    segment_ids: packed documents, this device's ``(B, T)`` ids (or a
+      ``(q_ids, kv_ids)`` pair), in the same layout as the tokens; the kv
+      ids travel the ring with K/V. Documents may cross shard boundaries.
     scale: logit multiplier; default ``1 / sqrt(H)``.
     logits_soft_cap: Gemma-2 soft cap, as in ``dot_product_attention``.
     implementation: block backend, as in ``dot_product_attention``.
@@ -279,7 +302,11 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
       is_causal=bool(is_causal),
       logits_soft_cap=None if logits_soft_cap is None else float(
           logits_soft_cap))
+  seg = (None, None)
+  if segment_ids is not None:
+    seg = tuple(jnp.asarray(x, jnp.int32) for x in validate.segment_ids(
+        segment_ids, query.shape, key.shape))
   cfg = cfg.replace(implementation=backends.resolve(
-      implementation, cfg, query, key, None, BlockMask()))
+      implementation, cfg, query, key, None, _mask(*seg)))
   rc = RingConfig(axis_name, cp, load_balance, loop or loop_from_environment())
-  return ring(query, key, value, (cfg, cfg.replace(is_causal=False)), rc)
+  return ring(query, key, value, seg, (cfg, cfg.replace(is_causal=False)), rc)
