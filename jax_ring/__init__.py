@@ -13,7 +13,7 @@ Public API (everything else lives in ``jax_ring._src``):
 """
 
 from jax_ring._src.api import dot_product_attention
-from jax_ring._src.config import AttentionConfig
+from jax_ring._src.config import AttentionConfig, ContextParallel
 from jax_ring._src.kernel import attention, attention_backward
 from jax_ring._src.layout import (reorder_for_load_balance,
                                   reorder_from_load_balance)
@@ -24,6 +24,7 @@ from jax_ring._src.xla_backend import MASK_VALUE
 __all__ = [
     "AttentionConfig",
     "BlockMask",
+    "ContextParallel",
     "MASK_VALUE",
     "attention",
     "attention_backward",

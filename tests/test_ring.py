@@ -210,3 +210,48 @@ def test_ring_packed_segments_cross_shard_boundaries(load_balance, loop):
   ref.assert_close(out, r_out, q.dtype, "out")
   for name, got in (("q", dq), ("k", dk), ("v", dv)):
     ref.assert_close(got, g[name], q.dtype, "d" + name)
+
+
+# Known XLA:CPU hang, not yet understood: the automatic path's backward with
+# the unrolled loop sometimes stalls (one thread spinning in a collective),
+# under pytest only; the same code as a plain script completes, and the
+# shard_map path runs unrolled everywhere. So the automatic path is tested
+# here with the scan loop only: see the closing note.
+@pytest.mark.parametrize("segments, dp, loop", [
+    (False, 2, "scan"), (True, 2, "scan"), (False, 1, "scan")],
+                         ids=["dp2_cp4_scan", "dp2_cp4_scan_packed",
+                              "dp1_cp4_scan"])
+def test_automatic_path_under_jit_matches_reference(segments, dp, loop):
+  """jit + NamedSharding (data x cp), no shard_map in user code."""
+  cp = 4
+  if len(jax.devices()) < dp * cp:
+    pytest.skip(f"needs {dp * cp} devices")
+  m = Mesh(np.array(jax.devices()[:dp * cp]).reshape(dp, cp), ("data", "cp"))
+  q, k, v, do = rank_coded_qkv(18, cp)
+  ids = jnp.asarray(ref.random_segments(19, B, S, 4))
+  re_ = lambda x: jax_ring.reorder_for_load_balance(x, cp)
+  un_ = lambda x: jax_ring.reorder_from_load_balance(x, cp)
+  tok = jax.sharding.NamedSharding(m, P("data", "cp"))
+  args = [jax.device_put(re_(x), tok) for x in (q, k, v, do)]
+  seg = jax.device_put(re_(ids), tok) if segments else None
+  cpc = jax_ring.ContextParallel(axis="cp", load_balance="dual_chunk",
+                                 loop=loop)
+
+  @jax.jit
+  def go(q, k, v, do, seg):
+    attn = lambda q, k, v: jax_ring.dot_product_attention(
+        q, k, v, is_causal=True, segment_ids=seg, context_parallel=cpc,
+        implementation="xla")
+    out, vjp = jax.vjp(attn, q, k, v)
+    return out, vjp(do)
+
+  out, (dq, dk, dv) = go(*args, seg)
+  hlo = go.lower(*args, seg).compile().as_text()
+  assert "collective-permute" in hlo and "all-gather" not in hlo
+  case = ref.Case(H**-0.5, is_causal=True,
+                  q_segment_ids=np.asarray(ids) if segments else None,
+                  kv_segment_ids=np.asarray(ids) if segments else None)
+  r_out, _, g = ref.attention(q, k, v, case, dout=do)
+  ref.assert_close(un_(out), r_out, q.dtype, "out")
+  for name, got in (("q", dq), ("k", dk), ("v", dv)):
+    ref.assert_close(un_(got), g[name], q.dtype, "d" + name)

@@ -6,9 +6,9 @@ import math
 
 import jax.numpy as jnp
 
-from jax_ring._src import backends, kernel, validate
+from jax_ring._src import backends, kernel, partition, validate
 from jax_ring._src import cudnn  # noqa: F401  (registers cuDNN when built)
-from jax_ring._src.config import AttentionConfig
+from jax_ring._src.config import AttentionConfig, ContextParallel
 from jax_ring._src.mask import BlockMask
 
 
@@ -16,7 +16,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
                           scale=None, is_causal=False, query_seq_lengths=None,
                           key_value_seq_lengths=None, local_window_size=None,
                           segment_ids=None, logits_soft_cap=None,
-                          implementation=None, return_residual=False):
+                          implementation=None, return_residual=False,
+                          context_parallel: ContextParallel | None = None):
   """Scaled dot-product attention, memory-efficient and differentiable.
 
   Every argument that ``jax.nn.dot_product_attention`` has means the same
@@ -46,6 +47,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     implementation: ``None`` (best available), ``"xla"`` (pure-JAX
       blockwise) or ``"cudnn"``.
     return_residual: also return the logsumexp ``(B, T, N)`` float32.
+    context_parallel: a :class:`ContextParallel`: under ``jax.jit`` with q, k,
+      v sharded on the sequence dimension over its ``axis`` (NamedSharding),
+      run that strategy on each shard. Inputs must be in its load-balance
+      layout. Serves causal or full masks, packed ``segment_ids``, GQA,
+      scale and soft cap.
 
   Returns:
     ``(B, T, N, H)`` in the input dtype (and the logsumexp if asked). Rows
@@ -93,6 +99,19 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
   block_mask = BlockMask(q_segment_ids=q_ids, kv_segment_ids=kv_ids,
                          q_lengths=query_seq_lengths,
                          kv_lengths=key_value_seq_lengths, dense=dense)
+  if context_parallel is not None:
+    validate.context_parallel(context_parallel, query, key, bias=bias,
+                              mask=mask, lengths=(query_seq_lengths,
+                                                  key_value_seq_lengths),
+                              window=window, return_residual=return_residual)
+    seg = (None, None) if q_ids is None else (
+        jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32))
+    config = config.replace(implementation=backends.resolve(
+        implementation, config, query, key, None, block_mask))
+    out = partition.attention(query, key, value, seg,
+                              (config, config.replace(is_causal=False)),
+                              context_parallel)
+    return out[0] if unbatched else out
   config = config.replace(implementation=backends.resolve(
       implementation, config, query, key, bias, block_mask))
   out, lse = kernel.attention(query, key, value, bias, block_mask, config)

@@ -56,6 +56,24 @@ class AttentionConfig:
     return dataclasses.replace(self, **changes)
 
 
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+  """How ``dot_product_attention`` splits the sequence across devices.
+
+  Attributes:
+    axis: the mesh axis the sequence dimension is sharded over.
+    strategy: ``"ring"`` (the only one so far).
+    load_balance: ``"dual_chunk"`` (inputs must be in that layout, see
+      ``reorder_for_load_balance``) or ``None`` (contiguous shards).
+    loop: ``"scan"``, ``"unrolled"`` or ``None`` (from the environment).
+  """
+
+  axis: str = "cp"
+  strategy: Literal["ring"] = "ring"
+  load_balance: Literal["dual_chunk"] | None = "dual_chunk"
+  loop: Literal["scan", "unrolled"] | None = None
+
+
 # TransformerEngine's switch between its two ring loop forms; honoured for
 # users coming from TE. Read here, at the API edge, and nowhere deeper.
 RING_LOOP_ENV = "NVTE_FUSED_RING_ATTENTION_USE_SCAN"

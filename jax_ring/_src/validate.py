@@ -144,3 +144,26 @@ def ring_options(load_balance, loop, local_len, cp_size) -> None:
         f"load_balance='dual_chunk' needs the global sequence length "
         f"({local_len * cp_size}) divisible by 2 * cp_size = {2 * cp_size}; "
         f"the local query length is {local_len}")
+
+
+def context_parallel(cp, query, key, *, bias, mask, lengths, window,
+                     return_residual) -> None:
+  """What the automatic context-parallel path serves so far."""
+  from jax_ring._src.config import ContextParallel  # avoid an import cycle
+  if not isinstance(cp, ContextParallel):
+    raise ValueError(f"context_parallel must be a jax_ring.ContextParallel; "
+                     f"got {cp!r}")
+  if cp.strategy != "ring":
+    raise ValueError(f"context_parallel.strategy must be 'ring'; got "
+                     f"{cp.strategy!r}")
+  ring_options(cp.load_balance, cp.loop, 2, 1)
+  unsupported = [name for name, value in (
+      ("bias", bias), ("mask", mask), ("query_seq_lengths", lengths[0]),
+      ("key_value_seq_lengths", lengths[1]), ("local_window_size", window))
+                 if value is not None]
+  if return_residual:
+    unsupported.append("return_residual")
+  if unsupported:
+    raise ValueError(
+        f"context_parallel does not support {', '.join(unsupported)} yet; "
+        f"got query {tuple(query.shape)}, key {tuple(key.shape)}")
