@@ -53,7 +53,6 @@ from jax_ring._src.mask import BlockMask
 from jax_ring._src.xla_backend import MASK_VALUE
 
 Loop = Literal["scan", "unrolled"]
-LOOPS = ("scan", "unrolled")
 
 
 @dataclasses.dataclass(frozen=True)
