@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
 
 from jax_ring._src import backends, kernel, partition, validate
 from jax_ring._src import cudnn  # noqa: F401  (registers cuDNN when built)
-from jax_ring._src.config import AttentionConfig, ContextParallel
+from jax_ring._src.config import (AttentionConfig, ContextParallel,
+                                  loop_from_environment)
 from jax_ring._src.mask import BlockMask
 
 
@@ -104,6 +106,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
                               mask=mask, lengths=(query_seq_lengths,
                                                   key_value_seq_lengths),
                               window=window, return_residual=return_residual)
+    # The loop form is read from the environment here, at the edge, once.
+    context_parallel = dataclasses.replace(
+        context_parallel, loop=context_parallel.loop or loop_from_environment())
     seg = (None, None) if q_ids is None else (
         jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32))
     config = config.replace(implementation=backends.resolve(

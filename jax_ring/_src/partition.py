@@ -27,7 +27,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_ring._src import kernel, ring
-from jax_ring._src.config import ContextParallel, loop_from_environment
+from jax_ring._src.config import ContextParallel
 
 
 def _axes(mesh, sharding, cpc: ContextParallel):
@@ -35,7 +35,7 @@ def _axes(mesh, sharding, cpc: ContextParallel):
   spec = tuple(sharding.spec) + (None,) * 4 if sharding is not None else ()
   batch, heads = (spec[0], spec[2]) if spec else (None, None)
   rc = ring.RingConfig(cpc.axis, mesh.shape[cpc.axis], cpc.load_balance,
-                       cpc.loop or loop_from_environment())
+                       cpc.loop)
   return batch, heads, rc
 
 
