@@ -121,8 +121,8 @@ def _platform_lowering(impl, platform):
 
 
 # Output types copy the input avals (`update`), which keeps their sharding and
-# the manual axes they vary over inside shard_map; `_match_varying` has made
-# those equal across operands before binding (vma.match).
+# the manual axes they vary over inside shard_map; `vma.match` has made
+# those equal across operands before binding.
 def _fwd_abstract(*args, config, mask_tree, mask_static, has_bias):
   del config, mask_tree, mask_static, has_bias
   q = args[0]

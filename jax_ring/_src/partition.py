@@ -26,17 +26,25 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ring._src import kernel, ring
+from jax_ring._src import kernel, ring, validate
 from jax_ring._src.config import ContextParallel
 
 
-def _axes(mesh, sharding, cpc: ContextParallel):
-  """(batch axes, head axes) of q's sharding, and the ring config."""
+def _axes(mesh, q_shape, cpc: ContextParallel):
+  """(batch axes, head axes) of q's sharding, and the ring config. The mesh
+  size is first known here, so the sequence-length checks are made here."""
+  cp = mesh.shape[cpc.axis]
+  seq = q_shape.shape[1]
+  if seq % cp:
+    raise ValueError(f"context_parallel: sequence length {seq} of query "
+                     f"{tuple(q_shape.shape)} must be divisible by the "
+                     f"{cpc.axis!r} axis size {cp}")
+  validate.ring_options(cpc.load_balance, cpc.loop, seq // cp, cp)
+  sharding = q_shape.sharding
   spec = tuple(sharding.spec) + (None,) * 4 if sharding is not None else ()
   batch, heads = (spec[0], spec[2]) if spec else (None, None)
-  rc = ring.RingConfig(cpc.axis, mesh.shape[cpc.axis], cpc.load_balance,
-                       cpc.loop)
-  return batch, heads, rc
+  return batch, heads, ring.RingConfig(cpc.axis, cp, cpc.load_balance,
+                                       cpc.loop)
 
 
 def _shardings(mesh, batch, heads, cp_axis):
@@ -65,7 +73,7 @@ def _functions(has_seg: bool):
     return kernel.attention(q, k, v, None, ring._mask(*seg), cfgs[0])
 
   def fwd_partition(cfgs, cpc, mesh, arg_shapes, result_shape):
-    batch, heads, rc = _axes(mesh, arg_shapes[0].sharding, cpc)
+    batch, heads, rc = _axes(mesh, arg_shapes[0], cpc)
     tok, stat, seq = _shardings(mesh, batch, heads, cpc.axis)
     arg_sh = (tok, tok, tok) + ((seq, seq) if has_seg else ())
 
@@ -76,7 +84,7 @@ def _functions(has_seg: bool):
     return mesh, lowered, (tok, stat), arg_sh
 
   def fwd_infer(cfgs, cpc, mesh, arg_shapes, result_shape):
-    batch, heads, _ = _axes(mesh, arg_shapes[0].sharding, cpc)
+    batch, heads, _ = _axes(mesh, arg_shapes[0], cpc)
     tok, stat, _ = _shardings(mesh, batch, heads, cpc.axis)
     return tok, stat
 
@@ -92,7 +100,7 @@ def _functions(has_seg: bool):
                                      lse, dout, None, cfgs[0])[:3]
 
   def bwd_partition(cfgs, cpc, mesh, arg_shapes, result_shape):
-    batch, heads, rc = _axes(mesh, arg_shapes[0].sharding, cpc)
+    batch, heads, rc = _axes(mesh, arg_shapes[0], cpc)
     tok, stat, seq = _shardings(mesh, batch, heads, cpc.axis)
     arg_sh = (tok, tok, tok, tok, stat, tok) + ((seq, seq) if has_seg else ())
 
@@ -103,7 +111,7 @@ def _functions(has_seg: bool):
     return mesh, lowered, (tok, tok, tok), arg_sh
 
   def bwd_infer(cfgs, cpc, mesh, arg_shapes, result_shape):
-    batch, heads, _ = _axes(mesh, arg_shapes[0].sharding, cpc)
+    batch, heads, _ = _axes(mesh, arg_shapes[0], cpc)
     tok, _, _ = _shardings(mesh, batch, heads, cpc.axis)
     return tok, tok, tok
 

@@ -133,12 +133,16 @@ def mesh_axis(axis_name) -> int:
         "ring_attention inside shard_map over a mesh with that axis") from None
 
 
-def ring_options(load_balance, loop, local_len, cp_size) -> None:
+def ring_choices(load_balance, loop) -> None:
   if load_balance not in (None, "dual_chunk"):
     raise ValueError(f"load_balance must be None or 'dual_chunk'; got "
                      f"{load_balance!r}")
   if loop not in (None, "scan", "unrolled"):
     raise ValueError(f"loop must be None, 'scan' or 'unrolled'; got {loop!r}")
+
+
+def ring_options(load_balance, loop, local_len, cp_size) -> None:
+  ring_choices(load_balance, loop)
   if load_balance == "dual_chunk" and local_len % 2:
     raise ValueError(
         f"load_balance='dual_chunk' needs the global sequence length "
@@ -156,7 +160,7 @@ def context_parallel(cp, query, key, *, bias, mask, lengths, window,
   if cp.strategy != "ring":
     raise ValueError(f"context_parallel.strategy must be 'ring'; got "
                      f"{cp.strategy!r}")
-  ring_options(cp.load_balance, cp.loop, 2, 1)
+  ring_choices(cp.load_balance, cp.loop)
   unsupported = [name for name, value in (
       ("bias", bias), ("mask", mask), ("query_seq_lengths", lengths[0]),
       ("key_value_seq_lengths", lengths[1]), ("local_window_size", window))
