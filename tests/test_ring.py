@@ -1,5 +1,6 @@
 """Ring attention on simulated CPU meshes against the float64 reference."""
 
+import dataclasses
 import itertools
 import re
 
@@ -57,13 +58,20 @@ def check(got, q, k, v, do, case):
 
 
 def run_ring(q, k, v, do, cp, **kw):
-  """Global inputs in natural order -> ring on a 1-D mesh -> global results."""
+  """Global inputs in natural order -> ring on a 1-D mesh -> global results.
+  Padding lengths (global, replicated) are closed over."""
   spec = P(None, "cp")
   f = jax.shard_map(
       lambda q, k, v: jax_ring.ring_attention(q, k, v, axis_name="cp",
                                               implementation="xla", **kw),
       mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
   return layout_vjp(f, cp, kw.get("load_balance"), q, k, v, do)
+
+
+# Padding that leaves whole chunks (and, for the kv side, whole devices'
+# shards) empty, so that rows see nothing at some steps and keys at others.
+Q_LENGTHS = np.array([S - 7, 13], np.int32)
+KV_LENGTHS = np.array([S - 3, 29], np.int32)
 
 
 @pytest.mark.parametrize(
@@ -76,6 +84,35 @@ def test_ring_matches_reference(cp, causal, load_balance, loop):
   got = run_ring(q, k, v, do, cp, is_causal=causal,
                  load_balance=load_balance, loop=loop)
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=causal))
+
+
+@pytest.mark.parametrize(
+    "cp, load_balance, causal, window, loop",
+    [(4, "dual_chunk", True, (5, 0), "unrolled"),
+     (4, "dual_chunk", True, (13, 0), "scan"),
+     (2, None, True, (7, 0), "scan"),
+     (4, None, False, (9, 4), "unrolled"),
+     (4, "dual_chunk", False, (3, 11), "scan"),
+     (4, "dual_chunk", True, None, "unrolled"),
+     (4, None, True, None, "scan"),
+     (8, "dual_chunk", True, (4, 0), "unrolled")],
+    ids=["n4_dual_causal_w5", "n4_dual_causal_w13_scan", "n2_contig_w7",
+         "n4_contig_full_w9_4", "n4_dual_full_w3_11_scan",
+         "n4_dual_causal_pad_only", "n4_contig_causal_pad_only_scan",
+         "n8_dual_causal_w4"])
+def test_ring_windows_and_padding(cp, load_balance, causal, window, loop):
+  """Sliding windows (chunk pairs outside are skipped) and padding lengths
+  in global positions, alone and together."""
+  q, k, v, do = rank_coded_qkv(20 + cp, cp)
+  kw = dict(is_causal=causal, load_balance=load_balance, loop=loop,
+            local_window_size=window)
+  case = ref.Case(H**-0.5, is_causal=causal, window=window)
+  if window is not None:
+    check(run_ring(q, k, v, do, cp, **kw), q, k, v, do, case)
+  lengths = dict(query_seq_lengths=jnp.asarray(Q_LENGTHS),
+                 key_value_seq_lengths=jnp.asarray(KV_LENGTHS))
+  check(run_ring(q, k, v, do, cp, **kw, **lengths), q, k, v, do,
+        dataclasses.replace(case, q_lengths=Q_LENGTHS, kv_lengths=KV_LENGTHS))
 
 
 @pytest.mark.parametrize("kv_heads", [1, 4])
@@ -195,11 +232,13 @@ def test_ring_packed_segments_cross_shard_boundaries(load_balance, loop):
 # under pytest only; the same code as a plain script completes, and the
 # shard_map path runs unrolled everywhere. So the automatic path is tested
 # here with the scan loop only: see the closing note.
-@pytest.mark.parametrize("segments, dp, loop", [
-    (False, 2, "scan"), (True, 2, "scan"), (False, 1, "scan")],
+@pytest.mark.parametrize("segments, dp, loop, window_and_padding", [
+    (False, 2, "scan", False), (True, 2, "scan", False),
+    (False, 1, "scan", False), (True, 2, "scan", True)],
                          ids=["dp2_cp4_scan", "dp2_cp4_scan_packed",
-                              "dp1_cp4_scan"])
-def test_automatic_path_under_jit_matches_reference(segments, dp, loop):
+                              "dp1_cp4_scan", "dp2_cp4_scan_packed_window_pad"])
+def test_automatic_path_under_jit_matches_reference(segments, dp, loop,
+                                                    window_and_padding):
   """jit + NamedSharding (data x cp), no shard_map in user code."""
   cp = 4
   if len(jax.devices()) < dp * cp:
@@ -215,11 +254,17 @@ def test_automatic_path_under_jit_matches_reference(segments, dp, loop):
   cpc = jax_ring.ContextParallel(axis="cp", load_balance="dual_chunk",
                                  loop=loop)
 
+  extra = {}
+  if window_and_padding:
+    extra = dict(local_window_size=(9, 0),
+                 query_seq_lengths=jnp.asarray(Q_LENGTHS),
+                 key_value_seq_lengths=jnp.asarray(KV_LENGTHS))
+
   @jax.jit
   def go(q, k, v, do, seg):
     attn = lambda q, k, v: jax_ring.dot_product_attention(
         q, k, v, is_causal=True, segment_ids=seg, context_parallel=cpc,
-        implementation="xla")
+        implementation="xla", **extra)
     out, vjp = jax.vjp(attn, q, k, v)
     return out, vjp(do)
 
@@ -229,6 +274,9 @@ def test_automatic_path_under_jit_matches_reference(segments, dp, loop):
   case = ref.Case(H**-0.5, is_causal=True,
                   q_segment_ids=np.asarray(ids) if segments else None,
                   kv_segment_ids=np.asarray(ids) if segments else None)
+  if window_and_padding:
+    case = dataclasses.replace(case, window=(9, 0), q_lengths=Q_LENGTHS,
+                               kv_lengths=KV_LENGTHS)
   check((un_(out), tuple(un_(g) for g in grads)), q, k, v, do, case)
 
 

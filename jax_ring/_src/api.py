@@ -11,7 +11,7 @@ from jax_ring._src import backends, kernel, partition, validate
 from jax_ring._src import cudnn  # noqa: F401  (registers cuDNN when built)
 from jax_ring._src.config import (AttentionConfig, ContextParallel,
                                   loop_from_environment)
-from jax_ring._src.mask import BlockMask
+from jax_ring._src.mask import BlockMask, TokenMask
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *,
@@ -52,8 +52,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     context_parallel: a :class:`ContextParallel`: under ``jax.jit`` with q, k,
       v sharded on the sequence dimension over its ``axis`` (NamedSharding),
       run that strategy on each shard. Inputs must be in its load-balance
-      layout. Serves causal or full masks, packed ``segment_ids``, GQA,
-      scale and soft cap.
+      layout. Serves every option except ``bias``, ``mask`` and
+      ``return_residual``.
 
   Returns:
     ``(B, T, N, H)`` in the input dtype (and the logsumexp if asked). Rows
@@ -103,19 +103,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
                          kv_lengths=key_value_seq_lengths, dense=dense)
   if context_parallel is not None:
     validate.context_parallel(context_parallel, query, key, bias=bias,
-                              mask=mask, lengths=(query_seq_lengths,
-                                                  key_value_seq_lengths),
-                              window=window, return_residual=return_residual)
+                              mask=mask, return_residual=return_residual)
     # The loop form is read from the environment here, at the edge, once.
     context_parallel = dataclasses.replace(
         context_parallel, loop=context_parallel.loop or loop_from_environment())
-    seg = (None, None) if q_ids is None else (
-        jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32))
+    i32 = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
+    tm = TokenMask(q_segment_ids=i32(q_ids), kv_segment_ids=i32(kv_ids),
+                   q_lengths=i32(query_seq_lengths),
+                   kv_lengths=i32(key_value_seq_lengths))
     config = config.replace(implementation=backends.resolve(
         implementation, config, query, key, None, block_mask))
-    out = partition.attention(query, key, value, seg,
-                              (config, config.replace(is_causal=False)),
-                              context_parallel)
+    out = partition.attention(query, key, value, tm, config, context_parallel)
     return out[0] if unbatched else out
   config = config.replace(implementation=backends.resolve(
       implementation, config, query, key, bias, block_mask))

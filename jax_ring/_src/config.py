@@ -74,6 +74,24 @@ class ContextParallel:
   loop: Literal["scan", "unrolled"] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+  """Static facts of one context-parallel call on local shards (inside
+  ``shard_map``), shared by every strategy's forward and backward.
+
+  Attributes:
+    axis_name: the mesh axis the sequence is sharded over.
+    cp_size: its size.
+    load_balance: the token layout of the shards (``None`` = contiguous).
+    loop: the ring's loop form; other strategies ignore it.
+  """
+
+  axis_name: str
+  cp_size: int
+  load_balance: Literal["dual_chunk"] | None = None
+  loop: Literal["scan", "unrolled"] = "unrolled"
+
+
 # TransformerEngine's switch between its two ring loop forms; honoured for
 # users coming from TE. Read here, at the API edge, and nowhere deeper.
 RING_LOOP_ENV = "NVTE_FUSED_RING_ATTENTION_USE_SCAN"

@@ -74,6 +74,23 @@ class BlockMask:
     )
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenMask:
+  """Per-token mask operands of a context-parallel call, on local shards.
+
+  Segment ids are this device's ``(B, T)`` query ids and ``(B, T)`` kv ids,
+  in the shard's layout (they travel with the tokens); lengths are ``(B,)``
+  in *global* natural-order positions, the same on every device. A strategy
+  turns them into one ``BlockMask`` per block call.
+  """
+
+  q_segment_ids: Array | None = None
+  kv_segment_ids: Array | None = None
+  q_lengths: Array | None = None
+  kv_lengths: Array | None = None
+
+
 def block_visibility(mask: BlockMask, config, *, q_start, kv_start, block_q,
                      block_kv, q_len, kv_len, heads):
   """Boolean visibility of one (query block, kv block) tile.

@@ -15,11 +15,16 @@ q, out      (B, S, N, H)               (batch, cp, heads, -)
 k, v        (B, S, K, H)               (batch, cp, heads, -)
 lse         (B, S, N)                  (batch, cp, heads)
 seg ids     (B, S)                     (batch, cp)
+lengths     (B,)                       (batch)
 ==========  =========================  ==========================
+
+The mask operands are the fields of a ``TokenMask`` that are present; which
+ones are present is part of the cache key of the partitioned functions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -27,11 +32,15 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_ring._src import kernel, ring, validate
-from jax_ring._src.config import ContextParallel
+from jax_ring._src.config import ContextParallel, ShardPlan
+from jax_ring._src.mask import BlockMask, TokenMask
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(TokenMask))
+_LENGTHS = frozenset({"q_lengths", "kv_lengths"})
 
 
 def _axes(mesh, q_shape, cpc: ContextParallel):
-  """(batch axes, head axes) of q's sharding, and the ring config. The mesh
+  """(batch axes, head axes) of q's sharding, and the shard plan. The mesh
   size is first known here, so the sequence-length checks are made here."""
   cp = mesh.shape[cpc.axis]
   seq = q_shape.shape[1]
@@ -43,110 +52,117 @@ def _axes(mesh, q_shape, cpc: ContextParallel):
   sharding = q_shape.sharding
   spec = tuple(sharding.spec) + (None,) * 4 if sharding is not None else ()
   batch, heads = (spec[0], spec[2]) if spec else (None, None)
-  return batch, heads, ring.RingConfig(cpc.axis, cp, cpc.load_balance,
-                                       cpc.loop)
+  return batch, heads, ShardPlan(cpc.axis, cp, cpc.load_balance, cpc.loop)
 
 
-def _shardings(mesh, batch, heads, cp_axis):
-  """Shardings of the token arrays, the lse and the segment ids."""
+def _shardings(mesh, batch, heads, cp_axis, present):
+  """Shardings of the token arrays, the lse and the mask operands."""
   tok = NamedSharding(mesh, P(batch, cp_axis, heads, None))
   stat = NamedSharding(mesh, P(batch, cp_axis, heads))
-  seq = NamedSharding(mesh, P(batch, cp_axis))
-  return tok, stat, seq
+  masks = tuple(NamedSharding(mesh, P(batch) if f in _LENGTHS else
+                              P(batch, cp_axis)) for f in present)
+  return tok, stat, masks
+
+
+def _pack(tm: TokenMask):
+  """(names of the present fields, their arrays)."""
+  present = tuple(f for f in _FIELDS if getattr(tm, f) is not None)
+  return present, tuple(getattr(tm, f) for f in present)
 
 
 @functools.lru_cache(maxsize=None)
-def _functions(has_seg: bool):
-  """The (forward, backward) custom_partitioning pair for one arity."""
-  seg_rule = ", b s, b s" if has_seg else ""
+def _functions(present: tuple[str, ...]):
+  """The (forward, backward) custom_partitioning pair for one set of mask
+  operands."""
+  rule = "".join(", b" if f in _LENGTHS else ", b s" for f in present)
+  n = len(present)
 
   def split(args):
-    n = 2 if has_seg else 0
-    body, seg = args[:len(args) - n], args[len(args) - n:]
-    return body, (tuple(seg) if has_seg else (None, None))
+    body, rest = args[:len(args) - n], args[len(args) - n:]
+    return body, TokenMask(**dict(zip(present, rest)))
 
-  # -- forward: (q, k, v[, q_seg, kv_seg]) -> (out, lse)
+  def whole(tm: TokenMask):
+    """The unpartitioned (one device) mask: global positions, offsets 0."""
+    return BlockMask(**{f: getattr(tm, f) for f in _FIELDS})
+
+  # -- forward: (q, k, v, *mask operands) -> (out, lse)
   @functools.partial(custom_partitioning, static_argnums=(0, 1))
-  def fwd(cfgs, cpc, *args):
-    (q, k, v), seg = split(args)
-    # Unpartitioned (one device): the ring of one, i.e. plain attention.
-    return kernel.attention(q, k, v, None, ring._mask(*seg), cfgs[0])
+  def fwd(cfg, cpc, *args):
+    (q, k, v), tm = split(args)
+    return kernel.attention(q, k, v, None, whole(tm), cfg)
 
-  def fwd_partition(cfgs, cpc, mesh, arg_shapes, result_shape):
-    batch, heads, rc = _axes(mesh, arg_shapes[0], cpc)
-    tok, stat, seq = _shardings(mesh, batch, heads, cpc.axis)
-    arg_sh = (tok, tok, tok) + ((seq, seq) if has_seg else ())
+  def fwd_partition(cfg, cpc, mesh, arg_shapes, result_shape):
+    batch, heads, plan = _axes(mesh, arg_shapes[0], cpc)
+    tok, stat, masks = _shardings(mesh, batch, heads, cpc.axis, present)
 
     def lowered(*args):
-      (q, k, v), seg = split(args)
-      return ring._forward(q, k, v, seg, cfgs, rc)
+      (q, k, v), tm = split(args)
+      return ring._forward(q, k, v, tm, cfg, plan)
 
-    return mesh, lowered, (tok, stat), arg_sh
+    return mesh, lowered, (tok, stat), (tok, tok, tok) + masks
 
-  def fwd_infer(cfgs, cpc, mesh, arg_shapes, result_shape):
+  def fwd_infer(cfg, cpc, mesh, arg_shapes, result_shape):
     batch, heads, _ = _axes(mesh, arg_shapes[0], cpc)
-    tok, stat, _ = _shardings(mesh, batch, heads, cpc.axis)
+    tok, stat, _ = _shardings(mesh, batch, heads, cpc.axis, present)
     return tok, stat
 
   fwd.def_partition(
       partition=fwd_partition, infer_sharding_from_operands=fwd_infer,
-      sharding_rule=f"b s n h, b s k h, b s k h{seg_rule} -> b s n h, b s n")
+      sharding_rule=f"b s n h, b s k h, b s k h{rule} -> b s n h, b s n")
 
-  # -- backward: (q, k, v, out, lse, dout[, q_seg, kv_seg]) -> (dq, dk, dv)
+  # -- backward: (q, k, v, out, lse, dout, *mask operands) -> (dq, dk, dv)
   @functools.partial(custom_partitioning, static_argnums=(0, 1))
-  def bwd(cfgs, cpc, *args):
-    (q, k, v, out, lse, dout), seg = split(args)
-    return kernel.attention_backward(q, k, v, None, ring._mask(*seg), out,
-                                     lse, dout, None, cfgs[0])[:3]
+  def bwd(cfg, cpc, *args):
+    (q, k, v, out, lse, dout), tm = split(args)
+    return kernel.attention_backward(q, k, v, None, whole(tm), out, lse, dout,
+                                     None, cfg)[:3]
 
-  def bwd_partition(cfgs, cpc, mesh, arg_shapes, result_shape):
-    batch, heads, rc = _axes(mesh, arg_shapes[0], cpc)
-    tok, stat, seq = _shardings(mesh, batch, heads, cpc.axis)
-    arg_sh = (tok, tok, tok, tok, stat, tok) + ((seq, seq) if has_seg else ())
+  def bwd_partition(cfg, cpc, mesh, arg_shapes, result_shape):
+    batch, heads, plan = _axes(mesh, arg_shapes[0], cpc)
+    tok, stat, masks = _shardings(mesh, batch, heads, cpc.axis, present)
 
     def lowered(*args):
-      (q, k, v, out, lse, dout), seg = split(args)
-      return ring._backward(q, k, v, seg, out, lse, dout, cfgs, rc)
+      (q, k, v, out, lse, dout), tm = split(args)
+      return ring._backward(q, k, v, tm, out, lse, dout, cfg, plan)
 
-    return mesh, lowered, (tok, tok, tok), arg_sh
+    return (mesh, lowered, (tok, tok, tok),
+            (tok, tok, tok, tok, stat, tok) + masks)
 
-  def bwd_infer(cfgs, cpc, mesh, arg_shapes, result_shape):
+  def bwd_infer(cfg, cpc, mesh, arg_shapes, result_shape):
     batch, heads, _ = _axes(mesh, arg_shapes[0], cpc)
-    tok, _, _ = _shardings(mesh, batch, heads, cpc.axis)
+    tok, _, _ = _shardings(mesh, batch, heads, cpc.axis, present)
     return tok, tok, tok
 
   bwd.def_partition(
       partition=bwd_partition, infer_sharding_from_operands=bwd_infer,
       sharding_rule=("b s n h, b s k h, b s k h, b s n h, b s n, b s n h"
-                     f"{seg_rule} -> b s n h, b s k h, b s k h"))
+                     f"{rule} -> b s n h, b s k h, b s k h"))
   return fwd, bwd
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def attention(q, k, v, seg, cfgs, cpc: ContextParallel):
-  """Context-parallel attention of global arrays; ``seg`` is (q ids, kv ids)
-  or (None, None). Returns ``out``."""
-  return _fwd(q, k, v, seg, cfgs, cpc)[0][0]
+def attention(q, k, v, tm: TokenMask, cfg, cpc: ContextParallel):
+  """Context-parallel attention of global arrays. Returns ``out``."""
+  return _fwd(q, k, v, tm, cfg, cpc)[0][0]
 
 
-def _fwd(q, k, v, seg, cfgs, cpc):
-  has_seg = seg[0] is not None
-  fwd, _ = _functions(has_seg)
-  out, lse = fwd(cfgs, cpc, q, k, v, *(seg if has_seg else ()))
-  return (out, lse), (q, k, v, seg, out, lse)
+def _fwd(q, k, v, tm, cfg, cpc):
+  present, ops = _pack(tm)
+  fwd, _ = _functions(present)
+  out, lse = fwd(cfg, cpc, q, k, v, *ops)
+  return (out, lse), (q, k, v, tm, out, lse)
 
 
-def _bwd(cfgs, cpc, res, dout):
-  q, k, v, seg, out, lse = res
-  has_seg = seg[0] is not None
-  _, bwd = _functions(has_seg)
-  dq, dk, dv = bwd(cfgs, cpc, q, k, v, out, lse, dout.astype(q.dtype),
-                   *(seg if has_seg else ()))
-  return dq, dk, dv, (None, None)
+def _bwd(cfg, cpc, res, dout):
+  q, k, v, tm, out, lse = res
+  present, ops = _pack(tm)
+  _, bwd = _functions(present)
+  dq, dk, dv = bwd(cfg, cpc, q, k, v, out, lse, dout.astype(q.dtype), *ops)
+  return dq, dk, dv, jax.tree.map(lambda _: None, tm)
 
 
-def _attention_fwd(q, k, v, seg, cfgs, cpc):
-  (out, _), res = _fwd(q, k, v, seg, cfgs, cpc)
+def _attention_fwd(q, k, v, tm, cfg, cpc):
+  (out, _), res = _fwd(q, k, v, tm, cfg, cpc)
   return out, res
 
 

@@ -28,6 +28,18 @@ Under dual_chunk every step after the first costs the same C x 2C block on
 every device. The local order [chunk r, chunk 2N-1-r] is increasing in global
 position, so the diagonal step is exactly a local causal mask.
 
+Padding lengths are global positions; because every block's chunks are in
+increasing global order, the valid tokens of a block are a prefix of it, so
+each block gets a local prefix length (a runtime operand, which cuDNN takes
+as its sequence lengths) and static offsets.
+
+With a sliding window the schedule works per (query chunk, kv chunk) pair:
+the pair's distance in chunks, ``k = q_chunk - kv_chunk``, is traced, but
+only a few values of k can touch the window, so a ``lax.switch`` over them
+gives each branch a *static* band (offset ``k * C``, the window) and sends
+every other distance to a skip branch: work outside the window is never
+done, and the cuDNN band stays a compile-time constant.
+
 Backward (custom VJP): dq accumulates locally; (K, V) and their dK/dV
 accumulators travel the ring together, each block's backward is given the
 global ``out`` and ``lse``, and a final permute returns dK/dV to their
@@ -46,216 +58,352 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ring._src import backends, kernel, validate, vma
-from jax_ring._src.config import AttentionConfig, loop_from_environment
+from jax_ring._src import kernel, shard_call, validate, vma
+from jax_ring._src.config import (AttentionConfig, ShardPlan,
+                                  loop_from_environment)
 from jax_ring._src.layout import LoadBalance
-from jax_ring._src.mask import BlockMask
+from jax_ring._src.mask import BlockMask, TokenMask
 from jax_ring._src.xla_backend import MASK_VALUE
 
 Loop = Literal["scan", "unrolled"]
 
 
-@dataclasses.dataclass(frozen=True)
-class RingConfig:
-  """Static ring parameters: the mesh axis, its size, layout and loop form."""
-
-  axis_name: str
-  cp_size: int
-  load_balance: LoadBalance | None
-  loop: Loop
-
-
 def merge(out, lse, out_i, lse_i):
   """Merge two partial attentions over disjoint keys, in float32.
 
-  The sigmoid form never evaluates exp of a large positive number, so it
-  cannot overflow, and with finite MASK_VALUE stand-ins a fully masked
-  partial gets weight sigmoid(-huge) = 0 instead of a NaN from inf - inf.
+  ``out`` moves toward ``out_i`` by the sigmoid of the lse difference (never
+  an exp of a large positive number). The new lse is a logaddexp, not the
+  equivalent ``lse - log_sigmoid(lse - lse_i)``: with a fully masked side at
+  the finite MASK_VALUE = -1e30, that form computes -1e30 + (1e30 + lse_i)
+  and loses lse_i to rounding, while logaddexp returns lse_i exactly.
   """
   out_i, lse_i = out_i.astype(jnp.float32), lse_i.astype(jnp.float32)
   out = out - jax.nn.sigmoid(lse_i - lse)[..., None] * (out - out_i)
-  lse = lse - jax.nn.log_sigmoid(lse - lse_i)
-  return out, lse
+  return out, jnp.logaddexp(lse, lse_i)
 
 
-def _send_next(x, rc: RingConfig):
+def _send_next(x, plan: ShardPlan):
   """Every array of ``x`` to the next device on the ring."""
-  perm = [(j, (j + 1) % rc.cp_size) for j in range(rc.cp_size)]
-  return jax.tree.map(lambda a: lax.ppermute(a, rc.axis_name, perm), x)
+  perm = [(j, (j + 1) % plan.cp_size) for j in range(plan.cp_size)]
+  return jax.tree.map(lambda a: lax.ppermute(a, plan.axis_name, perm), x)
 
 
-def _kinds(rc: RingConfig, causal: bool):
+def chunk_ids(plan: ShardPlan, device):
+  """Global chunk ids device ``device`` holds, in its local (increasing)
+  order; chunks are ``T / len(ids)`` tokens long."""
+  if plan.load_balance == "dual_chunk":
+    return [device, 2 * plan.cp_size - 1 - device]
+  return [device]
+
+
+def _prefix(lengths, chunks, c):
+  """Valid tokens of a block made of ``chunks`` (increasing global ids, c
+  tokens each) under global ``lengths (B,)``: they form a prefix."""
+  if lengths is None:
+    return None
+  return sum(jnp.clip(lengths - ch * c, 0, c) for ch in chunks)
+
+
+def _kinds(plan: ShardPlan, causal: bool):
   """(kind if src < r, kind if src > r) for the steps after the first."""
   if not causal:
     return "full", "full"
-  if rc.load_balance == "dual_chunk":
+  if plan.load_balance == "dual_chunk":
     return "half_kv", "half_q"
   return "full", "skip"
 
 
-# --- one block, forward and backward, by kind -------------------------------
+# --- what one block works on ------------------------------------------------
 #
 # ``kv`` is what travels the ring: (stacked K/V (2, B, T, K, H), the kv
-# segment ids (B, T) or None). ``q_seg`` is this device's query segment ids.
+# segment ids (B, T) or None). A block is a set of query chunks of this
+# device against a set of kv chunks of the source device.
 
-def _mask(q_seg, kv_seg):
-  if q_seg is None:
-    return BlockMask()
-  return BlockMask(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+@dataclasses.dataclass(frozen=True)
+class _Block:
+  """The query rows, k/v rows and BlockMask of one block call; ``rows`` and
+  ``cols`` are the slices of the local q and of the held kv it covers."""
+
+  q_rows: jax.Array
+  kv_rows: tuple[jax.Array, jax.Array]
+  mask: BlockMask
+  rows: slice
+  cols: slice
 
 
-def _halves(kind, q, q_seg, kv):
-  """The (q rows, q ids, k, v, kv ids) a block of ``kind`` works on."""
+def _cut(x, sl):
+  return None if x is None else x[:, sl]
+
+
+def _block(q, tm: TokenMask, kv, qc, kc, rows, cols, c, q_offset=0):
+  """A block of query chunks ``qc`` (local rows ``rows``) against kv chunks
+  ``kc`` (held rows ``cols``). Offsets are static: 0, or ``q_offset`` for a
+  window pair; lengths become local prefixes shifted by the same offset."""
   (k, v), kv_seg = (kv[0][0], kv[0][1]), kv[1]
-  c = q.shape[1] // 2
-  cut = lambda x, sl: None if x is None else x[:, sl]
+  q_len = _prefix(tm.q_lengths, qc, c)
+  mask = BlockMask(
+      q_offset=q_offset,
+      q_segment_ids=_cut(tm.q_segment_ids, rows),
+      kv_segment_ids=_cut(kv_seg, cols),
+      q_lengths=None if q_len is None else q_len + q_offset,
+      kv_lengths=_prefix(tm.kv_lengths, kc, c))
+  return _Block(q[:, rows], (k[:, cols], v[:, cols]), mask, rows, cols)
+
+
+def _kind_block(kind, q, tm, kv, qc, kc):
+  """The block of a no-window step kind (diag, full, half_kv, half_q)."""
+  c = q.shape[1] // len(qc)
+  rows = cols = slice(None)
   if kind == "half_q":
-    return q[:, c:], cut(q_seg, slice(c, None)), k, v, kv_seg
+    rows, qc = slice(c, None), qc[1:]
   if kind == "half_kv":
-    half = slice(0, c)
-    return q, q_seg, k[:, half], v[:, half], cut(kv_seg, half)
-  return q, q_seg, k, v, kv_seg
+    cols, kc = slice(0, c), kc[:1]
+  return _block(q, tm, kv, qc, kc, rows, cols, c)
 
 
-def _block_fwd(kind, q, q_seg, kv, cfgs):
-  causal_cfg, full_cfg = cfgs
+def _window_pairs(plan: ShardPlan, cfg: AttentionConfig, c: int):
+  """(k_min, k_max): the chunk distances q_chunk - kv_chunk whose c x c
+  pair can hold a visible (query, key) under the window (and causality)."""
+  left, right = cfg.local_window
+  if cfg.is_causal:
+    right = min(right, 0)
+  k_max = min((left + c - 1) // c, 2 * plan.cp_size)
+  k_min = max(-((right + c - 1) // c), -2 * plan.cp_size)
+  return k_min, k_max
+
+
+# --- forward and backward of one block, zero-filled to the full local q ----
+
+def _masked(b, rows, n, h, like):
+  return vma.like((jnp.zeros((b, rows, n, h), jnp.float32),
+                   jnp.full((b, rows, n), MASK_VALUE, jnp.float32)), *like)
+
+
+def _fwd(blk: _Block, cfg):
+  """(out f32, lse) of a block, over the local q rows ``blk.rows`` of t."""
+  o, l = kernel.attention(blk.q_rows, *blk.kv_rows, None, blk.mask, cfg)
+  return o.astype(jnp.float32), l
+
+
+def _bwd(blk: _Block, out, lse, dout, cfg):
+  """(dq of the block rows, (dk, dv) of the block cols), float32."""
+  rows = blk.rows
+  dq, dk, dv, _ = kernel.attention_backward(
+      blk.q_rows, *blk.kv_rows, None, blk.mask, out[:, rows], lse[:, rows],
+      dout[:, rows], None, cfg)
+  f32 = lambda x: x.astype(jnp.float32)
+  return f32(dq), jnp.stack([f32(dk), f32(dv)])
+
+
+def _place(x, sl, size, axis):
+  """Zero-pad ``x`` so that it fills slice ``sl`` of ``size`` along axis."""
+  if sl == slice(None):
+    return x
+  start = sl.start or 0
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (start, size - start - x.shape[axis])
+  return jnp.pad(x, pad)
+
+
+def _kind_fwd(kind, q, tm, kv, qc, kc, cfgs):
   b, t, n, h = q.shape
-  c = t // 2
-  masked = lambda rows: vma.like(
-      (jnp.zeros((b, rows, n, h), jnp.float32),
-       jnp.full((b, rows, n), MASK_VALUE, jnp.float32)), q, kv[0])
   if kind == "skip":
-    return masked(t)
-  qq, qs, k, v, ks = _halves(kind, q, q_seg, kv)
-  cfg = causal_cfg if kind == "diag" else full_cfg
-  o, l = kernel.attention(qq, k, v, None, _mask(qs, ks), cfg)
-  o = o.astype(jnp.float32)
-  if kind == "half_q":
-    zo, zl = masked(c)
-    return jnp.concatenate([zo, o], 1), jnp.concatenate([zl, l], 1)
+    return _masked(b, t, n, h, (q, kv[0]))
+  blk = _kind_block(kind, q, tm, kv, qc, kc)
+  o, l = _fwd(blk, cfgs[kind == "diag"])
+  if blk.rows != slice(None):  # half_q: the first chunk saw nothing
+    zo, zl = _masked(b, t - o.shape[1], n, h, (q, kv[0]))
+    o, l = jnp.concatenate([zo, o], 1), jnp.concatenate([zl, l], 1)
   return o, l
 
 
-def _block_bwd(kind, q, q_seg, kv, out, lse, dout, cfgs):
-  """(dq, dkv) of one block, dq (B, T, N, H) and dkv (2, B, T, K, H), f32."""
-  causal_cfg, full_cfg = cfgs
-  c = q.shape[1] // 2
-  f32 = lambda x: x.astype(jnp.float32)
+def _kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs):
+  t = q.shape[1]
   if kind == "skip":
     return vma.like((jnp.zeros(q.shape, jnp.float32),
                      jnp.zeros(kv[0].shape, jnp.float32)), q, kv[0], out,
                     dout)
-  qq, qs, k, v, ks = _halves(kind, q, q_seg, kv)
-  rows = slice(c, None) if kind == "half_q" else slice(None)
-  cfg = causal_cfg if kind == "diag" else full_cfg
-  dq, dk, dv, _ = kernel.attention_backward(
-      qq, k, v, None, _mask(qs, ks), out[:, rows], lse[:, rows],
-      dout[:, rows], None, cfg)
-  dq, dkv = f32(dq), jnp.stack([f32(dk), f32(dv)])
-  if kind == "half_q":
-    dq = jnp.concatenate([jnp.zeros_like(dq), dq], 1)
-  if kind == "half_kv":
-    dkv = jnp.concatenate([dkv, jnp.zeros_like(dkv)], 2)
-  return dq, dkv
+  blk = _kind_block(kind, q, tm, kv, qc, kc)
+  dq, dkv = _bwd(blk, out, lse, dout, cfgs[kind == "diag"])
+  return _place(dq, blk.rows, t, 1), _place(dkv, blk.cols, t, 2)
 
 
-def _step_kind_call(fn, rc, causal, step, *args):
-  """Call ``fn(kind, *args)`` for a step after the first: a lax.cond on
-  whether the held KV comes from an earlier device."""
-  before, after = _kinds(rc, causal)
-  if before == after:
-    return fn(before, *args)
-  r = lax.axis_index(rc.axis_name)
-  src = (r - step) % rc.cp_size
-  return lax.cond(src < r, functools.partial(fn, before),
-                  functools.partial(fn, after), *args)
+def _pair_switch(fn, skip, plan, cfg, a, b, q, kv, r, src, c):
+  """``fn(block)`` for query chunk a of device r and kv chunk b of device
+  src, switched on their chunk distance; ``skip()`` outside the window."""
+  k_min, k_max = _window_pairs(plan, cfg, c)
+  qc, kc = chunk_ids(plan, r)[a], chunk_ids(plan, src)[b]
+  index = jnp.clip(qc - kc - k_min + 1, 0, k_max - k_min + 2)
+
+  def branch(dist, q, tm, kv):
+    rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
+    return fn(_block(q, tm, kv, [qc], [kc], rows, cols, c, dist * c))
+
+  branches = ([lambda *_: skip()] +
+              [functools.partial(branch, d) for d in range(k_min, k_max + 1)]
+              + [lambda *_: skip()])
+  return lambda q, tm, kv: lax.switch(index, branches, q, tm, kv)
 
 
-def _ring_loop(rc, first, later, kv, carry):
+def _window_fwd(q, tm, kv, r, src, cfg, plan, carry):
+  """Merge every (query chunk, kv chunk) pair of one step into ``carry``
+  (None at the first step: the first pair initialises it)."""
+  b, t, n, h = q.shape
+  m = len(chunk_ids(plan, 0))
+  c = t // m
+  outs = []
+  for a in range(m):
+    part = None if carry is None else (carry[0][:, a * c:(a + 1) * c],
+                                       carry[1][:, a * c:(a + 1) * c])
+    for bb in range(m):
+      f = _pair_switch(lambda blk: _fwd(blk, cfg),
+                       lambda: _masked(b, c, n, h, (q, kv[0])), plan, cfg, a,
+                       bb, q, kv, r, src, c)
+      o = f(q, tm, kv)
+      part = o if part is None else merge(*part, *o)
+    outs.append(part)
+  return tuple(jnp.concatenate(x, 1) for x in zip(*outs))
+
+
+def _window_bwd(q, tm, kv, r, src, out, lse, dout, cfg, plan):
+  b, t, n, h = q.shape
+  m = len(chunk_ids(plan, 0))
+  c = t // m
+  kshape = kv[0].shape[:2] + (c,) + kv[0].shape[3:]
+  dqs, dkvs = [0.0] * m, [0.0] * m
+  for a in range(m):
+    for bb in range(m):
+      f = _pair_switch(
+          lambda blk: _bwd(blk, out, lse, dout, cfg),
+          lambda: vma.like((jnp.zeros((b, c, n, h), jnp.float32),
+                            jnp.zeros(kshape, jnp.float32)), q, kv[0], out,
+                           dout), plan, cfg, a, bb, q, kv, r, src, c)
+      dq, dkv = f(q, tm, kv)
+      dqs[a], dkvs[bb] = dqs[a] + dq, dkvs[bb] + dkv
+  return jnp.concatenate(dqs, 1), jnp.concatenate(dkvs, 2)
+
+
+# --- the loop ---------------------------------------------------------------
+
+def _ring_loop(plan, first, later, kv, carry):
   """Run ``first(kv, carry)`` on the own KV, then ``later(step, kv, carry)``
   on each received one. Each step's KV send is issued before its compute;
   the last step is peeled so that it sends nothing."""
-  cp = rc.cp_size
+  cp = plan.cp_size
   if cp == 1:
     return first(kv, carry)
-  nxt = _send_next(kv, rc)
+  nxt = _send_next(kv, plan)
   carry = first(kv, carry)
   kv = nxt
-  if rc.loop == "scan":
+  if plan.loop == "scan":
     def body(state, step):
       kv, carry = state
-      nxt = _send_next(kv, rc)
+      nxt = _send_next(kv, plan)
       return (nxt, later(step, kv, carry)), None
 
     (kv, carry), _ = lax.scan(body, (kv, carry), jnp.arange(1, cp - 1))
   else:
     for step in range(1, cp - 1):
-      nxt = _send_next(kv, rc)
+      nxt = _send_next(kv, plan)
       carry = later(step, kv, carry)
       kv = nxt
   return later(cp - 1, kv, carry)
 
 
-def _forward(q, k, v, seg, cfgs, rc: RingConfig):
-  causal = cfgs[0].is_causal
-  first_kind = "diag" if causal else "full"
-  q_seg, kv_seg = seg
+def _step_call(fn, plan, causal, r, src, *args):
+  """``fn(kind, *args)`` for a step after the first: a lax.cond on whether
+  the held KV comes from an earlier device."""
+  before, after = _kinds(plan, causal)
+  if before == after:
+    return fn(before, *args)
+  return lax.cond(src < r, functools.partial(fn, before),
+                  functools.partial(fn, after), *args)
 
-  def first(kv, carry):
-    return _block_fwd(first_kind, q, q_seg, kv, cfgs)
 
-  def later(step, kv, carry):
-    part = _step_kind_call(
-        lambda kind, kv: _block_fwd(kind, q, q_seg, kv, cfgs), rc, causal,
-        step, kv)
-    return merge(*carry, *part)
+def _cfgs(cfg: AttentionConfig):
+  """(off-diagonal, diagonal) block configs: index with ``kind == "diag"``."""
+  return cfg.replace(is_causal=False), cfg
 
-  out, lse = _ring_loop(rc, first, later, (jnp.stack([k, v]), kv_seg), None)
+
+def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
+  """(out in q's dtype, lse f32) of this device's queries."""
+  r = lax.axis_index(plan.axis_name)
+  src_of = lambda step: (r - step) % plan.cp_size
+  qc = chunk_ids(plan, r)
+  kv0 = (jnp.stack([k, v]), tm.kv_segment_ids)
+  if cfg.local_window is not None:
+    first = lambda kv, _: _window_fwd(q, tm, kv, r, r, cfg, plan, None)
+    later = lambda step, kv, carry: _window_fwd(q, tm, kv, r, src_of(step),
+                                                cfg, plan, carry)
+  else:
+    cfgs = _cfgs(cfg)
+    first = lambda kv, _: _kind_fwd("diag" if cfg.is_causal else "full", q,
+                                    tm, kv, qc, qc, cfgs)
+
+    def later(step, kv, carry):
+      src = src_of(step)
+      part = _step_call(
+          lambda kind, kv: _kind_fwd(kind, q, tm, kv, qc,
+                                     chunk_ids(plan, src), cfgs),
+          plan, cfg.is_causal, r, src, kv)
+      return merge(*carry, *part)
+
+  out, lse = _ring_loop(plan, first, later, kv0, None)
   return out.astype(q.dtype), lse
 
 
-def _backward(q, k, v, seg, out, lse, dout, cfgs, rc: RingConfig):
-  causal = cfgs[0].is_causal
-  first_kind = "diag" if causal else "full"
-  q_seg, kv_seg = seg
+def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
+              plan: ShardPlan):
+  """(dq, dk, dv) of this device's shards, given the global out and lse."""
+  r = lax.axis_index(plan.axis_name)
+  src_of = lambda step: (r - step) % plan.cp_size
+  qc = chunk_ids(plan, r)
+  if cfg.local_window is not None:
+    step_bwd = lambda kv, src: _window_bwd(q, tm, kv, r, src, out, lse, dout,
+                                           cfg, plan)
+    first_bwd = lambda kv: step_bwd(kv, r)
+  else:
+    cfgs = _cfgs(cfg)
+    first_bwd = lambda kv: _kind_bwd("diag" if cfg.is_causal else "full", q,
+                                     tm, kv, qc, qc, out, lse, dout, cfgs)
+
+    def step_bwd(kv, src):
+      return _step_call(
+          lambda kind, kv: _kind_bwd(kind, q, tm, kv, qc,
+                                     chunk_ids(plan, src), out, lse, dout,
+                                     cfgs), plan, cfg.is_causal, r, src, kv)
 
   # The carry is (dq, dkv): dkv belongs to the KV held at this step, so it
   # moves with it after the step's compute.
-  def first(kv, carry):
-    return _block_bwd(first_kind, q, q_seg, kv, out, lse, dout, cfgs)
-
   def later(step, kv, carry):
     dq, dkv = carry
-    dkv = _send_next(dkv, rc)
-    dq_i, dkv_i = _step_kind_call(
-        lambda kind, kv: _block_bwd(kind, q, q_seg, kv, out, lse, dout, cfgs),
-        rc, causal, step, kv)
+    dkv = _send_next(dkv, plan)
+    dq_i, dkv_i = step_bwd(kv, src_of(step))
     return dq + dq_i, dkv + dkv_i
 
-  dq, dkv = _ring_loop(rc, first, later, (jnp.stack([k, v]), kv_seg), None)
-  if rc.cp_size > 1:
-    dkv = _send_next(dkv, rc)  # back to the owner
+  kv0 = (jnp.stack([k, v]), tm.kv_segment_ids)
+  dq, dkv = _ring_loop(plan, lambda kv, _: first_bwd(kv), later, kv0, None)
+  if plan.cp_size > 1:
+    dkv = _send_next(dkv, plan)  # back to the owner
   return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def ring(q, k, v, seg, cfgs: tuple[AttentionConfig, AttentionConfig],
-         rc: RingConfig):
-  """Ring attention on local shards. ``seg`` is (q ids, kv ids) or
-  (None, None); ``cfgs`` the (diagonal, off-diagonal) block configs."""
-  return _forward(q, k, v, seg, cfgs, rc)[0]
+def ring(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
+  """Ring attention on local shards; returns this device's output rows."""
+  return _forward(q, k, v, tm, cfg, plan)[0]
 
 
-def _ring_fwd(q, k, v, seg, cfgs, rc):
-  out, lse = _forward(q, k, v, seg, cfgs, rc)
-  return out, (q, k, v, seg, out, lse)
+def _ring_fwd(q, k, v, tm, cfg, plan):
+  out, lse = _forward(q, k, v, tm, cfg, plan)
+  return out, (q, k, v, tm, out, lse)
 
 
-def _ring_bwd(cfgs, rc, res, dout):
-  q, k, v, seg, out, lse = res
-  dq, dk, dv = _backward(q, k, v, seg, out, lse, dout.astype(q.dtype), cfgs,
-                         rc)
-  return dq, dk, dv, (None, None)
+def _ring_bwd(cfg, plan, res, dout):
+  q, k, v, tm, out, lse = res
+  dq, dk, dv = _backward(q, k, v, tm, out, lse, dout.astype(q.dtype), cfg,
+                         plan)
+  return dq, dk, dv, jax.tree.map(lambda _: None, tm)
 
 
 ring.defvjp(_ring_fwd, _ring_bwd)
@@ -263,8 +411,10 @@ ring.defvjp(_ring_fwd, _ring_bwd)
 
 def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
                    load_balance: LoadBalance | None = None,
-                   segment_ids=None, scale=None, logits_soft_cap=None,
-                   implementation=None, loop: Loop | None = None):
+                   segment_ids=None, query_seq_lengths=None,
+                   key_value_seq_lengths=None, local_window_size=None,
+                   scale=None, logits_soft_cap=None, implementation=None,
+                   loop: Loop | None = None):
   """Exact attention over a sequence sharded along mesh axis ``axis_name``.
 
   Call it inside ``shard_map`` on the local shards: ``query (B, T, N, H)``,
@@ -280,6 +430,10 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
     segment_ids: packed documents, this device's ``(B, T)`` ids (or a
       ``(q_ids, kv_ids)`` pair), in the same layout as the tokens; the kv
       ids travel the ring with K/V. Documents may cross shard boundaries.
+    query_seq_lengths, key_value_seq_lengths: ``(B,)`` padding lengths in
+      global natural-order positions (the same on every device).
+    local_window_size: ``w`` or ``(left, right)`` in global positions;
+      chunk pairs outside the window are skipped.
     scale: logit multiplier; default ``1 / sqrt(H)``.
     logits_soft_cap: Gemma-2 soft cap, as in ``dot_product_attention``.
     implementation: block backend, as in ``dot_product_attention``.
@@ -291,21 +445,12 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
     ``(B, T, N, H)`` in the input dtype: this device's rows of the output.
   """
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
-  validate.qkv(query, key, value)
-  validate.scalar_options(scale, logits_soft_cap)
-  validate.implementation(implementation)
   cp = validate.mesh_axis(axis_name)
   validate.ring_options(load_balance, loop, query.shape[1], cp)
-  cfg = AttentionConfig(
-      scale=float(query.shape[-1]**-0.5 if scale is None else scale),
-      is_causal=bool(is_causal),
-      logits_soft_cap=None if logits_soft_cap is None else float(
-          logits_soft_cap))
-  seg = (None, None)
-  if segment_ids is not None:
-    seg = tuple(jnp.asarray(x, jnp.int32) for x in validate.segment_ids(
-        segment_ids, query.shape, key.shape))
-  cfg = cfg.replace(implementation=backends.resolve(
-      implementation, cfg, query, key, None, _mask(*seg)))
-  rc = RingConfig(axis_name, cp, load_balance, loop or loop_from_environment())
-  return ring(query, key, value, seg, (cfg, cfg.replace(is_causal=False)), rc)
+  tm, cfg = shard_call.prepare(
+      query, key, value, segment_ids=segment_ids,
+      lengths=(query_seq_lengths, key_value_seq_lengths),
+      local_window_size=local_window_size, is_causal=is_causal, scale=scale,
+      logits_soft_cap=logits_soft_cap, implementation=implementation)
+  plan = ShardPlan(axis_name, cp, load_balance, loop or loop_from_environment())
+  return ring(query, key, value, tm, cfg, plan)

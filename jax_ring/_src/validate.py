@@ -130,7 +130,15 @@ def mesh_axis(axis_name) -> int:
   except NameError:
     raise ValueError(
         f"axis_name {axis_name!r} is not a mesh axis bound here: call "
-        "ring_attention inside shard_map over a mesh with that axis") from None
+        "this strategy inside shard_map over a mesh with that axis") from None
+
+
+def ulysses_heads(num_heads: int, axis_name: str, cp_size: int) -> None:
+  """Ulysses splits query heads over the axis: N % cp == 0."""
+  if num_heads % cp_size:
+    raise ValueError(
+        f"ulysses_attention splits query heads over axis {axis_name!r}: query "
+        f"heads ({num_heads}) must be divisible by its size ({cp_size})")
 
 
 def ring_choices(load_balance, loop) -> None:
@@ -150,9 +158,8 @@ def ring_options(load_balance, loop, local_len, cp_size) -> None:
         f"the local query length is {local_len}")
 
 
-def context_parallel(cp, query, key, *, bias, mask, lengths, window,
-                     return_residual) -> None:
-  """What the automatic context-parallel path serves so far."""
+def context_parallel(cp, query, key, *, bias, mask, return_residual) -> None:
+  """What the automatic context-parallel path serves."""
   from jax_ring._src.config import ContextParallel  # avoid an import cycle
   if not isinstance(cp, ContextParallel):
     raise ValueError(f"context_parallel must be a jax_ring.ContextParallel; "
@@ -161,13 +168,12 @@ def context_parallel(cp, query, key, *, bias, mask, lengths, window,
     raise ValueError(f"context_parallel.strategy must be 'ring'; got "
                      f"{cp.strategy!r}")
   ring_choices(cp.load_balance, cp.loop)
-  unsupported = [name for name, value in (
-      ("bias", bias), ("mask", mask), ("query_seq_lengths", lengths[0]),
-      ("key_value_seq_lengths", lengths[1]), ("local_window_size", window))
+  unsupported = [name for name, value in (("bias", bias), ("mask", mask))
                  if value is not None]
   if return_residual:
     unsupported.append("return_residual")
   if unsupported:
     raise ValueError(
-        f"context_parallel does not support {', '.join(unsupported)} yet; "
-        f"got query {tuple(query.shape)}, key {tuple(key.shape)}")
+        f"context_parallel does not support {', '.join(unsupported)}: they "
+        f"are not sharded along the sequence; got query "
+        f"{tuple(query.shape)}, key {tuple(key.shape)}")

@@ -1,0 +1,58 @@
+"""The shared front of every context-parallel strategy called on local shards.
+
+``ring_attention`` and its siblings take the same options as
+``dot_product_attention`` (minus bias and dense masks, which cannot be
+sharded along the sequence). This module validates them once, in one place,
+and turns them into the two things a strategy's forward and backward need:
+a :class:`~jax_ring._src.mask.TokenMask` of runtime operands and an
+:class:`~jax_ring._src.config.AttentionConfig` with its backend resolved.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from jax_ring._src import backends, validate
+from jax_ring._src.config import AttentionConfig
+from jax_ring._src.mask import BlockMask, TokenMask
+
+
+def prepare(query, key, value, *, segment_ids, lengths, local_window_size,
+            is_causal, scale, logits_soft_cap, implementation):
+  """Validated ``(TokenMask, AttentionConfig)`` for local shards
+  ``query (B, T, N, H)``, ``key``/``value (B, T, K, H)``.
+
+  ``lengths`` is the ``(query_seq_lengths, key_value_seq_lengths)`` pair,
+  ``(B,)`` each, in global positions.
+  """
+  validate.qkv(query, key, value)
+  validate.scalar_options(scale, logits_soft_cap)
+  validate.implementation(implementation)
+  window = validate.window(local_window_size)
+  b = query.shape[0]
+  q_len, kv_len = (None if x is None else jnp.asarray(x) for x in lengths)
+  for name, x in (("query_seq_lengths", q_len),
+                  ("key_value_seq_lengths", kv_len)):
+    if x is not None:
+      validate.seq_lengths(name, x, b)
+  q_ids = kv_ids = None
+  if segment_ids is not None:
+    q_ids, kv_ids = (jnp.asarray(x, jnp.int32) for x in validate.segment_ids(
+        segment_ids, query.shape, key.shape))
+  tm = TokenMask(q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+                 q_lengths=None if q_len is None else q_len.astype(jnp.int32),
+                 kv_lengths=None if kv_len is None else kv_len.astype(
+                     jnp.int32))
+  cfg = AttentionConfig(
+      scale=float(1.0 / math.sqrt(query.shape[-1]) if scale is None else
+                  scale),
+      is_causal=bool(is_causal), local_window=window,
+      logits_soft_cap=None if logits_soft_cap is None else float(
+          logits_soft_cap))
+  # A representative block: static offsets, the same operand kinds.
+  block = BlockMask(q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+                    q_lengths=tm.q_lengths, kv_lengths=tm.kv_lengths)
+  return tm, cfg.replace(implementation=backends.resolve(
+      implementation, cfg, query, key, None, block))

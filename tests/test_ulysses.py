@@ -1,0 +1,227 @@
+"""Ulysses (all-to-all) attention on simulated CPU meshes against the float64
+reference."""
+
+import itertools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_ring
+import reference as ref
+from jax_ring._src import ulysses as uly
+from jax_ring._src.config import ShardPlan
+from test_ring import check, layout_vjp, mesh
+
+# N = 8 query heads split over cp in 2, 4, 8; S divisible by 2 * cp.
+B, S, N, H = 2, 48, 8, 16
+SPEC = P(None, "cp")
+
+
+def coded_qkv(seed, cp, kv_heads, n=N):
+  """Random q, k, v, dout; each of the 2 * cp sequence chunks and each head
+  shifted by its own constant, so that a token or head landing in the wrong
+  place changes the numbers."""
+  q, k, v, do = ref.random_qkv(seed, B, S, S, n, kv_heads, H)
+  chunk = (jnp.arange(S) // (S // (2 * cp)) * 0.25)[None, :, None, None]
+  head = lambda m: (jnp.arange(m) * 0.1)[None, None, :, None]
+  return q + chunk + head(n), k - chunk + head(kv_heads), v + chunk, do
+
+
+def run(q, k, v, do, cp, **kw):
+  """Global natural-order inputs -> ulysses_attention on a 1-D cp mesh ->
+  global natural-order output and grads. Lengths in ``kw`` are closed over
+  (replicated)."""
+  f = jax.shard_map(
+      lambda q, k, v: uly.ulysses_attention(q, k, v, axis_name="cp",
+                                            implementation="xla", **kw),
+      mesh=mesh(cp), in_specs=(SPEC,) * 3, out_specs=SPEC)
+  return layout_vjp(f, cp, kw.get("load_balance"), q, k, v, do)
+
+
+case_id = lambda x: {None: "contiguous", True: "causal", False: "full"}.get(
+    x, str(x))
+
+
+# K = 2 kv heads: cp = 2 splits them (rep 1), cp = 4 and 8 repeat them
+# (rep 2 and 4, one kv head per device).
+@pytest.mark.parametrize(
+    "cp, causal, load_balance",
+    list(itertools.product([2, 4, 8], [True, False], [None, "dual_chunk"])),
+    ids=case_id)
+def test_ulysses_matches_reference(cp, causal, load_balance):
+  q, k, v, do = coded_qkv(cp, cp, 2)
+  got = run(q, k, v, do, cp, is_causal=causal, load_balance=load_balance)
+  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=causal))
+
+
+# At cp = 4: K = 8 (two kv heads per device), K = 1 (MQA, repeated 4x), and
+# K = 6 with N = 12 (neither divides the other: each of the 6 heads sent
+# twice, 3 per device). K = 2 (repeated) and K = cp are in the grid above.
+@pytest.mark.parametrize("n, kv_heads", [(8, 8), (8, 1), (12, 6)],
+                         ids=["k8", "mqa", "n12_k6"])
+def test_ulysses_kv_heads_and_soft_cap(n, kv_heads):
+  q, k, v, do = coded_qkv(20 + kv_heads, 4, kv_heads, n)
+  got = run(q, k, v, do, 4, is_causal=True, load_balance="dual_chunk",
+            logits_soft_cap=3.0, scale=0.3)
+  check(got, q, k, v, do, ref.Case(0.3, is_causal=True, soft_cap=3.0))
+
+
+@pytest.mark.parametrize("load_balance, pair", [
+    (None, False), ("dual_chunk", False), ("dual_chunk", True)],
+                         ids=["contiguous", "dual_chunk", "dual_chunk_pair"])
+def test_ulysses_packed_segments_cross_shard_boundaries(load_balance, pair):
+  cp = 4
+  q, k, v, do = coded_qkv(30, cp, 2)
+  q_ids = ref.random_segments(31, B, S, 5)  # 5 documents of random lengths
+  kv_ids = ref.random_segments(32, B, S, 4) if pair else q_ids
+  f = jax.shard_map(
+      lambda q, k, v, qi, ki: uly.ulysses_attention(
+          q, k, v, axis_name="cp", is_causal=True, load_balance=load_balance,
+          segment_ids=(qi, ki), implementation="xla"),
+      mesh=mesh(cp), in_specs=(SPEC,) * 5, out_specs=SPEC)
+  got = layout_vjp(f, cp, load_balance, q, k, v, do, jnp.asarray(q_ids),
+                   jnp.asarray(kv_ids))
+  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True,
+                                   q_segment_ids=q_ids, kv_segment_ids=kv_ids))
+
+
+@pytest.mark.parametrize("causal, window", [(False, (5, 3)), (True, (7, 0))],
+                         ids=["window_5_3", "causal_window_7"])
+def test_ulysses_window_and_padding_lengths(causal, window):
+  """A window in global positions and padding past per-row lengths, under
+  dual_chunk: both are exact only once the order is natural again."""
+  cp = 4
+  q, k, v, do = coded_qkv(40, cp, 2)
+  q_len, kv_len = np.array([41, 29], np.int32), np.array([37, 48], np.int32)
+  got = run(q, k, v, do, cp, is_causal=causal, load_balance="dual_chunk",
+            local_window_size=window, query_seq_lengths=jnp.asarray(q_len),
+            key_value_seq_lengths=jnp.asarray(kv_len))
+  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=causal, window=window,
+                                   q_lengths=q_len, kv_lengths=kv_len))
+
+
+def test_forward_lse_comes_back_sequence_sharded():
+  """``_forward``'s lse (the backward's residual) in the shards' layout."""
+  cp = 4
+  q, k, v, _ = coded_qkv(50, cp, 2)
+  cfg = ref.config(ref.Case(H**-0.5, is_causal=True))
+  plan = ShardPlan("cp", cp, "dual_chunk")
+  f = jax.jit(jax.shard_map(
+      lambda q, k, v: uly._forward(q, k, v, uly.TokenMask(), cfg, plan),
+      mesh=mesh(cp), in_specs=(SPEC,) * 3, out_specs=(SPEC, SPEC)))
+  to = lambda x: jax_ring.reorder_for_load_balance(x, cp)
+  out, lse = f(to(q), to(k), to(v))
+  r_out, r_lse = ref.attention(q, k, v, ref.Case(H**-0.5, is_causal=True))
+  ref.assert_close(out, to(r_out), q.dtype, "out")
+  ref.assert_close(lse, to(r_lse), q.dtype, "lse")
+
+
+def test_ulysses_16_bit():
+  q, k, v, do = (x.astype(jnp.bfloat16) for x in coded_qkv(60, 4, 2))
+  got = run(q, k, v, do, 4, is_causal=True, load_balance="dual_chunk")
+  assert got[0].dtype == jnp.bfloat16
+  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True))
+
+
+def _collectives(hlo):
+  return {op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo))
+          for op in ("all-to-all", "all-gather", "collective-permute")}
+
+
+def test_forward_is_all_to_all_only():
+  cp = 4
+  q, k, v, _ = coded_qkv(70, cp, 2)
+  seg = jnp.asarray(ref.random_segments(71, B, S, 3))
+  f = jax.jit(jax.shard_map(
+      lambda q, k, v, seg: uly.ulysses_attention(
+          q, k, v, axis_name="cp", is_causal=True, load_balance="dual_chunk",
+          segment_ids=seg, implementation="xla"),
+      mesh=mesh(cp), in_specs=(SPEC,) * 4, out_specs=SPEC))
+  hlo = f.lower(q, k, v, seg).compile().as_text()
+  # q; stacked (k, v); out (the lse's is dead without a backward). Segment
+  # ids: one all-gather of the stacked (q ids, kv ids).
+  assert _collectives(hlo) == {"all-to-all": 3, "all-gather": 1,
+                               "collective-permute": 0}, _collectives(hlo)
+  # XLA:CPU splits each all-to-all into one piece per device: the stacked KV
+  # (2 heads, each repeated cp / 2 times) sends (2, B, T, 1, H) to each.
+  t = S // cp
+  kv_piece = rf"f32\[2,{B},{t},1,{H}\]"
+  assert re.search(rf"= \(({kv_piece}{{[0-9,]+}}(, )?){{{cp}}}\) all-to-all\(",
+                   hlo), hlo
+
+
+def test_backward_all_to_alls():
+  cp = 4
+  q, k, v, do = coded_qkv(72, cp, 2)
+  f = jax.shard_map(
+      lambda q, k, v: uly.ulysses_attention(q, k, v, axis_name="cp",
+                                            is_causal=True,
+                                            implementation="xla"),
+      mesh=mesh(cp), in_specs=(SPEC,) * 3, out_specs=SPEC)
+  g = jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
+  # Emitted: forward q, (k, v), out, lse; backward (q, out, dout), (k, v),
+  # lse in and dq, (dk, dv) out.
+  emitted = g.lower(q, k, v, do).as_text()
+  assert len(re.findall(r"stablehlo\.all_to_all", emitted)) == 9
+  # Compiled, XLA may merge the backward's (k, v) all-to-all with the
+  # forward's (same operands), as XLA:CPU does.
+  counts = _collectives(g.lower(q, k, v, do).compile().as_text())
+  assert counts["all-to-all"] in (8, 9), counts
+  assert counts["all-gather"] == counts["collective-permute"] == 0, counts
+
+
+def test_errors():
+  q = jnp.ones((1, 8, 6, 8))
+  with pytest.raises(ValueError, match=re.escape(
+      "axis_name 'cp' is not a mesh axis bound here")):
+    uly.ulysses_attention(q, q, q, axis_name="cp")
+
+  def call(q, k, **kw):
+    f = jax.shard_map(
+        lambda q, k: uly.ulysses_attention(q, k, k, axis_name="cp", **kw),
+        mesh=mesh(4), in_specs=(SPEC,) * 2, out_specs=SPEC)
+    return f(q, k)
+
+  with pytest.raises(ValueError, match=re.escape(
+      "ulysses_attention splits query heads over axis 'cp': query heads (6) "
+      "must be divisible by its size (4)")):
+    call(q, q)
+  q8 = jnp.ones((1, 12, 8, 8))
+  with pytest.raises(ValueError, match=re.escape(
+      "load_balance='dual_chunk' needs the global sequence length (12) "
+      "divisible by 2 * cp_size = 8; the local query length is 3")):
+    call(q8, q8, load_balance="dual_chunk")
+  with pytest.raises(ValueError, match=re.escape(
+      "query heads (8) must be divisible by key/value heads (3)")):
+    call(q8, jnp.ones((1, 12, 3, 8)))
+  with pytest.raises(ValueError, match=re.escape(
+      "query_seq_lengths must be an int array of shape (B,) = (1,)")):
+    call(q8, q8, query_seq_lengths=jnp.ones((2,), jnp.int32))
+
+
+def test_kv_repeat():
+  assert [uly.kv_repeat(k, 4) for k in (1, 2, 4, 8, 6, 3)] == [4, 2, 1, 1, 2, 4]
+
+
+def test_2d_mesh_data_by_cp_packed():
+  """Batch on a data axis, sequence on cp: values vary over both axes."""
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 devices")
+  dp, cp = 2, 4
+  m = jax.sharding.Mesh(np.array(jax.devices()[:dp * cp]).reshape(dp, cp),
+                        ("data", "cp"))
+  q, k, v, do = coded_qkv(80, cp, 2)
+  seg = ref.random_segments(81, B, S, 4)
+  spec = P("data", "cp")
+  f = jax.shard_map(
+      lambda q, k, v, seg: uly.ulysses_attention(
+          q, k, v, axis_name="cp", is_causal=True, load_balance="dual_chunk",
+          segment_ids=seg, implementation="xla"),
+      mesh=m, in_specs=(spec,) * 4, out_specs=spec)
+  got = layout_vjp(f, cp, "dual_chunk", q, k, v, do, jnp.asarray(seg))
+  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True, q_segment_ids=seg,
+                                   kv_segment_ids=seg))
