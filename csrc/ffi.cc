@@ -1,7 +1,8 @@
 // XLA FFI handlers for cuDNN fused attention, and the nanobind module that
 // hands them to Python (jax_ring/_src/cudnn.py registers them with jax).
 //
-// Buffers are BSHD; see sdpa.h for the mask attributes. Failures come back
+// Buffers are BSHD; see sdpa.h for the mask attributes. B' below is the
+// number of virtual batches: B, or B * slots with packed documents. Failures come back
 // as ffi::Error with a message; nothing here aborts the process.
 #include <cstdint>
 #include <string>
@@ -24,6 +25,7 @@ struct Mask {
   int64_t row_start, col_start, right_bound, left_bound;
   bool padding;
   float softcap;
+  int64_t slots;
 };
 
 std::string Shape(const ffi::AnyBuffer& x) {
@@ -62,10 +64,15 @@ ffi::Error Describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
     return ffi::Error::InvalidArgument(
         "jax_ring cuDNN attention: row_start/col_start out of range");
   }
+  if (mask.slots < 0 || (mask.slots > 0 && (mask.row_start || mask.col_start))) {
+    return ffi::Error::InvalidArgument(
+        "jax_ring cuDNN attention: packed documents (slots = " +
+        std::to_string(mask.slots) + ") need row_start = col_start = 0");
+  }
   *key = SdpaKey{backward,
                  q.element_type() == ffi::BF16 ? Dtype::kBF16 : Dtype::kF16,
                  device, qd[0], qd[1], kd[1], qd[2], kd[2], qd[3],
-                 mask.row_start, mask.col_start, mask.right_bound,
+                 mask.slots, mask.row_start, mask.col_start, mask.right_bound,
                  mask.left_bound, mask.padding, scale, mask.softcap};
   return ffi::Error::Success();
 }
@@ -81,7 +88,7 @@ struct VariantPack {
   }
 
   const SdpaKey& key;
-  void* ptrs[kSeqKV + 1] = {};
+  void* ptrs[kRaggedKV + 1] = {};
 };
 
 ffi::Error Run(const SdpaKey& key, cudaStream_t stream,
@@ -114,11 +121,16 @@ ffi::Error Run(const SdpaKey& key, cudaStream_t stream,
   return ffi::Error::Success();
 }
 
+// The int32 vectors that describe the rows: window lengths, and the ragged
+// offsets of packed documents.
+struct Rows {
+  ffi::Buffer<ffi::S32> seq_q, seq_kv, ragged_q, ragged_kv;
+};
+
 // What both handlers share: the key, and the pointers of q, k, v, the
-// stats and (if padding) the window lengths.
+// stats and (if padding or packed) the row vectors.
 ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   void* stats, ffi::Buffer<ffi::S32> seq_q,
-                   ffi::Buffer<ffi::S32> seq_kv, const Mask& mask,
+                   void* stats, const Rows& rows, const Mask& mask,
                    bool backward, int32_t device, float scale, SdpaKey* key,
                    VariantPack* pack) {
   if (auto e = Describe(q, k, v, mask, backward, device, scale, key);
@@ -129,9 +141,26 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   pack->KvSide(kK, k.untyped_data());
   pack->KvSide(kV, v.untyped_data());
   pack->ptrs[kStats] = stats;
-  if (mask.padding) {
-    pack->ptrs[kSeqQ] = seq_q.untyped_data();
-    pack->ptrs[kSeqKV] = seq_kv.untyped_data();
+  const int64_t batches = mask.slots > 0 ? key->b * mask.slots : key->b;
+  if (mask.padding || mask.slots > 0) {
+    if (rows.seq_q.element_count() != batches ||
+        rows.seq_kv.element_count() != batches) {
+      return ffi::Error::InvalidArgument(
+          "jax_ring cuDNN attention: seq_q/seq_kv need " +
+          std::to_string(batches) + " entries");
+    }
+    pack->ptrs[kSeqQ] = rows.seq_q.untyped_data();
+    pack->ptrs[kSeqKV] = rows.seq_kv.untyped_data();
+  }
+  if (mask.slots > 0) {
+    if (rows.ragged_q.element_count() != batches + 1 ||
+        rows.ragged_kv.element_count() != batches + 1) {
+      return ffi::Error::InvalidArgument(
+          "jax_ring cuDNN attention: ragged offsets need " +
+          std::to_string(batches + 1) + " entries");
+    }
+    pack->ptrs[kRaggedQ] = rows.ragged_q.untyped_data();
+    pack->ptrs[kRaggedKV] = rows.ragged_kv.untyped_data();
   }
   return ffi::Error::Success();
 }
@@ -139,15 +168,21 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 ffi::Error Forward(cudaStream_t stream, ffi::ScratchAllocator scratch,
                    int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                    ffi::AnyBuffer v, ffi::Buffer<ffi::S32> seq_q,
-                   ffi::Buffer<ffi::S32> seq_kv, ffi::Result<ffi::AnyBuffer> out,
+                   ffi::Buffer<ffi::S32> seq_kv,
+                   ffi::Buffer<ffi::S32> ragged_q,
+                   ffi::Buffer<ffi::S32> ragged_kv,
+                   ffi::Result<ffi::AnyBuffer> out,
                    ffi::Result<ffi::AnyBuffer> lse, float scale,
                    int64_t row_start, int64_t col_start, int64_t right_bound,
-                   int64_t left_bound, bool padding, float softcap) {
+                   int64_t left_bound, bool padding, float softcap,
+                   int64_t slots) {
   SdpaKey key;
   VariantPack pack(key);
-  Mask mask{row_start, col_start, right_bound, left_bound, padding, softcap};
-  if (auto e = Prepare(q, k, v, lse->untyped_data(), seq_q, seq_kv, mask,
-                       false, device, scale, &key, &pack);
+  Mask mask{row_start, col_start, right_bound, left_bound,
+            padding,   softcap,   slots};
+  Rows rows{seq_q, seq_kv, ragged_q, ragged_kv};
+  if (auto e = Prepare(q, k, v, lse->untyped_data(), rows, mask, false,
+                       device, scale, &key, &pack);
       e.failure()) {
     return e;
   }
@@ -160,16 +195,21 @@ ffi::Error Backward(cudaStream_t stream, ffi::ScratchAllocator scratch,
                     ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
                     ffi::AnyBuffer dout, ffi::Buffer<ffi::S32> seq_q,
                     ffi::Buffer<ffi::S32> seq_kv,
+                    ffi::Buffer<ffi::S32> ragged_q,
+                    ffi::Buffer<ffi::S32> ragged_kv,
                     ffi::Result<ffi::AnyBuffer> dq,
                     ffi::Result<ffi::AnyBuffer> dk,
                     ffi::Result<ffi::AnyBuffer> dv, float scale,
                     int64_t row_start, int64_t col_start, int64_t right_bound,
-                    int64_t left_bound, bool padding, float softcap) {
+                    int64_t left_bound, bool padding, float softcap,
+                    int64_t slots) {
   SdpaKey key;
   VariantPack pack(key);
-  Mask mask{row_start, col_start, right_bound, left_bound, padding, softcap};
-  if (auto e = Prepare(q, k, v, lse.untyped_data(), seq_q, seq_kv, mask, true,
-                       device, scale, &key, &pack);
+  Mask mask{row_start, col_start, right_bound, left_bound,
+            padding,   softcap,   slots};
+  Rows rows{seq_q, seq_kv, ragged_q, ragged_kv};
+  if (auto e = Prepare(q, k, v, lse.untyped_data(), rows, mask, true, device,
+                       scale, &key, &pack);
       e.failure()) {
     return e;
   }
@@ -192,17 +232,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()     // q       (B, T, N, H)
         .Arg<ffi::AnyBuffer>()     // k       (B, S, K, H)
         .Arg<ffi::AnyBuffer>()     // v       (B, S, K, H)
-        .Arg<ffi::Buffer<ffi::S32>>()  // seq_q   (B,) rows in the window
-        .Arg<ffi::Buffer<ffi::S32>>()  // seq_kv  (B,) keys in the window
+        .Arg<ffi::Buffer<ffi::S32>>()  // seq_q   (B',) rows in the window
+        .Arg<ffi::Buffer<ffi::S32>>()  // seq_kv  (B',) keys in the window
+        .Arg<ffi::Buffer<ffi::S32>>()  // ragged_q  (B' + 1,) if slots > 0
+        .Arg<ffi::Buffer<ffi::S32>>()  // ragged_kv (B' + 1,) if slots > 0
         .Ret<ffi::AnyBuffer>()     // out     (B, T, N, H)
-        .Ret<ffi::AnyBuffer>()     // lse     (B, N, T - row_start) float32
+        .Ret<ffi::AnyBuffer>()     // lse     (B', N, T - row_start) float32
         .Attr<float>("scale")
         .Attr<int64_t>("row_start")
         .Attr<int64_t>("col_start")
         .Attr<int64_t>("right_bound")
         .Attr<int64_t>("left_bound")
         .Attr<bool>("padding")
-        .Attr<float>("softcap"));
+        .Attr<float>("softcap")
+        .Attr<int64_t>("slots"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     SdpaBackward, Backward,
@@ -214,10 +257,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()     // k       (B, S, K, H)
         .Arg<ffi::AnyBuffer>()     // v       (B, S, K, H)
         .Arg<ffi::AnyBuffer>()     // out     (B, T, N, H), the global output
-        .Arg<ffi::AnyBuffer>()     // lse     (B, N, T - row_start) f32, global
+        .Arg<ffi::AnyBuffer>()     // lse     (B', N, T - row_start) f32, global
         .Arg<ffi::AnyBuffer>()     // dout    (B, T, N, H)
-        .Arg<ffi::Buffer<ffi::S32>>()  // seq_q   (B,)
-        .Arg<ffi::Buffer<ffi::S32>>()  // seq_kv  (B,)
+        .Arg<ffi::Buffer<ffi::S32>>()  // seq_q   (B',)
+        .Arg<ffi::Buffer<ffi::S32>>()  // seq_kv  (B',)
+        .Arg<ffi::Buffer<ffi::S32>>()  // ragged_q  (B' + 1,) if slots > 0
+        .Arg<ffi::Buffer<ffi::S32>>()  // ragged_kv (B' + 1,) if slots > 0
         .Ret<ffi::AnyBuffer>()     // dq      (B, T, N, H)
         .Ret<ffi::AnyBuffer>()     // dk      (B, S, K, H)
         .Ret<ffi::AnyBuffer>()     // dv      (B, S, K, H)
@@ -227,7 +272,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("right_bound")
         .Attr<int64_t>("left_bound")
         .Attr<bool>("padding")
-        .Attr<float>("softcap"));
+        .Attr<float>("softcap")
+        .Attr<int64_t>("slots"));
 
 }  // namespace jax_ring
 

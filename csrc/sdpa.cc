@@ -30,7 +30,7 @@ size_t SdpaKeyHash::operator()(const SdpaKey& key) const {
   mix(static_cast<int32_t>(key.dtype));
   mix(key.device);
   for (int64_t v : {key.b, key.full_t, key.full_s, key.n, key.k, key.h,
-                    key.row_start, key.col_start, key.right_bound,
+                    key.slots, key.row_start, key.col_start, key.right_bound,
                     key.left_bound}) {
     mix(v);
   }
@@ -42,22 +42,44 @@ size_t SdpaKeyHash::operator()(const SdpaKey& key) const {
 
 namespace {
 
-// (B, heads, rows, H) view of a BSHD buffer with `full_rows` rows.
-std::shared_ptr<fe::graph::Tensor_attributes> Bshd(
-    fe::graph::Graph& g, const char* name, Uid uid, int64_t b, int64_t heads,
-    int64_t rows, int64_t full_rows, int64_t h) {
+using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
+
+// (B, heads, rows, H) view of a BSHD buffer with `full_rows` rows; with a
+// ragged offset tensor, B counts virtual batches that start at its offsets.
+TensorPtr Bshd(fe::graph::Graph& g, const char* name, Uid uid, int64_t b,
+               int64_t heads, int64_t rows, int64_t full_rows, int64_t h,
+               const TensorPtr& ragged) {
+  auto t = g.tensor(fe::graph::Tensor_attributes()
+                        .set_name(name)
+                        .set_uid(uid)
+                        .set_dim({b, heads, rows, h})
+                        .set_stride({full_rows * heads * h, h, heads * h, 1}));
+  if (ragged) t->set_ragged_offset(ragged);
+  return t;
+}
+
+void SetBshd(const TensorPtr& t, Uid uid, int64_t b, int64_t heads,
+             int64_t rows, int64_t full_rows, int64_t h,
+             const TensorPtr& ragged) {
+  t->set_output(true).set_uid(uid).set_dim({b, heads, rows, h}).set_stride(
+      {full_rows * heads * h, h, heads * h, 1});
+  if (ragged) t->set_ragged_offset(ragged);
+}
+
+// Virtual batches: B, or B * slots documents when ragged.
+int64_t Batches(const SdpaKey& key) {
+  return key.slots > 0 ? key.b * key.slots : key.b;
+}
+
+// A (count, 1, 1, 1) int32 graph input: sequence lengths or ragged offsets.
+TensorPtr Int32Vector(fe::graph::Graph& g, const char* name, Uid uid,
+                      int64_t count) {
   return g.tensor(fe::graph::Tensor_attributes()
                       .set_name(name)
                       .set_uid(uid)
-                      .set_dim({b, heads, rows, h})
-                      .set_stride({full_rows * heads * h, h, heads * h, 1}));
-}
-
-void SetBshd(const std::shared_ptr<fe::graph::Tensor_attributes>& t, Uid uid,
-             int64_t b, int64_t heads, int64_t rows, int64_t full_rows,
-             int64_t h) {
-  t->set_output(true).set_uid(uid).set_dim({b, heads, rows, h}).set_stride(
-      {full_rows * heads * h, h, heads * h, 1});
+                      .set_dim({count, 1, 1, 1})
+                      .set_stride({1, 1, 1, 1})
+                      .set_data_type(fe::DataType_t::INT32));
 }
 
 // Soft cap as a score modifier, with the band applied inside it.
@@ -103,18 +125,10 @@ void SetMask(Attrs& attrs, const SdpaKey& key, fe::graph::Graph& g) {
   if (key.left_bound >= 1) {
     attrs.set_diagonal_band_left_bound(static_cast<int>(key.left_bound));
   }
-  if (key.padding) {
-    auto seq = [&](const char* name, Uid uid) {
-      return g.tensor(fe::graph::Tensor_attributes()
-                          .set_name(name)
-                          .set_uid(uid)
-                          .set_dim({key.b, 1, 1, 1})
-                          .set_stride({1, 1, 1, 1})
-                          .set_data_type(fe::DataType_t::INT32));
-    };
+  if (key.padding || key.slots > 0) {
     attrs.set_padding_mask(true)
-        .set_seq_len_q(seq("seq_q", kSeqQ))
-        .set_seq_len_kv(seq("seq_kv", kSeqKV));
+        .set_seq_len_q(Int32Vector(g, "seq_q", kSeqQ, Batches(key)))
+        .set_seq_len_kv(Int32Vector(g, "seq_kv", kSeqKV, Batches(key)));
   }
 }
 
@@ -132,10 +146,16 @@ std::shared_ptr<SdpaPlan> Build(const SdpaKey& key, cudnnHandle_t handle,
       .set_compute_data_type(fe::DataType_t::FLOAT);
   const int64_t t = key.full_t - key.row_start;
   const int64_t s = key.full_s - key.col_start;
-  auto q = Bshd(*g, "q", kQ, key.b, key.n, t, key.full_t, key.h);
-  auto k = Bshd(*g, "k", kK, key.b, key.k, s, key.full_s, key.h);
-  auto v = Bshd(*g, "v", kV, key.b, key.k, s, key.full_s, key.h);
-  const std::vector<int64_t> stats_dim = {key.b, key.n, t, 1};
+  const int64_t b = Batches(key);
+  TensorPtr rq, rkv;  // ragged offsets, in elements, (b + 1) each
+  if (key.slots > 0) {
+    rq = Int32Vector(*g, "ragged_q", kRaggedQ, b + 1);
+    rkv = Int32Vector(*g, "ragged_kv", kRaggedKV, b + 1);
+  }
+  auto q = Bshd(*g, "q", kQ, b, key.n, t, key.full_t, key.h, rq);
+  auto k = Bshd(*g, "k", kK, b, key.k, s, key.full_s, key.h, rkv);
+  auto v = Bshd(*g, "v", kV, b, key.k, s, key.full_s, key.h, rkv);
+  const std::vector<int64_t> stats_dim = {b, key.n, t, 1};
   // Packed (B, N, t): the only stats layout cuDNN 9.19's backward reads.
   const std::vector<int64_t> stats_stride = {key.n * t, t, 1, 1};
 
@@ -146,15 +166,15 @@ std::shared_ptr<SdpaPlan> Build(const SdpaKey& key, cudnnHandle_t handle,
                      .set_attn_scale(key.scale);
     SetMask(attrs, key, *g);
     auto [o, stats] = g->sdpa(q, k, v, attrs);
-    SetBshd(o, kO, key.b, key.n, t, key.full_t, key.h);
+    SetBshd(o, kO, b, key.n, t, key.full_t, key.h, rq);
     stats->set_output(true)
         .set_uid(kStats)
         .set_data_type(fe::DataType_t::FLOAT)
         .set_dim(stats_dim)
         .set_stride(stats_stride);
   } else {
-    auto o = Bshd(*g, "o", kO, key.b, key.n, t, key.full_t, key.h);
-    auto dout = Bshd(*g, "dout", kDO, key.b, key.n, t, key.full_t, key.h);
+    auto o = Bshd(*g, "o", kO, b, key.n, t, key.full_t, key.h, rq);
+    auto dout = Bshd(*g, "dout", kDO, b, key.n, t, key.full_t, key.h, rq);
     auto stats = g->tensor(fe::graph::Tensor_attributes()
                                .set_name("stats")
                                .set_uid(kStats)
@@ -166,9 +186,9 @@ std::shared_ptr<SdpaPlan> Build(const SdpaKey& key, cudnnHandle_t handle,
                      .set_attn_scale(key.scale);
     SetMask(attrs, key, *g);
     auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, attrs);
-    SetBshd(dq, kDQ, key.b, key.n, t, key.full_t, key.h);
-    SetBshd(dk, kDK, key.b, key.k, s, key.full_s, key.h);
-    SetBshd(dv, kDV, key.b, key.k, s, key.full_s, key.h);
+    SetBshd(dq, kDQ, b, key.n, t, key.full_t, key.h, rq);
+    SetBshd(dk, kDK, b, key.k, s, key.full_s, key.h, rkv);
+    SetBshd(dv, kDV, b, key.k, s, key.full_s, key.h, rkv);
   }
 
   auto plan = std::make_shared<SdpaPlan>();
@@ -223,7 +243,7 @@ int64_t WorkspaceSize(const SdpaPlan& plan) { return plan.workspace; }
 bool Execute(const SdpaPlan& plan, cudnnHandle_t handle, void* const* ptrs,
              void* workspace, std::string* error) {
   std::unordered_map<int64_t, void*> pack;
-  for (int64_t uid = kQ; uid <= kSeqKV; ++uid) {
+  for (int64_t uid = kQ; uid <= kRaggedKV; ++uid) {
     if (ptrs[uid] != nullptr) pack.emplace(uid, ptrs[uid]);
   }
   try {

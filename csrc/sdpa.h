@@ -12,6 +12,12 @@
 //   right_bound >= 0 : keep j <= i + right_bound      (causal: 0)
 //   left_bound  >= 1 : keep j >  i - left_bound       (window of left - 1)
 //   padding          : keep i < seq_len_q[b], j < seq_len_kv[b]
+//   slots > 0        : packed documents as ragged batches: every row b of
+//                      the buffers holds up to `slots` documents, virtual
+//                      batch b * slots + j starts at element ragged_q[.]
+//                      (q, out, dout, dq) and ragged_kv[.] (k, v, dk, dv)
+//                      and has seq_len_q/kv[.] tokens; the mask applies
+//                      inside each document. Stats are (B * slots, N, t).
 //   softcap > 0      : logits -> softcap * tanh(logits / softcap), through a
 //                      cuDNN score modifier; the band then goes inside it
 //                      (score modifiers exclude cuDNN's built-in masks), and
@@ -34,6 +40,7 @@ struct SdpaKey {
   Dtype dtype;
   int32_t device;
   int64_t b, full_t, full_s, n, k, h;  // buffer shapes
+  int64_t slots;  // > 0: packed documents per row, ragged (implies padding)
   int64_t row_start, col_start;
   int64_t right_bound;  // < 0: none
   int64_t left_bound;   // < 1: none
@@ -50,7 +57,8 @@ struct SdpaKeyHash {
 
 // Tensor uids in a graph's variant pack.
 enum Uid : int64_t {
-  kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kSeqQ, kSeqKV,
+  kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kSeqQ, kSeqKV, kRaggedQ,
+  kRaggedKV,
 };
 
 class SdpaPlan;  // opaque: a built cuDNN graph and its workspace size

@@ -4,21 +4,27 @@ Public API (everything else lives in ``jax_ring._src``):
 
 * :func:`dot_product_attention`: a drop-in superset of
   ``jax.nn.dot_product_attention``.
-* :func:`ring_attention` (inside ``shard_map``) and the load-balance
-  reorder helpers :func:`reorder_for_load_balance`,
-  :func:`reorder_from_load_balance`.
+* Inside ``shard_map``, one function per context-parallel strategy:
+  :func:`ring_attention`, :func:`all_gather_attention`,
+  :func:`ulysses_attention`; and the load-balance reorder helpers
+  :func:`reorder_for_load_balance`, :func:`reorder_from_load_balance`.
+* :class:`ContextParallel` for the automatic path, and :func:`explain`:
+  what ``strategy="auto"`` picks, and why.
 * :class:`AttentionConfig`, :class:`BlockMask`, :func:`attention` and
   :func:`attention_backward`: the block-kernel contract that the
   context-parallel strategies build on.
 """
 
+from jax_ring._src.all_gather import all_gather_attention
 from jax_ring._src.api import dot_product_attention
+from jax_ring._src.auto import explain
 from jax_ring._src.config import AttentionConfig, ContextParallel
 from jax_ring._src.kernel import attention, attention_backward
 from jax_ring._src.layout import (reorder_for_load_balance,
                                   reorder_from_load_balance)
 from jax_ring._src.mask import BlockMask
 from jax_ring._src.ring import ring_attention
+from jax_ring._src.ulysses import ulysses_attention
 from jax_ring._src.xla_backend import MASK_VALUE
 
 __all__ = [
@@ -26,11 +32,14 @@ __all__ = [
     "BlockMask",
     "ContextParallel",
     "MASK_VALUE",
+    "all_gather_attention",
     "attention",
     "attention_backward",
     "dot_product_attention",
+    "explain",
     "reorder_for_load_balance",
     "reorder_from_load_balance",
     "ring_attention",
+    "ulysses_attention",
 ]
 __version__ = "0.1.0"

@@ -49,10 +49,16 @@ def run(q, k, v, do, case, implementation="cudnn"):
   mask = ref.block_mask(case)
 
   def f(q, k, v):
-    (out, lse), vjp = jax.vjp(
-        lambda q, k, v: kernel.attention(q, k, v, None, mask, cfg), q, k, v)
-    return out, lse, vjp((do, jnp.zeros_like(lse)))
+    # lse as aux, so its cotangent is a symbolic zero: a concrete zero
+    # would send the backward to xla (cuDNN has no lse-cotangent input).
+    out, vjp, lse = jax.vjp(
+        lambda q, k, v: kernel.attention(q, k, v, None, mask, cfg), q, k, v,
+        has_aux=True)
+    return out, lse, vjp(do)
 
+  hlo = jax.jit(f).lower(q, k, v).as_text()
+  if implementation == "cudnn":
+    assert "jax_ring_sdpa_fwd" in hlo and "jax_ring_sdpa_bwd" in hlo
   return jax.jit(f)(q, k, v)
 
 
@@ -147,3 +153,56 @@ def test_float32_falls_back_to_xla_and_explicit_cudnn_says_why():
   assert "jax_ring_sdpa_fwd" not in hlo
   with pytest.raises(ValueError, match="does not support dtype float32"):
     jax_ring.dot_product_attention(q, k, v, implementation="cudnn")
+
+
+P_T = 301  # odd; documents of random lengths
+PACKED = {
+    # name: (q ids, kv ids or None = the same array, case kwargs)
+    "same_full": (ref.random_segments(8, B, P_T, 6), None, {}),
+    "same_causal": (ref.random_segments(9, B, P_T, 9), None,
+                    dict(is_causal=True)),
+    "same_window_causal": (ref.random_segments(10, B, P_T, 4), None,
+                           dict(is_causal=True, window=(40, 0))),
+    "different_full": (ref.random_segments(11, B, P_T, 5),
+                       ref.random_segments(12, B, P_T, 7), {}),
+    # More documents than cudnn.SLOTS: the run-time check sends it to xla.
+    "too_many_causal": (np.arange(P_T, dtype=np.int32)[None].repeat(B, 0) //
+                        10, None, dict(is_causal=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(PACKED))
+def test_packed_documents_through_ragged_offsets(name):
+  q_ids, kv_ids, kw = PACKED[name]
+  q, k, v, do = ref.random_qkv(13, B, P_T, P_T, N, K, 128, jnp.bfloat16)
+  case = ref.Case(128**-0.5, q_segment_ids=q_ids,
+                  kv_segment_ids=q_ids if kv_ids is None else kv_ids, **kw)
+  cfg = ref.config(case).replace(implementation="cudnn")
+  # Ids are arguments, not constants that XLA could fold the check into.
+  ids = (jnp.asarray(q_ids), None if kv_ids is None else jnp.asarray(kv_ids))
+
+  def f(q, k, v, ids):
+    q_ids, kv_ids = ids
+    mask = jax_ring.BlockMask(q_segment_ids=q_ids, kv_segment_ids=(
+        q_ids if kv_ids is None else kv_ids))
+    out, vjp, lse = jax.vjp(
+        lambda q, k, v: kernel.attention(q, k, v, None, mask, cfg), q, k, v,
+        has_aux=True)
+    return out, lse, vjp(do)
+
+  hlo = jax.jit(f).lower(q, k, v, ids).as_text()
+  assert "jax_ring_sdpa_fwd" in hlo and "jax_ring_sdpa_bwd" in hlo
+  out, lse, (dq, dk, dv) = jax.jit(f)(q, k, v, ids)
+  r_out, r_lse, r_g = ref.attention(q, k, v, case, dout=do)
+  ref.assert_close(out, r_out, q.dtype, "out")
+  ref.assert_close(lse, r_lse, q.dtype, "lse")
+  for gname, got in (("q", dq), ("k", dk), ("v", dv)):
+    ref.assert_close(got, r_g[gname], q.dtype, "d" + gname)
+
+
+def test_packed_causal_api_default_picks_cudnn():
+  q, k, v, _ = ref.random_qkv(14, 1, 256, 256, 4, 4, 64, jnp.bfloat16)
+  ids = jnp.asarray(ref.random_segments(15, 1, 256, 3))
+  hlo = jax.jit(lambda q, k, v: jax_ring.dot_product_attention(
+      q, k, v, is_causal=True, segment_ids=ids)).lower(q, k, v).as_text()
+  assert "jax_ring_sdpa_fwd" in hlo

@@ -59,3 +59,48 @@ def test_padding_lengths_follow_the_shifted_window():
   assert padding
   np.testing.assert_array_equal(np.asarray(seq_q), [3, 8])
   np.testing.assert_array_equal(np.asarray(seq_kv), [3, 8])
+
+
+def ragged_visibility(docs, b, t, s):
+  """(T, S) per row: i sees j iff some slot holds query i and key j."""
+  d = {f: np.asarray(getattr(docs, f)) for f in
+       ("q_start", "q_len", "kv_start", "kv_len")}
+  i, j = np.arange(t)[None, :, None], np.arange(s)[None, None, :]
+  vis = np.zeros((t, s), bool)
+  for m in range(cudnn.SLOTS):
+    qs, ql, ks, kl = (d[f][b, m] for f in ("q_start", "q_len", "kv_start",
+                                           "kv_len"))
+    vis |= ((i >= qs) & (i < qs + ql) & (j >= ks) & (j < ks + kl))[0]
+  return vis
+
+
+def test_packed_documents_become_ragged_batches_that_reproduce_the_mask():
+  """Runs of query ids -> slots; each slot's key range is its id's keys."""
+  b, t = 3, 40
+  same = ref.random_segments(5, b, t, 7)
+  other = np.stack([same[0], np.roll(same[1], 3), same[2][::-1]])  # unsorted
+  for q_ids, kv_ids in ((same, same), (same, np.sort(other, axis=1)),
+                        (same[:, :t], same[:, ::2].repeat(2, 1))):
+    docs = cudnn._documents(jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    assert bool(docs.fits)
+    for row in range(b):
+      want = q_ids[row][:, None] == kv_ids[row][None, :]
+      got = ragged_visibility(docs, row, t, kv_ids.shape[1])
+      np.testing.assert_array_equal(got, want)
+    # Offsets of each slot's first element, in BSHD buffers of 2 heads x 8.
+    rq, rk = cudnn._doc_rows(docs, jnp.zeros((b, t, 2, 8)),
+                             jnp.zeros((b, kv_ids.shape[1], 2, 8)))[2:]
+    assert rq.shape == (b * cudnn.SLOTS + 1,) and rq[-1] == b * t * 16
+    np.testing.assert_array_equal(
+        np.asarray(rq[:-1]).reshape(b, -1) // 16,
+        np.arange(b)[:, None] * t + np.asarray(docs.q_start))
+
+
+def test_packed_documents_that_do_not_fit_are_flagged():
+  t = 40
+  too_many = np.arange(t, dtype=np.int32)[None] // 2  # 20 documents > SLOTS
+  split = np.array([[1] * 10 + [2] * 10 + [1] * 20], np.int32)  # id 1 twice
+  for q_ids, kv_ids in ((too_many, too_many), (split, split),
+                        (np.ones((1, t), np.int32), split)):
+    assert not bool(cudnn._documents(jnp.asarray(q_ids),
+                                     jnp.asarray(kv_ids)).fits)

@@ -56,22 +56,35 @@ class AttentionConfig:
     return dataclasses.replace(self, **changes)
 
 
+Strategy = Literal["ring", "all_gather", "ulysses", "hybrid", "auto"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+
+
 @dataclasses.dataclass(frozen=True)
 class ContextParallel:
   """How ``dot_product_attention`` splits the sequence across devices.
 
   Attributes:
-    axis: the mesh axis the sequence dimension is sharded over.
-    strategy: ``"ring"`` (the only one so far).
+    axis: the mesh axis the sequence dimension is sharded over; for
+      ``"hybrid"`` a pair ``(ulysses_axis, ring_axis)``, with the sequence
+      sharded ring-major: ``P(None, (ring_axis, ulysses_axis))``.
+    strategy: ``"ring"``, ``"all_gather"``, ``"ulysses"``, ``"hybrid"`` or
+      ``"auto"`` (chosen per call from the shapes and the mesh; see
+      ``jax_ring.explain``).
     load_balance: ``"dual_chunk"`` (inputs must be in that layout, see
-      ``reorder_for_load_balance``) or ``None`` (contiguous shards).
-    loop: ``"scan"``, ``"unrolled"`` or ``None`` (from the environment).
+      ``reorder_for_load_balance``; for ``"hybrid"`` with cp_size = the ring
+      axis size) or ``None`` (contiguous shards).
+    loop: the ring's ``"scan"``, ``"unrolled"`` or ``None`` (from the
+      environment).
+    kv_chunk_heads: ``"all_gather"`` only: gather this many kv heads at a
+      time, bounding the gathered KV held per device.
   """
 
-  axis: str = "cp"
-  strategy: Literal["ring"] = "ring"
+  axis: str | tuple[str, str] = "cp"
+  strategy: Strategy = "ring"
   load_balance: Literal["dual_chunk"] | None = "dual_chunk"
   loop: Literal["scan", "unrolled"] | None = None
+  kv_chunk_heads: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,12 +97,14 @@ class ShardPlan:
     cp_size: its size.
     load_balance: the token layout of the shards (``None`` = contiguous).
     loop: the ring's loop form; other strategies ignore it.
+    kv_chunk_heads: all-gather only: gather this many kv heads at a time.
   """
 
   axis_name: str
   cp_size: int
   load_balance: Literal["dual_chunk"] | None = None
   loop: Literal["scan", "unrolled"] = "unrolled"
+  kv_chunk_heads: int | None = None
 
 
 # TransformerEngine's switch between its two ring loop forms; honoured for

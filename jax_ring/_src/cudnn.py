@@ -27,11 +27,32 @@ key get ``out = 0`` and ``lse = MASK_VALUE`` here, whatever cuDNN wrote.
 A soft cap is a cuDNN score modifier; cuDNN then takes the band inside the
 modifier and has no padding mask, so soft cap with padding is not served.
 
+Packed documents (segment ids) use ragged offsets, not a copy into a padded
+batch: each row's runs of equal query ids become up to ``SLOTS`` virtual
+batches ``b * SLOTS + j`` that start, in place, at the run's first query
+and at the first key with that id, with the run's and the key range's
+lengths as sequence lengths. The mask then applies inside each document:
+
+==========================  ================================================
+query and kv ids            served masks
+==========================  ================================================
+one array (same ids)        all: causal/window bands hold per document,
+                            because its queries and keys are the same tokens
+two different arrays        none (non-causal, no window): a ring's
+                            off-diagonal blocks
+==========================  ================================================
+
+Whether a row's ids fit (at most ``SLOTS`` runs, each id one contiguous run
+on both sides) is only known at run time, so a ``lax.cond`` sends a batch
+that does not fit to the ``xla`` backend. The stats of the ragged graph are
+``(B * SLOTS, N, T)``, gathered back to ``(B, T, N)``.
+
 Not served (the dispatcher uses ``"xla"``): float32 (cuDNN computes in
-16-bit; we do not cast silently), bias, dense masks, segment ids, soft cap
-with padding, traced offsets, head_dim not a multiple of 8 or above 256, and a backward
-with an ``lse`` cotangent (cuDNN's backward has no input for it; that call
-alone runs on ``xla``).
+16-bit; we do not cast silently), bias, dense masks, soft cap with padding
+or segment ids, segment ids with padding lengths or with a band between
+different id arrays, traced offsets, head_dim not a multiple of 8 or above
+256, and a backward with an ``lse`` cotangent (cuDNN's backward has no input
+for it; that call alone runs on ``xla``).
 """
 
 from __future__ import annotations
@@ -54,6 +75,11 @@ except ImportError as e:  # not built: a CPU install, or a failed build
   LOAD_ERROR = str(e)
 
 _NONE = 1 << 62  # "no bound" while computing the band
+
+# Packed documents per batch row that the ragged path serves. Its stats
+# buffer is SLOTS x the dense one, and rows with more documents fall back
+# to xla at run time.
+SLOTS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,27 +161,150 @@ def _col_valid(bnd: Band, seq_kv, s):
   return (j >= 0) & (j < seq_kv[:, None])
 
 
-def _attrs(config, bnd: Band, padding: bool):
+def _attrs(config, bnd: Band, padding: bool, slots: int = 0):
   return dict(scale=np.float32(config.scale), row_start=bnd.row_start,
               col_start=bnd.col_start, right_bound=bnd.right_bound,
               left_bound=bnd.left_bound, padding=padding,
-              softcap=np.float32(config.logits_soft_cap or 0.0))
+              softcap=np.float32(config.logits_soft_cap or 0.0), slots=slots)
+
+
+_NO_RAGGED = (jnp.zeros((1,), jnp.int32),) * 2
+
+
+# --- packed documents: ragged virtual batches --------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Docs:
+  """Up to SLOTS documents per row. (B, M) int32 starts and lengths of each
+  slot's query run and key range; ``slot (B, T)`` of each query token."""
+
+  q_start: jax.Array
+  q_len: jax.Array
+  kv_start: jax.Array
+  kv_len: jax.Array
+  slot: jax.Array
+  fits: jax.Array  # () bool: every row fits the slots, ids contiguous
+
+
+def _documents(q_ids, kv_ids) -> _Docs:
+  b, t = q_ids.shape
+  s = kv_ids.shape[1]
+  new = jnp.concatenate([jnp.ones((b, 1), bool),
+                         q_ids[:, 1:] != q_ids[:, :-1]], 1)
+  slot = jnp.cumsum(new, 1, dtype=jnp.int32) - 1
+  j = jnp.arange(SLOTS, dtype=jnp.int32)[None, :, None]
+  in_slot = slot[:, None, :] == j  # (B, M, T)
+  q_len = in_slot.sum(-1, dtype=jnp.int32)
+  q_start = jnp.where(in_slot, jnp.arange(t, dtype=jnp.int32), t).min(-1)
+  ids = jnp.take_along_axis(q_ids, jnp.minimum(q_start, t - 1), 1)  # (B, M)
+  q_count = (q_ids[:, None, :] == ids[:, :, None]).sum(-1, dtype=jnp.int32)
+  hit = kv_ids[:, None, :] == ids[:, :, None]  # (B, M, S)
+  kv_len = hit.sum(-1, dtype=jnp.int32)
+  pos = jnp.arange(s, dtype=jnp.int32)
+  kv_start = jnp.where(hit, pos, s).min(-1)
+  kv_last = jnp.where(hit, pos, -1).max(-1)
+  used = q_len > 0
+  fits = (jnp.all(slot[:, -1] < SLOTS) & jnp.all(~used | (q_count == q_len))
+          & jnp.all(~used | (kv_len == 0) | (kv_last - kv_start + 1 == kv_len)))
+  # Unused slots: empty, starting at the row's end.
+  q_start = jnp.where(used, q_start, t)
+  kv_len = jnp.where(used, kv_len, 0)
+  kv_start = jnp.where(kv_len > 0, kv_start, s)
+  return _Docs(q_start, q_len, kv_start, kv_len, jnp.minimum(slot, SLOTS - 1),
+               fits)
+
+
+def _offsets(start, rows, heads, h):
+  """(B * M + 1,) element offsets of each slot's first row in a BSHD buffer
+  of ``rows`` rows per batch; the last entry is the buffer's end."""
+  b = start.shape[0]
+  first = (jnp.arange(b, dtype=jnp.int32)[:, None] * rows + start)
+  return jnp.append(first.reshape(-1) * heads * h, b * rows * heads * h)
+
+
+def _doc_rows(docs: _Docs, q, k):
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  return (docs.q_len.reshape(-1), docs.kv_len.reshape(-1),
+          _offsets(docs.q_start, t, n, h), _offsets(docs.kv_start, s, kh, h))
+
+
+def _doc_index(docs: _Docs, t):
+  """(batch, slot, row-in-document) indices of each query token, (B, T)."""
+  bi = jnp.arange(docs.slot.shape[0])[:, None]
+  row = jnp.arange(t)[None, :] - jnp.take_along_axis(docs.q_start, docs.slot,
+                                                     1)
+  return bi, docs.slot, row
+
+
+def _doc_row_valid(docs: _Docs):
+  """(B, T): the query's document has keys (bands keep the diagonal)."""
+  return jnp.take_along_axis(docs.kv_len, docs.slot, 1) > 0
+
+
+def _doc_col_valid(docs: _Docs, s):
+  """(B, S): the key lies in some slot's key range."""
+  j = jnp.arange(s)[None, None, :]
+  inside = (j >= docs.kv_start[:, :, None]) & (
+      j < (docs.kv_start + docs.kv_len)[:, :, None])
+  return inside.any(1)
+
+
+def _packed_forward(q, k, v, docs: _Docs, config, bnd: Band):
+  b, t, n, _ = q.shape
+  out, stats = jax.ffi.ffi_call(
+      "jax_ring_sdpa_fwd",
+      (jax.ShapeDtypeStruct(q.shape, q.dtype),
+       jax.ShapeDtypeStruct((b * SLOTS, n, t), jnp.float32)),
+  )(q, k, v, *_doc_rows(docs, q, k), **_attrs(config, bnd, False, SLOTS))
+  bi, slot, row = _doc_index(docs, t)
+  lse = stats.reshape(b, SLOTS, n, t)[bi, slot, :, row]  # (B, T, N)
+  valid = _doc_row_valid(docs)
+  return (jnp.where(valid[:, :, None, None], out, 0),
+          jnp.where(valid[:, :, None], lse, MASK_VALUE))
+
+
+def _packed_backward(q, k, v, docs: _Docs, out, lse, dout, config, bnd: Band):
+  b, t, n, _ = q.shape
+  bi, slot, row = _doc_index(docs, t)
+  stats = jnp.zeros((b, SLOTS, n, t), jnp.float32).at[bi, slot, :, row].set(
+      lse.astype(jnp.float32)).reshape(b * SLOTS, n, t)
+  dq, dk, dv = jax.ffi.ffi_call(
+      "jax_ring_sdpa_bwd",
+      (jax.ShapeDtypeStruct(q.shape, q.dtype),
+       jax.ShapeDtypeStruct(k.shape, k.dtype),
+       jax.ShapeDtypeStruct(v.shape, v.dtype)),
+  )(q, k, v, out, stats, dout, *_doc_rows(docs, q, k),
+    **_attrs(config, bnd, False, SLOTS))
+  rows = _doc_row_valid(docs)[:, :, None, None]
+  cols = _doc_col_valid(docs, k.shape[1])[:, :, None, None]
+  return (jnp.where(rows, dq, 0), jnp.where(cols, dk, 0),
+          jnp.where(cols, dv, 0))
 
 
 def forward(q, k, v, bias, mask, config):
-  del bias  # not served (see unsupported)
+  if unsupported(config, q, k, bias, mask):
+    # The strategy resolved cudnn on a representative block; this one (say,
+    # a ring block whose q and kv ids differ under a band) it cannot serve.
+    return xla_backend.forward(q, k, v, bias, mask, config)
   b, t, n, _ = q.shape
   s = k.shape[1]
   bnd = band(config, mask.q_offset, mask.kv_offset, t, s)
   if bnd.empty:
     return jnp.zeros_like(q), jnp.full((b, t, n), MASK_VALUE, jnp.float32)
+  if mask.q_segment_ids is not None:
+    docs = _documents(mask.q_segment_ids, mask.kv_ids())
+    return jax.lax.cond(
+        docs.fits, lambda: _packed_forward(q, k, v, docs, config, bnd),
+        lambda: xla_backend.forward(q, k, v, None, mask, config))
   seq_q, seq_kv, padding = _window_lengths(mask, bnd, b, t, s)
   rows = t - bnd.row_start
   out, stats = jax.ffi.ffi_call(
       "jax_ring_sdpa_fwd",
       (jax.ShapeDtypeStruct(q.shape, q.dtype),
        jax.ShapeDtypeStruct((b, n, rows), jnp.float32)),
-  )(q, k, v, seq_q, seq_kv, **_attrs(config, bnd, padding))
+  )(q, k, v, seq_q, seq_kv, *_NO_RAGGED, **_attrs(config, bnd, padding))
   lse = jnp.pad(jnp.swapaxes(stats, 1, 2), ((0, 0), (bnd.row_start, 0), (0, 0)))
   if _rows_may_be_empty(bnd, padding, t, s):
     valid = _row_valid(bnd, seq_q, seq_kv, t)
@@ -165,7 +314,8 @@ def forward(q, k, v, bias, mask, config):
 
 
 def backward(q, k, v, bias, mask, out, lse, dout, dlse, config):
-  if dlse is not None:  # cuDNN's backward has no lse-cotangent input
+  # No lse-cotangent input in cuDNN's backward; other options as forward.
+  if dlse is not None or unsupported(config, q, k, bias, mask):
     return xla_backend.backward(q, k, v, bias, mask, out, lse, dout, dlse,
                                 config)
   b, t, _, _ = q.shape
@@ -173,6 +323,13 @@ def backward(q, k, v, bias, mask, out, lse, dout, dlse, config):
   bnd = band(config, mask.q_offset, mask.kv_offset, t, s)
   if bnd.empty:
     return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), None
+  if mask.q_segment_ids is not None:
+    docs = _documents(mask.q_segment_ids, mask.kv_ids())
+    return jax.lax.cond(
+        docs.fits,
+        lambda: _packed_backward(q, k, v, docs, out, lse, dout, config, bnd),
+        lambda: xla_backend.backward(q, k, v, None, mask, out, lse, dout,
+                                     None, config)[:3]) + (None,)
   seq_q, seq_kv, padding = _window_lengths(mask, bnd, b, t, s)
   stats = jnp.swapaxes(lse[:, bnd.row_start:], 1, 2).astype(jnp.float32)
   dq, dk, dv = jax.ffi.ffi_call(
@@ -180,7 +337,8 @@ def backward(q, k, v, bias, mask, out, lse, dout, dlse, config):
       (jax.ShapeDtypeStruct(q.shape, q.dtype),
        jax.ShapeDtypeStruct(k.shape, k.dtype),
        jax.ShapeDtypeStruct(v.shape, v.dtype)),
-  )(q, k, v, out, stats, dout, seq_q, seq_kv, **_attrs(config, bnd, padding))
+  )(q, k, v, out, stats, dout, seq_q, seq_kv, *_NO_RAGGED,
+    **_attrs(config, bnd, padding))
   if _rows_may_be_empty(bnd, padding, t, s):
     dq = jnp.where(_row_valid(bnd, seq_q, seq_kv, t)[:, :, None, None], dq, 0)
   if padding or bnd.col_start:
@@ -199,19 +357,41 @@ def unsupported(config, query, key, bias, mask) -> str | None:
   h = query.shape[-1]
   if h % 8 or h > 256:
     return f"head_dim {h} (cuDNN needs a multiple of 8, at most 256)"
-  for name, value in (("bias", bias), ("mask", mask.dense),
-                      ("segment_ids", mask.q_segment_ids)):
+  for name, value in (("bias", bias), ("mask", mask.dense)):
     if value is not None:
       return name
   for name in ("q_offset", "kv_offset"):
     if not isinstance(getattr(mask, name), (int, np.integer)):
       return f"a traced {name} (cuDNN's diagonal is fixed when it compiles)"
+  if mask.q_segment_ids is not None:
+    why = _packed_unsupported(config, query, key, mask)
+    if why:
+      return why
   if config.logits_soft_cap is not None:
     t, s = query.shape[1], key.shape[1]
     bnd = band(config, mask.q_offset, mask.kv_offset, t, s)
     if _needs_padding(mask, bnd, t, s):
       return ("logits_soft_cap with padding lengths (cuDNN's score modifier "
               "excludes its padding mask)")
+  return None
+
+
+def _packed_unsupported(config, query, key, mask) -> str | None:
+  """Why the ragged path cannot serve these segment ids, or None."""
+  t, s = query.shape[1], key.shape[1]
+  same = mask.kv_segment_ids is None or (
+      mask.kv_segment_ids is mask.q_segment_ids)
+  banded = config.is_causal or config.local_window is not None
+  if mask.q_lengths is not None or mask.kv_lengths is not None:
+    return "segment_ids with padding lengths"
+  if config.logits_soft_cap is not None:
+    return "segment_ids with logits_soft_cap"
+  if banded and not (same and t == s and mask.q_offset == mask.kv_offset):
+    return ("segment_ids with a causal or window mask between different "
+            "query and key ids")
+  b, n, h, kh = query.shape[0], query.shape[2], query.shape[3], key.shape[2]
+  if max(b * t * n * h, b * s * kh * h) >= 2**31:
+    return "segment_ids on buffers of 2**31 elements or more"
   return None
 
 

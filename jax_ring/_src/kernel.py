@@ -247,6 +247,10 @@ def attention(q, k, v, bias, mask: BlockMask, config: AttentionConfig):
   static = tuple((f, int(getattr(mask, f))) for f in ("q_offset", "kv_offset")
                  if isinstance(getattr(mask, f), (int, np.integer)))
   mask = dataclasses.replace(mask, **{f: None for f, _ in static})
+  if mask.kv_segment_ids is mask.q_segment_ids:
+    # One id array for both sides stays one through the pytree flattening
+    # below, as the static fact "same ids" (kv ids None).
+    mask = dataclasses.replace(mask, kv_segment_ids=None)
   return _attention(q, k, v, bias, mask, static, config)
 
 

@@ -11,7 +11,9 @@ field              shape        meaning
 ``q_offset``       ``()``       global position of this query block's row 0
 ``kv_offset``      ``()``       global position of this kv block's row 0
 ``q_segment_ids``  ``(B, T)``   packed-document id of each query token
-``kv_segment_ids`` ``(B, S)``   packed-document id of each key token
+``kv_segment_ids`` ``(B, S)``   packed-document id of each key token; None
+                                with q ids set: the same ids (T == S), which
+                                a backend may exploit (cuDNN's ragged path)
 ``q_lengths``      ``(B,)``     queries at global position ``>= q_lengths``
                                 are padding (output 0)
 ``kv_lengths``     ``(B,)``     keys at global position ``>= kv_lengths``
@@ -57,17 +59,26 @@ class BlockMask:
   kv_lengths: Array | None = None
   dense: Array | None = None
 
+  def kv_ids(self):
+    """The kv segment ids (the query's when only those are given)."""
+    if self.kv_segment_ids is None:
+      return self.q_segment_ids
+    return self.kv_segment_ids
+
   def as_operands(self) -> "BlockMask":
     """Offsets as Python ints (static) or int32 scalars (traced), ids and
     lengths as int32, dense as bool."""
     cast = lambda x, dt: None if x is None else jnp.asarray(x, dt)
     offset = lambda x: int(x) if isinstance(x, (int, np.integer)) else cast(
         x, jnp.int32)
+    # One array for both sides becomes the static fact "same ids".
+    same = self.kv_segment_ids is None or (
+        self.kv_segment_ids is self.q_segment_ids)
     return BlockMask(
         q_offset=offset(self.q_offset),
         kv_offset=offset(self.kv_offset),
         q_segment_ids=cast(self.q_segment_ids, jnp.int32),
-        kv_segment_ids=cast(self.kv_segment_ids, jnp.int32),
+        kv_segment_ids=None if same else cast(self.kv_segment_ids, jnp.int32),
         q_lengths=cast(self.q_lengths, jnp.int32),
         kv_lengths=cast(self.kv_lengths, jnp.int32),
         dense=cast(self.dense, jnp.bool_),
@@ -121,9 +132,9 @@ def block_visibility(mask: BlockMask, config, *, q_start, kv_start, block_q,
   vis = vis[None, None, None]  # (1, 1, 1, bq, bk)
 
   if mask.q_segment_ids is not None:
+    kv_ids = mask.kv_ids()
     sq = jax.lax.dynamic_slice_in_dim(mask.q_segment_ids, q_start, block_q, 1)
-    sk = jax.lax.dynamic_slice_in_dim(mask.kv_segment_ids, kv_start, block_kv,
-                                      1)
+    sk = jax.lax.dynamic_slice_in_dim(kv_ids, kv_start, block_kv, 1)
     vis = vis & (sq[:, :, None] == sk[:, None, :])[:, None, None]
   if mask.q_lengths is not None:
     ok = pq[None, :, :] < mask.q_lengths[:, None, None]

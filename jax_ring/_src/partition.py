@@ -1,11 +1,12 @@
-"""The automatic path: ring attention under ``jax.jit`` on sharded arrays.
+"""The automatic path: context parallelism under ``jax.jit`` on sharded arrays.
 
 ``dot_product_attention(..., context_parallel=ContextParallel(axis="cp"))``
-binds two ``custom_partitioning`` functions, the ring's forward and its
-backward, tied by a custom VJP. Their partition rules run the ring of
-``ring.py`` on each shard: the sequence dimension sharded over the context
-axis, the batch over whatever axes it already has (data, fsdp), the heads
-over theirs (tensor), head_dim never. A Shardy sharding rule names the
+binds two ``custom_partitioning`` functions, a strategy's forward and its
+backward, tied by a custom VJP. Their partition rules run the strategy
+(ring, all-gather, Ulysses, hybrid; ``auto`` is decided here, where the mesh
+is first known) on each shard: the sequence dimension sharded over the
+context axis (or axes), the batch over whatever axes it already has (data,
+fsdp), the heads over theirs (tensor), head_dim never. A Shardy sharding rule names the
 factors for propagation; ``infer_sharding_from_operands`` serves GSPMD.
 
 ==========  =========================  ==========================
@@ -26,12 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import math
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ring._src import kernel, ring, validate
+from jax_ring._src import auto, kernel, validate
 from jax_ring._src.config import ContextParallel, ShardPlan
 from jax_ring._src.mask import BlockMask, TokenMask
 
@@ -39,24 +42,54 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(TokenMask))
 _LENGTHS = frozenset({"q_lengths", "kv_lengths"})
 
 
-def _axes(mesh, q_shape, cpc: ContextParallel):
-  """(batch axes, head axes) of q's sharding, and the shard plan. The mesh
-  size is first known here, so the sequence-length checks are made here."""
-  cp = mesh.shape[cpc.axis]
-  seq = q_shape.shape[1]
+def _strategy(name: str):
+  """The module of a strategy (each is ``jax_ring._src.<name>``, with
+  ``_forward`` and ``_backward`` on local shards)."""
+  return importlib.import_module(f"jax_ring._src.{name}")
+
+
+def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg):
+  """(batch axes, head axes, sequence axes) of q's sharding, the strategy
+  module and its plan. The mesh is first known here, so the shape checks
+  that need its sizes, and the ``auto`` choice, are made here."""
+  q_shape = arg_shapes[0]
+  sharding = q_shape.sharding
+  spec = tuple(sharding.spec) + (None,) * 4 if sharding is not None else ()
+  batch, heads = (spec[0], spec[2]) if spec else (None, None)
+  b, seq, n, _ = q_shape.shape
+  head_axes = heads if isinstance(heads, tuple) else (heads,)
+  tp = math.prod(mesh.shape[a] for a in head_axes if a)
+  local_heads = n // tp
+  cpc = auto.resolve(cpc, mesh, q_shape.shape, local_heads,
+                     kv_heads=max(1, arg_shapes[1].shape[2] // tp),
+                     is_causal=cfg.is_causal, window=cfg.local_window)
+  axes = cpc.axis if isinstance(cpc.axis, tuple) else (cpc.axis,)
+  cp = math.prod(mesh.shape[a] for a in axes)
   if seq % cp:
     raise ValueError(f"context_parallel: sequence length {seq} of query "
                      f"{tuple(q_shape.shape)} must be divisible by the "
                      f"{cpc.axis!r} axis size {cp}")
-  validate.ring_options(cpc.load_balance, cpc.loop, seq // cp, cp)
-  sharding = q_shape.sharding
-  spec = tuple(sharding.spec) + (None,) * 4 if sharding is not None else ()
-  batch, heads = (spec[0], spec[2]) if spec else (None, None)
-  return batch, heads, ShardPlan(cpc.axis, cp, cpc.load_balance, cpc.loop)
+  if cpc.strategy == "hybrid":
+    u_axis, r_axis = cpc.axis
+    u, r = mesh.shape[u_axis], mesh.shape[r_axis]
+    validate.ulysses_heads(local_heads, u_axis, u)
+    validate.ring_options(cpc.load_balance, cpc.loop, seq // r, r)
+    plan = (ShardPlan(u_axis, u), ShardPlan(r_axis, r, cpc.load_balance,
+                                            cpc.loop))
+    seq_axes = (r_axis, u_axis)  # ring-major
+  else:
+    if cpc.strategy == "ulysses":
+      validate.ulysses_heads(local_heads, cpc.axis, cp)
+    validate.ring_options(cpc.load_balance, cpc.loop, seq // cp, cp)
+    plan = ShardPlan(cpc.axis, cp, cpc.load_balance, cpc.loop,
+                     cpc.kv_chunk_heads)
+    seq_axes = cpc.axis
+  return batch, heads, seq_axes, _strategy(cpc.strategy), plan
 
 
 def _shardings(mesh, batch, heads, cp_axis, present):
-  """Shardings of the token arrays, the lse and the mask operands."""
+  """Shardings of the token arrays, the lse and the mask operands;
+  ``cp_axis`` is the sequence's axis, or axes (major first)."""
   tok = NamedSharding(mesh, P(batch, cp_axis, heads, None))
   stat = NamedSharding(mesh, P(batch, cp_axis, heads))
   masks = tuple(NamedSharding(mesh, P(batch) if f in _LENGTHS else
@@ -65,7 +98,10 @@ def _shardings(mesh, batch, heads, cp_axis, present):
 
 
 def _pack(tm: TokenMask):
-  """(names of the present fields, their arrays)."""
+  """(names of the present fields, their arrays). One segment-id array for
+  both sides travels once, and is one array again on each shard."""
+  if tm.kv_segment_ids is tm.q_segment_ids:
+    tm = dataclasses.replace(tm, kv_segment_ids=None)
   present = tuple(f for f in _FIELDS if getattr(tm, f) is not None)
   return present, tuple(getattr(tm, f) for f in present)
 
@@ -79,7 +115,10 @@ def _functions(present: tuple[str, ...]):
 
   def split(args):
     body, rest = args[:len(args) - n], args[len(args) - n:]
-    return body, TokenMask(**dict(zip(present, rest)))
+    tm = TokenMask(**dict(zip(present, rest)))
+    if tm.q_segment_ids is not None and tm.kv_segment_ids is None:
+      tm = dataclasses.replace(tm, kv_segment_ids=tm.q_segment_ids)
+    return body, tm
 
   def whole(tm: TokenMask):
     """The unpartitioned (one device) mask: global positions, offsets 0."""
@@ -92,18 +131,18 @@ def _functions(present: tuple[str, ...]):
     return kernel.attention(q, k, v, None, whole(tm), cfg)
 
   def fwd_partition(cfg, cpc, mesh, arg_shapes, result_shape):
-    batch, heads, plan = _axes(mesh, arg_shapes[0], cpc)
-    tok, stat, masks = _shardings(mesh, batch, heads, cpc.axis, present)
+    batch, heads, seq, strategy, plan = _axes(mesh, arg_shapes, cpc, cfg)
+    tok, stat, masks = _shardings(mesh, batch, heads, seq, present)
 
     def lowered(*args):
       (q, k, v), tm = split(args)
-      return ring._forward(q, k, v, tm, cfg, plan)
+      return strategy._forward(q, k, v, tm, cfg, plan)
 
     return mesh, lowered, (tok, stat), (tok, tok, tok) + masks
 
   def fwd_infer(cfg, cpc, mesh, arg_shapes, result_shape):
-    batch, heads, _ = _axes(mesh, arg_shapes[0], cpc)
-    tok, stat, _ = _shardings(mesh, batch, heads, cpc.axis, present)
+    batch, heads, seq, _, _ = _axes(mesh, arg_shapes, cpc, cfg)
+    tok, stat, _ = _shardings(mesh, batch, heads, seq, present)
     return tok, stat
 
   fwd.def_partition(
@@ -118,19 +157,19 @@ def _functions(present: tuple[str, ...]):
                                      None, cfg)[:3]
 
   def bwd_partition(cfg, cpc, mesh, arg_shapes, result_shape):
-    batch, heads, plan = _axes(mesh, arg_shapes[0], cpc)
-    tok, stat, masks = _shardings(mesh, batch, heads, cpc.axis, present)
+    batch, heads, seq, strategy, plan = _axes(mesh, arg_shapes, cpc, cfg)
+    tok, stat, masks = _shardings(mesh, batch, heads, seq, present)
 
     def lowered(*args):
       (q, k, v, out, lse, dout), tm = split(args)
-      return ring._backward(q, k, v, tm, out, lse, dout, cfg, plan)
+      return strategy._backward(q, k, v, tm, out, lse, dout, cfg, plan)
 
     return (mesh, lowered, (tok, tok, tok),
             (tok, tok, tok, tok, stat, tok) + masks)
 
   def bwd_infer(cfg, cpc, mesh, arg_shapes, result_shape):
-    batch, heads, _ = _axes(mesh, arg_shapes[0], cpc)
-    tok, _, _ = _shardings(mesh, batch, heads, cpc.axis, present)
+    batch, heads, seq, _, _ = _axes(mesh, arg_shapes, cpc, cfg)
+    tok, _, _ = _shardings(mesh, batch, heads, seq, present)
     return tok, tok, tok
 
   bwd.def_partition(

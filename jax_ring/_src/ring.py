@@ -132,19 +132,25 @@ class _Block:
 
 
 def _cut(x, sl):
-  return None if x is None else x[:, sl]
+  return x if x is None or sl == slice(None) else x[:, sl]
 
 
-def _block(q, tm: TokenMask, kv, qc, kc, rows, cols, c, q_offset=0):
+def _block(q, tm: TokenMask, kv, qc, kc, rows, cols, c, q_offset=0,
+           own=False):
   """A block of query chunks ``qc`` (local rows ``rows``) against kv chunks
   ``kc`` (held rows ``cols``). Offsets are static: 0, or ``q_offset`` for a
-  window pair; lengths become local prefixes shifted by the same offset."""
+  window pair; lengths become local prefixes shifted by the same offset.
+  ``own``: the held KV is this device's, with the query's segment ids."""
   (k, v), kv_seg = (kv[0][0], kv[0][1]), kv[1]
   q_len = _prefix(tm.q_lengths, qc, c)
+  q_seg = _cut(tm.q_segment_ids, rows)
+  # One array for both sides tells a backend the ids are the same tokens'.
+  same = q_seg is not None and (own or kv_seg is tm.q_segment_ids) and (
+      rows == cols)
   mask = BlockMask(
       q_offset=q_offset,
-      q_segment_ids=_cut(tm.q_segment_ids, rows),
-      kv_segment_ids=_cut(kv_seg, cols),
+      q_segment_ids=q_seg,
+      kv_segment_ids=q_seg if same else _cut(kv_seg, cols),
       q_lengths=None if q_len is None else q_len + q_offset,
       kv_lengths=_prefix(tm.kv_lengths, kc, c))
   return _Block(q[:, rows], (k[:, cols], v[:, cols]), mask, rows, cols)
@@ -228,16 +234,19 @@ def _kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs):
   return _place(dq, blk.rows, t, 1), _place(dkv, blk.cols, t, 2)
 
 
-def _pair_switch(fn, skip, plan, cfg, a, b, q, kv, r, src, c):
+def _pair_switch(fn, skip, plan, cfg, a, b, tm, kv, r, src, c):
   """``fn(block)`` for query chunk a of device r and kv chunk b of device
   src, switched on their chunk distance; ``skip()`` outside the window."""
   k_min, k_max = _window_pairs(plan, cfg, c)
   qc, kc = chunk_ids(plan, r)[a], chunk_ids(plan, src)[b]
   index = jnp.clip(qc - kc - k_min + 1, 0, k_max - k_min + 2)
+  own = src is r and kv[1] is not None and kv[1] is tm.kv_segment_ids and (
+      tm.kv_segment_ids is tm.q_segment_ids)  # step 0, one id array
 
   def branch(dist, q, tm, kv):
     rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
-    return fn(_block(q, tm, kv, [qc], [kc], rows, cols, c, dist * c))
+    return fn(_block(q, tm, kv, [qc], [kc], rows, cols, c, dist * c,
+                     own=own))
 
   branches = ([lambda *_: skip()] +
               [functools.partial(branch, d) for d in range(k_min, k_max + 1)]
@@ -258,7 +267,7 @@ def _window_fwd(q, tm, kv, r, src, cfg, plan, carry):
     for bb in range(m):
       f = _pair_switch(lambda blk: _fwd(blk, cfg),
                        lambda: _masked(b, c, n, h, (q, kv[0])), plan, cfg, a,
-                       bb, q, kv, r, src, c)
+                       bb, tm, kv, r, src, c)
       o = f(q, tm, kv)
       part = o if part is None else merge(*part, *o)
     outs.append(part)
@@ -277,7 +286,7 @@ def _window_bwd(q, tm, kv, r, src, out, lse, dout, cfg, plan):
           lambda blk: _bwd(blk, out, lse, dout, cfg),
           lambda: vma.like((jnp.zeros((b, c, n, h), jnp.float32),
                             jnp.zeros(kshape, jnp.float32)), q, kv[0], out,
-                           dout), plan, cfg, a, bb, q, kv, r, src, c)
+                           dout), plan, cfg, a, bb, tm, kv, r, src, c)
       dq, dkv = f(q, tm, kv)
       dqs[a], dkvs[bb] = dqs[a] + dq, dkvs[bb] + dkv
   return jnp.concatenate(dqs, 1), jnp.concatenate(dkvs, 2)

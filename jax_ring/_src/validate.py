@@ -141,6 +141,18 @@ def ulysses_heads(num_heads: int, axis_name: str, cp_size: int) -> None:
         f"heads ({num_heads}) must be divisible by its size ({cp_size})")
 
 
+def kv_chunk_heads(kv_chunk_heads, kv_heads: int) -> None:
+  """``kv_chunk_heads``: None, or a positive int dividing the kv heads."""
+  if kv_chunk_heads is None:
+    return
+  if (not isinstance(kv_chunk_heads, (int, np.integer)) or
+      isinstance(kv_chunk_heads, bool) or kv_chunk_heads < 1 or
+      kv_heads % kv_chunk_heads):
+    raise ValueError(
+        f"kv_chunk_heads must be None or a positive int dividing the "
+        f"key/value heads ({kv_heads}); got {kv_chunk_heads!r}")
+
+
 def ring_choices(load_balance, loop) -> None:
   if load_balance not in (None, "dual_chunk"):
     raise ValueError(f"load_balance must be None or 'dual_chunk'; got "
@@ -164,10 +176,21 @@ def context_parallel(cp, query, key, *, bias, mask, return_residual) -> None:
   if not isinstance(cp, ContextParallel):
     raise ValueError(f"context_parallel must be a jax_ring.ContextParallel; "
                      f"got {cp!r}")
-  if cp.strategy != "ring":
-    raise ValueError(f"context_parallel.strategy must be 'ring'; got "
-                     f"{cp.strategy!r}")
+  from jax_ring._src.config import STRATEGIES
+  if cp.strategy not in STRATEGIES:
+    raise ValueError(f"context_parallel.strategy must be one of "
+                     f"{STRATEGIES}; got {cp.strategy!r}")
+  pair = (isinstance(cp.axis, tuple) and len(cp.axis) == 2 and
+          all(isinstance(a, str) for a in cp.axis) and cp.axis[0] != cp.axis[1])
+  if cp.strategy == "hybrid" and not pair:
+    raise ValueError(f"context_parallel.axis must be a pair (ulysses_axis, "
+                     f"ring_axis) of distinct axis names for strategy "
+                     f"'hybrid'; got {cp.axis!r}")
+  if cp.strategy != "hybrid" and not isinstance(cp.axis, str):
+    raise ValueError(f"context_parallel.axis must be one axis name for "
+                     f"strategy {cp.strategy!r}; got {cp.axis!r}")
   ring_choices(cp.load_balance, cp.loop)
+  kv_chunk_heads(cp.kv_chunk_heads, key.shape[2])
   unsupported = [name for name, value in (("bias", bias), ("mask", mask))
                  if value is not None]
   if return_residual:

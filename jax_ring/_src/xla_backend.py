@@ -84,9 +84,9 @@ class _Tiling:
     dense = m.dense
     if dense is not None:
       dense = _pad(_pad(dense, 2, self.tp), 3, self.sp)
+    kv_ids = None if m.q_segment_ids is None else m.kv_ids()
     return BlockMask(m.q_offset, m.kv_offset, self.pad_q(m.q_segment_ids),
-                     self.pad_kv(m.kv_segment_ids), m.q_lengths, m.kv_lengths,
-                     dense)
+                     self.pad_kv(kv_ids), m.q_lengths, m.kv_lengths, dense)
 
   def pad_bias(self, bias):
     return None if bias is None else _pad(_pad(bias, 2, self.tp), 3, self.sp)

@@ -1,0 +1,117 @@
+"""Every context-parallel strategy on all local GPUs, side by side, against
+"theoretic": the single-GPU cuDNN time for the full sequence divided by the
+number of GPUs, measured in the same process (ring-flash-attention's
+convention).
+
+  python benchmarks/strategies.py [--seq 32768 ...] [--kv-heads 32 8]
+
+B=1, N=32, D=128, bf16, causal, dual-chunk layout. Each strategy runs
+through the automatic path (jit + NamedSharding + ContextParallel), the way
+a model calls it; hybrid uses a (cp/2 ulysses) x (2 ring) mesh. Also records
+what ``strategy="auto"`` picks and how far that is from the fastest.
+Writes benchmarks/results/strategies_<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("XLA_FLAGS",
+                      "--xla_gpu_enable_latency_hiding_scheduler=true")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jax_ring  # noqa: E402
+from common import time_fn, write  # noqa: E402
+
+STRATEGIES = ("ring", "all_gather", "ulysses", "hybrid")
+
+
+def setup(strategy, cp, causal):
+  """(ContextParallel, token sharding, reorder, inverse) for a strategy."""
+  lb = "dual_chunk" if causal else None
+  if strategy == "hybrid":
+    u, r = cp // 2, 2
+    mesh = Mesh(np.array(jax.devices()).reshape(r, u), ("ring", "ulysses"))
+    spec, ring_size = P(None, ("ring", "ulysses")), r
+    cpc = jax_ring.ContextParallel(axis=("ulysses", "ring"),
+                                   strategy="hybrid", load_balance=lb)
+  else:
+    mesh = Mesh(np.array(jax.devices()), ("cp",))
+    spec, ring_size = P(None, "cp"), cp
+    cpc = jax_ring.ContextParallel(axis="cp", strategy=strategy,
+                                   load_balance=lb, loop="unrolled")
+  to = lambda x: jax_ring.reorder_for_load_balance(x, ring_size) if lb else x
+  back = lambda x: (jax_ring.reorder_from_load_balance(x, ring_size) if lb
+                    else x)
+  return cpc, NamedSharding(mesh, spec), to, back
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--seq", type=int, nargs="+",
+                 default=[16384, 32768, 65536, 131072, 262144])
+  p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
+  p.add_argument("--heads", type=int, default=32)
+  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+  a = p.parse_args()
+  cp = jax.device_count()
+  causal = True
+  rows = []
+  for s in a.seq:
+    for kh in a.kv_heads:
+      ks = jax.random.split(jax.random.key(s + kh), 4)
+      q = jax.random.normal(ks[0], (1, s, a.heads, a.head_dim), jnp.bfloat16)
+      k = jax.random.normal(ks[1], (1, s, kh, a.head_dim), jnp.bfloat16)
+      v = jax.random.normal(ks[2], (1, s, kh, a.head_dim), jnp.bfloat16)
+      do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+      row = dict(seq=s, cp=cp, heads=a.heads, kv_heads=kh, causal=causal)
+      single = lambda q, k, v: jax_ring.dot_product_attention(
+          q, k, v, is_causal=causal, implementation="cudnn")
+      f1 = jax.jit(single)
+      fb1 = jax.jit(lambda q, k, v, do: jax.vjp(single, q, k, v)[1](do))
+      want = f1(q, k, v).astype(jnp.float32)
+      t1, tb1 = time_fn(f1, q, k, v), time_fn(fb1, q, k, v, do)
+      row["single_fwd_ms"], row["single_fwdbwd_ms"] = t1 * 1e3, tb1 * 1e3
+      for name in a.strategies:
+        cpc, sh, to, back = setup(name, cp, causal)
+        args = [jax.device_put(to(x), sh) for x in (q, k, v, do)]
+        attn = lambda q, k, v, cpc=cpc: jax_ring.dot_product_attention(
+            q, k, v, is_causal=causal, context_parallel=cpc)
+        f = jax.jit(attn)
+        fb = jax.jit(lambda q, k, v, do, attn=attn: jax.vjp(attn, q, k, v)[1](
+            do))
+        got = back(f(*args[:3])).astype(jnp.float32)
+        row[f"{name}_max_rel_err"] = float(
+            jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+        t, tb = time_fn(f, *args[:3]), time_fn(fb, *args)
+        row[f"{name}_fwd_ms"], row[f"{name}_fwdbwd_ms"] = t * 1e3, tb * 1e3
+        row[f"{name}_fwd_eff"] = t1 / cp / t
+        row[f"{name}_fwdbwd_eff"] = tb1 / cp / tb
+      measured = [n for n in a.strategies if f"{n}_fwdbwd_ms" in row]
+      best = min(measured, key=lambda n: row[f"{n}_fwdbwd_ms"])
+      pick = jax_ring.explain(q.shape, k.shape, cp_size=cp,
+                              is_causal=causal).strategy
+      row["best"], row["auto_pick"] = best, pick
+      if f"{pick}_fwdbwd_ms" in row:
+        row["auto_vs_best"] = row[f"{pick}_fwdbwd_ms"] / row[
+            f"{best}_fwdbwd_ms"]
+      rows.append(row)
+      print(row, flush=True)
+  cols = ["seq", "kv_heads"]
+  for n in a.strategies:
+    cols += [f"{n}_fwd_eff", f"{n}_fwdbwd_eff"]
+  write("strategies", rows, cols + ["best", "auto_pick", "auto_vs_best"],
+        extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
+                   xla_flags=os.environ.get("XLA_FLAGS", ""),
+                   efficiency="(single-GPU cuDNN time / cp) / strategy time",
+                   path="automatic (jit + NamedSharding + ContextParallel)"))
+
+
+if __name__ == "__main__":
+  main()
