@@ -51,6 +51,23 @@ def setup(strategy, cp, causal):
   return cpc, NamedSharding(mesh, spec), to, back
 
 
+def measure(row, name, cp, causal, q, k, v, do, want, t1, tb1):
+  """Time one strategy's forward and forward+backward into ``row``."""
+  cpc, sh, to, back = setup(name, cp, causal)
+  args = [jax.device_put(to(x), sh) for x in (q, k, v, do)]
+  attn = lambda q, k, v: jax_ring.dot_product_attention(
+      q, k, v, is_causal=causal, context_parallel=cpc)
+  f = jax.jit(attn)
+  fb = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
+  got = back(f(*args[:3])).astype(jnp.float32)
+  row[f"{name}_max_rel_err"] = float(
+      jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+  t, tb = time_fn(f, *args[:3]), time_fn(fb, *args)
+  row[f"{name}_fwd_ms"], row[f"{name}_fwdbwd_ms"] = t * 1e3, tb * 1e3
+  row[f"{name}_fwd_eff"] = t1 / cp / t
+  row[f"{name}_fwdbwd_eff"] = tb1 / cp / tb
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--seq", type=int, nargs="+",
@@ -59,6 +76,8 @@ def main():
   p.add_argument("--heads", type=int, default=32)
   p.add_argument("--head-dim", type=int, default=128)
   p.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+  p.add_argument("--implementation", default="cudnn",
+                 help="single-GPU baseline backend (xla for a CPU dry run)")
   a = p.parse_args()
   cp = jax.device_count()
   causal = True
@@ -72,27 +91,17 @@ def main():
       do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
       row = dict(seq=s, cp=cp, heads=a.heads, kv_heads=kh, causal=causal)
       single = lambda q, k, v: jax_ring.dot_product_attention(
-          q, k, v, is_causal=causal, implementation="cudnn")
+          q, k, v, is_causal=causal, implementation=a.implementation)
       f1 = jax.jit(single)
       fb1 = jax.jit(lambda q, k, v, do: jax.vjp(single, q, k, v)[1](do))
       want = f1(q, k, v).astype(jnp.float32)
       t1, tb1 = time_fn(f1, q, k, v), time_fn(fb1, q, k, v, do)
       row["single_fwd_ms"], row["single_fwdbwd_ms"] = t1 * 1e3, tb1 * 1e3
       for name in a.strategies:
-        cpc, sh, to, back = setup(name, cp, causal)
-        args = [jax.device_put(to(x), sh) for x in (q, k, v, do)]
-        attn = lambda q, k, v, cpc=cpc: jax_ring.dot_product_attention(
-            q, k, v, is_causal=causal, context_parallel=cpc)
-        f = jax.jit(attn)
-        fb = jax.jit(lambda q, k, v, do, attn=attn: jax.vjp(attn, q, k, v)[1](
-            do))
-        got = back(f(*args[:3])).astype(jnp.float32)
-        row[f"{name}_max_rel_err"] = float(
-            jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-        t, tb = time_fn(f, *args[:3]), time_fn(fb, *args)
-        row[f"{name}_fwd_ms"], row[f"{name}_fwdbwd_ms"] = t * 1e3, tb * 1e3
-        row[f"{name}_fwd_eff"] = t1 / cp / t
-        row[f"{name}_fwdbwd_eff"] = tb1 / cp / tb
+        try:
+          measure(row, name, cp, causal, q, k, v, do, want, t1, tb1)
+        except Exception as e:  # a strategy that fails is reported, not hidden
+          row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
       measured = [n for n in a.strategies if f"{n}_fwdbwd_ms" in row]
       best = min(measured, key=lambda n: row[f"{n}_fwdbwd_ms"])
       pick = jax_ring.explain(q.shape, k.shape, cp_size=cp,

@@ -6,7 +6,7 @@ Public API (everything else lives in ``jax_ring._src``):
   ``jax.nn.dot_product_attention``.
 * Inside ``shard_map``, one function per context-parallel strategy:
   :func:`ring_attention`, :func:`all_gather_attention`,
-  :func:`ulysses_attention`; and the load-balance reorder helpers
+  :func:`ulysses_attention`, :func:`hybrid_attention`; and the load-balance reorder helpers
   :func:`reorder_for_load_balance`, :func:`reorder_from_load_balance`.
 * :class:`ContextParallel` for the automatic path, and :func:`explain`:
   what ``strategy="auto"`` picks, and why.
@@ -19,6 +19,7 @@ from jax_ring._src.all_gather import all_gather_attention
 from jax_ring._src.api import dot_product_attention
 from jax_ring._src.auto import explain
 from jax_ring._src.config import AttentionConfig, ContextParallel
+from jax_ring._src.hybrid import hybrid_attention
 from jax_ring._src.kernel import attention, attention_backward
 from jax_ring._src.layout import (reorder_for_load_balance,
                                   reorder_from_load_balance)
@@ -37,6 +38,7 @@ __all__ = [
     "attention_backward",
     "dot_product_attention",
     "explain",
+    "hybrid_attention",
     "reorder_for_load_balance",
     "reorder_from_load_balance",
     "ring_attention",

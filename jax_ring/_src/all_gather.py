@@ -245,9 +245,9 @@ def _backward_group(q, kv, kv_ids, tm, out, lse, dout, cfg, plan, r):
 
 
 def _gathered_ids(tm: TokenMask, plan: ShardPlan):
-  if tm.kv_segment_ids is None:
+  if tm.q_segment_ids is None:
     return None
-  return _gather(tm.kv_segment_ids, plan, 1)
+  return _gather(tm.kv_ids(), plan, 1)
 
 
 def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):

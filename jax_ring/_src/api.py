@@ -108,7 +108,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     context_parallel = dataclasses.replace(
         context_parallel, loop=context_parallel.loop or loop_from_environment())
     i32 = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
-    tm = TokenMask(q_segment_ids=i32(q_ids), kv_segment_ids=i32(kv_ids),
+    tm = TokenMask(q_segment_ids=i32(q_ids),
+                   kv_segment_ids=None if kv_ids is q_ids else i32(kv_ids),
                    q_lengths=i32(query_seq_lengths),
                    kv_lengths=i32(key_value_seq_lengths))
     config = config.replace(implementation=backends.resolve(

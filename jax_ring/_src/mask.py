@@ -91,15 +91,25 @@ class TokenMask:
   """Per-token mask operands of a context-parallel call, on local shards.
 
   Segment ids are this device's ``(B, T)`` query ids and ``(B, T)`` kv ids,
-  in the shard's layout (they travel with the tokens); lengths are ``(B,)``
-  in *global* natural-order positions, the same on every device. A strategy
-  turns them into one ``BlockMask`` per block call.
+  in the shard's layout (they travel with the tokens); kv ids None with query
+  ids set means the same ids (one array), a fact that, unlike array
+  identity, survives pytree flattening (custom_vjp, cond, partitioning).
+  Lengths are ``(B,)`` in *global* natural-order positions, the same on every
+  device. A strategy turns them into one ``BlockMask`` per block call.
   """
 
   q_segment_ids: Array | None = None
   kv_segment_ids: Array | None = None
   q_lengths: Array | None = None
   kv_lengths: Array | None = None
+
+  @property
+  def same_ids(self) -> bool:
+    return self.q_segment_ids is not None and self.kv_segment_ids is None
+
+  def kv_ids(self):
+    """The kv segment ids (the query's when they are the same)."""
+    return self.q_segment_ids if self.same_ids else self.kv_segment_ids
 
 
 def block_visibility(mask: BlockMask, config, *, q_start, kv_start, block_q,

@@ -98,10 +98,7 @@ def _shardings(mesh, batch, heads, cp_axis, present):
 
 
 def _pack(tm: TokenMask):
-  """(names of the present fields, their arrays). One segment-id array for
-  both sides travels once, and is one array again on each shard."""
-  if tm.kv_segment_ids is tm.q_segment_ids:
-    tm = dataclasses.replace(tm, kv_segment_ids=None)
+  """(names of the present fields, their arrays)."""
   present = tuple(f for f in _FIELDS if getattr(tm, f) is not None)
   return present, tuple(getattr(tm, f) for f in present)
 
@@ -115,13 +112,11 @@ def _functions(present: tuple[str, ...]):
 
   def split(args):
     body, rest = args[:len(args) - n], args[len(args) - n:]
-    tm = TokenMask(**dict(zip(present, rest)))
-    if tm.q_segment_ids is not None and tm.kv_segment_ids is None:
-      tm = dataclasses.replace(tm, kv_segment_ids=tm.q_segment_ids)
-    return body, tm
+    return body, TokenMask(**dict(zip(present, rest)))
 
   def whole(tm: TokenMask):
-    """The unpartitioned (one device) mask: global positions, offsets 0."""
+    """The unpartitioned (one device) mask: global positions, offsets 0
+    (kv ids None = the query's, in both)."""
     return BlockMask(**{f: getattr(tm, f) for f in _FIELDS})
 
   # -- forward: (q, k, v, *mask operands) -> (out, lse)

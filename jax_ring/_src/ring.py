@@ -140,13 +140,12 @@ def _block(q, tm: TokenMask, kv, qc, kc, rows, cols, c, q_offset=0,
   """A block of query chunks ``qc`` (local rows ``rows``) against kv chunks
   ``kc`` (held rows ``cols``). Offsets are static: 0, or ``q_offset`` for a
   window pair; lengths become local prefixes shifted by the same offset.
-  ``own``: the held KV is this device's, with the query's segment ids."""
+  ``own``: the held KV is this device's, and the ids are the same."""
   (k, v), kv_seg = (kv[0][0], kv[0][1]), kv[1]
   q_len = _prefix(tm.q_lengths, qc, c)
   q_seg = _cut(tm.q_segment_ids, rows)
   # One array for both sides tells a backend the ids are the same tokens'.
-  same = q_seg is not None and (own or kv_seg is tm.q_segment_ids) and (
-      rows == cols)
+  same = q_seg is not None and own and rows == cols
   mask = BlockMask(
       q_offset=q_offset,
       q_segment_ids=q_seg,
@@ -156,7 +155,7 @@ def _block(q, tm: TokenMask, kv, qc, kc, rows, cols, c, q_offset=0,
   return _Block(q[:, rows], (k[:, cols], v[:, cols]), mask, rows, cols)
 
 
-def _kind_block(kind, q, tm, kv, qc, kc):
+def _kind_block(kind, q, tm, kv, qc, kc, own=False):
   """The block of a no-window step kind (diag, full, half_kv, half_q)."""
   c = q.shape[1] // len(qc)
   rows = cols = slice(None)
@@ -164,7 +163,7 @@ def _kind_block(kind, q, tm, kv, qc, kc):
     rows, qc = slice(c, None), qc[1:]
   if kind == "half_kv":
     cols, kc = slice(0, c), kc[:1]
-  return _block(q, tm, kv, qc, kc, rows, cols, c)
+  return _block(q, tm, kv, qc, kc, rows, cols, c, own=own)
 
 
 def _window_pairs(plan: ShardPlan, cfg: AttentionConfig, c: int):
@@ -211,11 +210,11 @@ def _place(x, sl, size, axis):
   return jnp.pad(x, pad)
 
 
-def _kind_fwd(kind, q, tm, kv, qc, kc, cfgs):
+def _kind_fwd(kind, q, tm, kv, qc, kc, cfgs, own=False):
   b, t, n, h = q.shape
   if kind == "skip":
     return _masked(b, t, n, h, (q, kv[0]))
-  blk = _kind_block(kind, q, tm, kv, qc, kc)
+  blk = _kind_block(kind, q, tm, kv, qc, kc, own)
   o, l = _fwd(blk, cfgs[kind == "diag"])
   if blk.rows != slice(None):  # half_q: the first chunk saw nothing
     zo, zl = _masked(b, t - o.shape[1], n, h, (q, kv[0]))
@@ -223,13 +222,13 @@ def _kind_fwd(kind, q, tm, kv, qc, kc, cfgs):
   return o, l
 
 
-def _kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs):
+def _kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs, own=False):
   t = q.shape[1]
   if kind == "skip":
     return vma.like((jnp.zeros(q.shape, jnp.float32),
                      jnp.zeros(kv[0].shape, jnp.float32)), q, kv[0], out,
                     dout)
-  blk = _kind_block(kind, q, tm, kv, qc, kc)
+  blk = _kind_block(kind, q, tm, kv, qc, kc, own)
   dq, dkv = _bwd(blk, out, lse, dout, cfgs[kind == "diag"])
   return _place(dq, blk.rows, t, 1), _place(dkv, blk.cols, t, 2)
 
@@ -240,8 +239,7 @@ def _pair_switch(fn, skip, plan, cfg, a, b, tm, kv, r, src, c):
   k_min, k_max = _window_pairs(plan, cfg, c)
   qc, kc = chunk_ids(plan, r)[a], chunk_ids(plan, src)[b]
   index = jnp.clip(qc - kc - k_min + 1, 0, k_max - k_min + 2)
-  own = src is r and kv[1] is not None and kv[1] is tm.kv_segment_ids and (
-      tm.kv_segment_ids is tm.q_segment_ids)  # step 0, one id array
+  own = src is r and tm.same_ids  # step 0, one id array
 
   def branch(dist, q, tm, kv):
     rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
@@ -339,7 +337,7 @@ def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   r = lax.axis_index(plan.axis_name)
   src_of = lambda step: (r - step) % plan.cp_size
   qc = chunk_ids(plan, r)
-  kv0 = (jnp.stack([k, v]), tm.kv_segment_ids)
+  kv0 = (jnp.stack([k, v]), tm.kv_ids())
   if cfg.local_window is not None:
     first = lambda kv, _: _window_fwd(q, tm, kv, r, r, cfg, plan, None)
     later = lambda step, kv, carry: _window_fwd(q, tm, kv, r, src_of(step),
@@ -347,7 +345,7 @@ def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   else:
     cfgs = _cfgs(cfg)
     first = lambda kv, _: _kind_fwd("diag" if cfg.is_causal else "full", q,
-                                    tm, kv, qc, qc, cfgs)
+                                    tm, kv, qc, qc, cfgs, tm.same_ids)
 
     def later(step, kv, carry):
       src = src_of(step)
@@ -374,7 +372,8 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   else:
     cfgs = _cfgs(cfg)
     first_bwd = lambda kv: _kind_bwd("diag" if cfg.is_causal else "full", q,
-                                     tm, kv, qc, qc, out, lse, dout, cfgs)
+                                     tm, kv, qc, qc, out, lse, dout, cfgs,
+                                     tm.same_ids)
 
     def step_bwd(kv, src):
       return _step_call(
@@ -390,7 +389,7 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
     dq_i, dkv_i = step_bwd(kv, src_of(step))
     return dq + dq_i, dkv + dkv_i
 
-  kv0 = (jnp.stack([k, v]), tm.kv_segment_ids)
+  kv0 = (jnp.stack([k, v]), tm.kv_ids())
   dq, dkv = _ring_loop(plan, lambda kv, _: first_bwd(kv), later, kv0, None)
   if plan.cp_size > 1:
     dkv = _send_next(dkv, plan)  # back to the owner

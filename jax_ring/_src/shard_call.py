@@ -40,9 +40,9 @@ def prepare(query, key, value, *, segment_ids, lengths, local_window_size,
   q_ids = kv_ids = None
   if segment_ids is not None:
     q_ids, kv_ids = validate.segment_ids(segment_ids, query.shape, key.shape)
-    same = kv_ids is q_ids  # one array: kept as one (cuDNN exploits it)
+    same = kv_ids is q_ids  # one array: "same ids" (cuDNN exploits it)
     q_ids = jnp.asarray(q_ids, jnp.int32)
-    kv_ids = q_ids if same else jnp.asarray(kv_ids, jnp.int32)
+    kv_ids = None if same else jnp.asarray(kv_ids, jnp.int32)
   tm = TokenMask(q_segment_ids=q_ids, kv_segment_ids=kv_ids,
                  q_lengths=None if q_len is None else q_len.astype(jnp.int32),
                  kv_lengths=None if kv_len is None else kv_len.astype(

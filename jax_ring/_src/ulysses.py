@@ -126,11 +126,13 @@ def _block_mask(tm: TokenMask, plan: ShardPlan) -> BlockMask:
   """The full-sequence, natural-order mask of the one kernel call."""
   q_ids = kv_ids = None
   if tm.q_segment_ids is not None:
-    ids = jnp.stack([tm.q_segment_ids, tm.kv_segment_ids])
+    # Same ids gather once and stay one array (kv None) for the kernel.
+    ids = (tm.q_segment_ids[None] if tm.same_ids else
+           jnp.stack([tm.q_segment_ids, tm.kv_segment_ids]))
     ids = lax.all_gather(ids, plan.axis_name, axis=2, tiled=True)
     if plan.load_balance == "dual_chunk":
       ids = reorder_from_load_balance(ids, plan.cp_size, seq_axis=2)
-    q_ids, kv_ids = ids[0], ids[1]
+    q_ids, kv_ids = ids[0], (None if tm.same_ids else ids[1])
   return BlockMask(q_segment_ids=q_ids, kv_segment_ids=kv_ids,
                    q_lengths=tm.q_lengths, kv_lengths=tm.kv_lengths)
 
