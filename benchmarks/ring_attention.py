@@ -28,6 +28,16 @@ import jax_ring  # noqa: E402
 from common import time_fn, write  # noqa: E402
 
 
+def report(rows, a):
+  write("ring_attention", rows,
+        ["seq", "kv_heads", "causal", "single_fwd_tflops", "unrolled_fwd_eff",
+         "unrolled_fwdbwd_eff", "scan_fwd_eff", "scan_fwdbwd_eff",
+         "unrolled_max_rel_err"],
+        extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
+                   xla_flags=os.environ.get("XLA_FLAGS", ""),
+                   efficiency="(single-GPU cuDNN time / cp) / ring time"))
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--seq", type=int, nargs="+",
@@ -88,13 +98,7 @@ def main():
           row[f"{loop}_max_rel_err"] = err
         rows.append(row)
         print(row, flush=True)
-  write("ring_attention", rows,
-        ["seq", "kv_heads", "causal", "single_fwd_tflops", "unrolled_fwd_eff",
-         "unrolled_fwdbwd_eff", "scan_fwd_eff", "scan_fwdbwd_eff",
-         "unrolled_max_rel_err"],
-        extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
-                   xla_flags=os.environ.get("XLA_FLAGS", ""),
-                   efficiency="(single-GPU cuDNN time / cp) / ring time"))
+        report(rows, a)  # after every row: a run cut short keeps its rows
 
 
 if __name__ == "__main__":

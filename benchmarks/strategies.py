@@ -68,6 +68,17 @@ def measure(row, name, cp, causal, q, k, v, do, want, t1, tb1):
   row[f"{name}_fwdbwd_eff"] = tb1 / cp / tb
 
 
+def report(rows, a):
+  cols = ["seq", "kv_heads"]
+  for n in a.strategies:
+    cols += [f"{n}_fwd_eff", f"{n}_fwdbwd_eff"]
+  write("strategies", rows, cols + ["best", "auto_pick", "auto_vs_best"],
+        extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
+                   xla_flags=os.environ.get("XLA_FLAGS", ""),
+                   efficiency="(single-GPU cuDNN time / cp) / strategy time",
+                   path="automatic (jit + NamedSharding + ContextParallel)"))
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--seq", type=int, nargs="+",
@@ -112,14 +123,7 @@ def main():
             f"{best}_fwdbwd_ms"]
       rows.append(row)
       print(row, flush=True)
-  cols = ["seq", "kv_heads"]
-  for n in a.strategies:
-    cols += [f"{n}_fwd_eff", f"{n}_fwdbwd_eff"]
-  write("strategies", rows, cols + ["best", "auto_pick", "auto_vs_best"],
-        extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
-                   xla_flags=os.environ.get("XLA_FLAGS", ""),
-                   efficiency="(single-GPU cuDNN time / cp) / strategy time",
-                   path="automatic (jit + NamedSharding + ContextParallel)"))
+      report(rows, a)  # after every row: a run cut short keeps its rows
 
 
 if __name__ == "__main__":
