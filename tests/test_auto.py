@@ -1,0 +1,103 @@
+"""strategy="auto": the cost model's decisions, checked against a table of
+cases and against the strategies measured on 4x H200; and ContextParallel
+validation."""
+
+import json
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_ring
+import reference as ref
+from test_ring import B, H, S, check, rank_coded_qkv
+
+MEASURED = (pathlib.Path(__file__).parents[1] / "benchmarks" / "results" /
+            "strategies_NVIDIA_H200.json")
+
+# (S, N, K, cp, causal) -> pick, and why.
+CASES = [
+    # Many kv heads, short sequence: Ulysses' all-to-all beats 7 ring hops.
+    ((8192, 32, 32, 8, True), "ulysses"),
+    # 12 query heads cannot split over 8 devices: Ulysses is not a candidate,
+    # and gathering 12 heads once beats 7 exposed-overhead ring steps.
+    ((8192, 12, 12, 8, True), "all_gather"),
+    # 6 heads on 4 devices, one kv head, long: the ring hides its tiny KV.
+    ((65536, 6, 1, 4, True), "ring"),
+    # GQA, long: Ulysses' single full-length call is the most efficient.
+    ((1048576, 32, 8, 8, True), "ulysses"),
+]
+
+
+@pytest.mark.parametrize("case, want", CASES,
+                         ids=["mha_8k_cp8", "n12_cp8", "n6_k1_64k_cp4",
+                              "gqa_1m_cp8"])
+def test_auto_decisions_match_the_table(case, want):
+  s, n, k, cp, causal = case
+  choice = jax_ring.explain((1, s, n, 128), (1, s, k, 128), cp_size=cp,
+                            is_causal=causal)
+  assert choice.strategy == want, choice.reason
+  assert choice.strategy in choice.reason
+  assert min(choice.times_ms, key=choice.times_ms.get) == want
+
+
+def test_auto_is_within_5_percent_of_the_fastest_measured():
+  """Every shape of the stored 4x H200 run: the modelled pick's measured
+  forward+backward time is within 5% of the fastest strategy's."""
+  data = json.loads(MEASURED.read_text())
+  assert data["device_count"] == 4 and len(data["rows"]) >= 10
+  for row in data["rows"]:
+    pick = jax_ring.explain(
+        (1, row["seq"], row["heads"], 128), (1, row["seq"], row["kv_heads"],
+                                             128),
+        cp_size=row["cp"], is_causal=row["causal"]).strategy
+    times = {k[:-len("_fwdbwd_ms")]: v for k, v in row.items()
+             if k.endswith("_fwdbwd_ms") and not k.startswith("single")}
+    assert times[pick] <= 1.05 * min(times.values()), (row["seq"], pick, times)
+
+
+def test_auto_through_the_automatic_path_matches_reference():
+  cp = 4
+  m = Mesh(np.array(jax.devices()[:cp]), ("cp",))
+  q, k, v, do = rank_coded_qkv(60, cp)
+  to = lambda x: jax_ring.reorder_for_load_balance(x, cp)
+  back = lambda x: jax_ring.reorder_from_load_balance(x, cp)
+  tok = NamedSharding(m, P(None, "cp"))
+  args = [jax.device_put(to(x), tok) for x in (q, k, v, do)]
+  cpc = jax_ring.ContextParallel(axis="cp", strategy="auto", loop="scan")
+
+  @jax.jit
+  def go(q, k, v, do):
+    f = lambda q, k, v: jax_ring.dot_product_attention(
+        q, k, v, is_causal=True, context_parallel=cpc, implementation="xla")
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(do)
+
+  out, grads = go(*args)
+  check((back(out), tuple(back(g) for g in grads)), q, k, v, do,
+        ref.Case(H**-0.5, is_causal=True))
+
+
+@pytest.mark.parametrize("cpc, message", [
+    (jax_ring.ContextParallel(strategy="zigzag"),
+     "context_parallel.strategy must be one of ('ring', 'all_gather', "
+     "'ulysses', 'hybrid', 'auto'); got 'zigzag'"),
+    (jax_ring.ContextParallel(strategy="hybrid", axis="cp"),
+     "context_parallel.axis must be a pair (ulysses_axis, ring_axis) of "
+     "distinct axis names for strategy 'hybrid'; got 'cp'"),
+    (jax_ring.ContextParallel(strategy="ring", axis=("a", "b")),
+     "context_parallel.axis must be one axis name for strategy 'ring'; got "
+     "('a', 'b')"),
+    (jax_ring.ContextParallel(strategy="all_gather", kv_chunk_heads=3),
+     "kv_chunk_heads must be None or a positive int dividing the key/value "
+     "heads (2); got 3"),
+])
+def test_context_parallel_errors(cpc, message):
+  q = jnp.ones((B, S, 4, H))
+  k = jnp.ones((B, S, 2, H))
+  with pytest.raises(ValueError, match=re.escape(message)):
+    jax_ring.dot_product_attention(q, k, k, context_parallel=cpc)
