@@ -29,8 +29,8 @@ from common import time_fn, write  # noqa: E402
 
 
 def report(rows, a):
-  write("ring_attention", rows,
-        ["seq", "kv_heads", "causal", "single_fwd_tflops", "unrolled_fwd_eff",
+  write("ring_attention" + a.tag, rows,
+        ["seq", "kv_heads", "causal", "load_balance", "single_fwd_tflops", "unrolled_fwd_eff",
          "unrolled_fwdbwd_eff", "scan_fwd_eff", "scan_fwdbwd_eff",
          "unrolled_max_rel_err"],
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
@@ -47,6 +47,9 @@ def main():
   p.add_argument("--head-dim", type=int, default=128)
   p.add_argument("--causal-only", action="store_true")
   p.add_argument("--implementation", default="cudnn")
+  p.add_argument("--causal-layout", default="dual_chunk",
+                 help="load balance of the causal rows: dual_chunk or striped")
+  p.add_argument("--tag", default="", help="suffix of the results file")
   a = p.parse_args()
   cp = jax.device_count()
   mesh = Mesh(np.array(jax.devices()), ("cp",))
@@ -72,9 +75,12 @@ def main():
         row["single_fwd_ms"], row["single_fwdbwd_ms"] = t1 * 1e3, tb1 * 1e3
         row["single_fwd_tflops"] = flops / t1 / 1e12
 
-        lb = "dual_chunk" if causal else None
-        re_ = lambda x: jax_ring.reorder_for_load_balance(x, cp) if lb else x
-        un_ = lambda x: jax_ring.reorder_from_load_balance(x, cp) if lb else x
+        lb = a.causal_layout if causal else None
+        row["load_balance"] = lb
+        re_ = lambda x: jax_ring.reorder_for_load_balance(
+            x, cp, layout=lb) if lb else x
+        un_ = lambda x: jax_ring.reorder_from_load_balance(
+            x, cp, layout=lb) if lb else x
         qs, kss, vs, dos = (jax.device_put(re_(x), sharded)
                             for x in (q, k, v, do))
         for loop in ("unrolled", "scan"):

@@ -285,8 +285,11 @@ def test_errors():
       "divisible by 2 * cp_size = 8; the local query length is 3")):
     call(q12, q12, load_balance="dual_chunk")
   with pytest.raises(ValueError, match=re.escape(
-      "load_balance must be None or 'dual_chunk'; got 'zigzag'")):
+      "load_balance must be None, 'dual_chunk' or 'striped'; got 'zigzag'")):
     call(q, q, load_balance="zigzag")
+  with pytest.raises(ValueError, match=re.escape(
+      "strategy 'all_gather' does not support load_balance='striped'")):
+    call(q, q, load_balance="striped")
   with pytest.raises(ValueError, match=re.escape(
       "query heads (4) must be divisible by key/value heads (3)")):
     call(q, jnp.ones((1, 8, 3, 8)))

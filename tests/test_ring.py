@@ -22,21 +22,25 @@ def mesh(cp):
   return Mesh(np.array(jax.devices()[:cp]), ("cp",))
 
 
-def rank_coded_qkv(seed, cp, kv_heads=K):
-  """Random q, k, v, dout with shard r of the sequence shifted by r / 2, so
-  that a shard landing on the wrong device changes the numbers."""
+def rank_coded_qkv(seed, cp, kv_heads=K, load_balance=None):
+  """Random q, k, v, dout (natural order) with the tokens device r holds
+  under ``load_balance`` shifted by r / 2, so that a shard landing on the
+  wrong device changes the numbers."""
   q, k, v, do = ref.random_qkv(seed, B, S, S, N, kv_heads, H)
-  code = (jnp.arange(S) // (S // cp) * 0.5)[None, :, None, None]
+  owner = jnp.repeat(jnp.arange(cp), S // cp)[None]  # in layout order
+  if load_balance:
+    owner = jax_ring.reorder_from_load_balance(owner, cp, layout=load_balance)
+  code = (owner[0] * 0.5)[None, :, None, None]
   return q + code, k - code, v + code, do
 
 
 def layout_vjp(f, cp, load_balance, q, k, v, do, *extra):
   """``out, (dq, dk, dv)`` of ``f(q, k, v, *extra)`` for global inputs in
   natural order: they enter the load-balance layout, results leave it."""
-  to = lambda x: (jax_ring.reorder_for_load_balance(x, cp) if load_balance
-                  else x)
-  back = lambda x: (jax_ring.reorder_from_load_balance(x, cp) if load_balance
-                    else x)
+  to = lambda x: (jax_ring.reorder_for_load_balance(
+      x, cp, layout=load_balance) if load_balance else x)
+  back = lambda x: (jax_ring.reorder_from_load_balance(
+      x, cp, layout=load_balance) if load_balance else x)
 
   @jax.jit
   def go(q, k, v, do, *extra):
@@ -76,11 +80,12 @@ KV_LENGTHS = np.array([S - 3, 29], np.int32)
 
 @pytest.mark.parametrize(
     "cp, causal, load_balance, loop",
-    list(itertools.product([2, 4, 8], [True, False], [None, "dual_chunk"],
+    list(itertools.product([2, 4, 8], [True, False],
+                           [None, "dual_chunk", "striped"],
                            ["scan", "unrolled"])),
     ids=lambda x: {None: "contiguous"}.get(x, str(x)))
 def test_ring_matches_reference(cp, causal, load_balance, loop):
-  q, k, v, do = rank_coded_qkv(cp, cp)
+  q, k, v, do = rank_coded_qkv(cp, cp, load_balance=load_balance)
   got = run_ring(q, k, v, do, cp, is_causal=causal,
                  load_balance=load_balance, loop=loop)
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=causal))
@@ -95,15 +100,22 @@ def test_ring_matches_reference(cp, causal, load_balance, loop):
      (4, "dual_chunk", False, (3, 11), "scan"),
      (4, "dual_chunk", True, None, "unrolled"),
      (4, None, True, None, "scan"),
-     (8, "dual_chunk", True, (4, 0), "unrolled")],
+     (8, "dual_chunk", True, (4, 0), "unrolled"),
+     (4, "striped", True, (5, 0), "unrolled"),
+     (4, "striped", False, (3, 7), "scan"),
+     (8, "striped", True, (13, 0), "scan"),
+     (4, "striped", True, None, "unrolled"),
+     (4, "striped", False, None, "scan")],
     ids=["n4_dual_causal_w5", "n4_dual_causal_w13_scan", "n2_contig_w7",
          "n4_contig_full_w9_4", "n4_dual_full_w3_11_scan",
          "n4_dual_causal_pad_only", "n4_contig_causal_pad_only_scan",
-         "n8_dual_causal_w4"])
+         "n8_dual_causal_w4", "n4_striped_causal_w5", "n4_striped_full_w3_7",
+         "n8_striped_causal_w13_scan", "n4_striped_causal_pad_only",
+         "n4_striped_full_pad_only_scan"])
 def test_ring_windows_and_padding(cp, load_balance, causal, window, loop):
   """Sliding windows (chunk pairs outside are skipped) and padding lengths
   in global positions, alone and together."""
-  q, k, v, do = rank_coded_qkv(20 + cp, cp)
+  q, k, v, do = rank_coded_qkv(20 + cp, cp, load_balance=load_balance)
   kw = dict(is_causal=causal, load_balance=load_balance, loop=loop,
             local_window_size=window)
   case = ref.Case(H**-0.5, is_causal=causal, window=window)
@@ -115,10 +127,12 @@ def test_ring_windows_and_padding(cp, load_balance, causal, window, loop):
         dataclasses.replace(case, q_lengths=Q_LENGTHS, kv_lengths=KV_LENGTHS))
 
 
-@pytest.mark.parametrize("kv_heads", [1, 4])
-def test_ring_gqa_mqa_and_soft_cap(kv_heads):
-  q, k, v, do = rank_coded_qkv(11, 4, kv_heads)
-  got = run_ring(q, k, v, do, 4, is_causal=True, load_balance="dual_chunk",
+@pytest.mark.parametrize("kv_heads, load_balance",
+                         [(1, "dual_chunk"), (4, "dual_chunk"),
+                          (1, "striped")])
+def test_ring_gqa_mqa_and_soft_cap(kv_heads, load_balance):
+  q, k, v, do = rank_coded_qkv(11, 4, kv_heads, load_balance)
+  got = run_ring(q, k, v, do, 4, is_causal=True, load_balance=load_balance,
                  logits_soft_cap=3.0)
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True, soft_cap=3.0))
 
@@ -131,14 +145,15 @@ def test_ring_16_bit(dtype):
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True))
 
 
+@pytest.mark.parametrize("load_balance", ["dual_chunk", "striped"])
 @pytest.mark.parametrize("loop", ["scan", "unrolled"])
-def test_forward_permutes_stacked_kv_only(loop):
+def test_forward_permutes_stacked_kv_only(loop, load_balance):
   cp = 4
   q, k, v, _ = rank_coded_qkv(13, cp)
   spec = P(None, "cp")
   f = jax.jit(jax.shard_map(
       lambda q, k, v: jax_ring.ring_attention(
-          q, k, v, axis_name="cp", is_causal=True, load_balance="dual_chunk",
+          q, k, v, axis_name="cp", is_causal=True, load_balance=load_balance,
           loop=loop, implementation="xla"),
       mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec))
   hlo = f.lower(q, k, v).compile().as_text()
@@ -150,6 +165,11 @@ def test_forward_permutes_stacked_kv_only(loop):
   # Each permute moves the stacked (2, B, T, K, H) KV buffer.
   t = S // cp
   assert re.search(rf"f32\[2,{B},{t},{K},{H}\][^\n]*collective-permute", hlo)
+  # Block calls traced: step 0's, then a two-way branch per later step
+  # (dual_chunk: half-KV / half-Q; striped: inclusive / strict band), in
+  # the scan's body once and in the peeled last step.
+  calls = str(f.trace(q, k, v).jaxpr).count("jax_ring_attention_fwd")
+  assert calls == (1 + 2 * (cp - 1) if loop == "unrolled" else 5), calls
 
 
 def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):
@@ -175,6 +195,59 @@ def test_reorder_round_trips_and_places_chunks(cp):
   np.testing.assert_array_equal(chunks[:, 0], want)
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_striped_reorder_round_trips_and_places_tokens(cp):
+  """Token i lands on device i % cp as local token i // cp, along any
+  sequence axis."""
+  s = 3 * cp  # divisible by cp but not by 2 cp: striped, not dual_chunk
+  x = jnp.arange(2 * s * 3).reshape(2, s, 3)
+  y = jax_ring.reorder_for_load_balance(x, cp, layout="striped")
+  np.testing.assert_array_equal(
+      jax_ring.reorder_from_load_balance(y, cp, layout="striped"), x)
+  shards = np.asarray(y[0, :, 0]).reshape(cp, s // cp) // 3  # token ids
+  want = np.arange(s).reshape(s // cp, cp).T  # device r: r, r + cp, ...
+  np.testing.assert_array_equal(shards, want)
+  z = jax_ring.reorder_for_load_balance(jnp.swapaxes(x, 0, 1), cp,
+                                        seq_axis=0, layout="striped")
+  np.testing.assert_array_equal(jnp.swapaxes(z, 0, 1), y)
+  with pytest.raises(ValueError, match=re.escape(
+      f"sequence length {s + 1} (axis 1 of shape (1, {s + 1})) must be "
+      f"divisible by cp_size = {cp} for the striped load balance")):
+    jax_ring.reorder_for_load_balance(jnp.ones((1, s + 1)), cp,
+                                      layout="striped")
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_striped_bands_match_global_positions(n):
+  """Each striped block's static band, read with BlockMask semantics, keeps
+  exactly the (query, key) pairs the global mask keeps, for every d."""
+  from jax_ring._src import ring
+
+  for t, causal, window in itertools.product(
+      [1, 2, 5], [True, False], [None, (0, 0), (5, 0), (3, 7), (1, 12)]):
+    cfg = jax_ring.AttentionConfig(1.0, is_causal=causal, local_window=window)
+    for d in range(1 - n, n):
+      m = np.arange(t)[:, None] - np.arange(t)[None, :]  # a - b
+      dist = m * n + d  # p_q - p_k in global positions
+      want = np.ones_like(m, bool)
+      if causal:
+        want &= dist >= 0
+      if window is not None:
+        want &= (-window[1] <= dist) & (dist <= window[0])
+      band = ring._striped_band(cfg, n, t, d)
+      got = np.zeros_like(want)
+      if band is not None:
+        local = m + band.q_offset - band.kv_offset  # local p_q - p_k
+        got = np.ones_like(want)
+        if band.is_causal:
+          got &= local >= 0
+        if band.window is not None:
+          got &= local <= band.window[0]
+        assert got.any(), (t, causal, window, d, band)  # else it is a skip
+      np.testing.assert_array_equal(got, want, err_msg=str(
+          (t, causal, window, d, band)))
+
+
 def test_errors():
   q = jnp.ones((1, 6, 2, 8))
   with pytest.raises(ValueError, match=re.escape(
@@ -190,6 +263,17 @@ def test_errors():
     f(q)
   with pytest.raises(ValueError, match="divisible by 2 \\* cp_size = 4"):
     jax_ring.reorder_for_load_balance(q, 2)
+  g = jax.shard_map(lambda x: jax_ring.ring_attention(
+      x, x, x, axis_name="cp", load_balance="zigzag"),
+                    mesh=mesh(2), in_specs=spec, out_specs=spec)
+  with pytest.raises(ValueError, match=re.escape(
+      "load_balance must be None, 'dual_chunk' or 'striped'; got 'zigzag'")):
+    g(q)
+  # Striped needs only S % cp == 0: S = 6 on cp = 2 runs.
+  h = jax.jit(jax.shard_map(lambda x: jax_ring.ring_attention(
+      x, x, x, axis_name="cp", is_causal=True, load_balance="striped",
+      implementation="xla"), mesh=mesh(2), in_specs=spec, out_specs=spec))
+  assert h(q).shape == q.shape
 
 
 def test_2d_mesh_data_by_cp_with_heads_unsharded():
@@ -209,12 +293,12 @@ def test_2d_mesh_data_by_cp_with_heads_unsharded():
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True))
 
 
-@pytest.mark.parametrize("load_balance", [None, "dual_chunk"],
-                         ids=["contiguous", "dual_chunk"])
+@pytest.mark.parametrize("load_balance", [None, "dual_chunk", "striped"],
+                         ids=["contiguous", "dual_chunk", "striped"])
 @pytest.mark.parametrize("loop", ["scan", "unrolled"])
 def test_ring_packed_segments_cross_shard_boundaries(load_balance, loop):
   cp = 4
-  q, k, v, do = rank_coded_qkv(16, cp)
+  q, k, v, do = rank_coded_qkv(16, cp, load_balance=load_balance)
   ids = ref.random_segments(17, B, S, 5)  # 5 documents of random lengths
   spec = P(None, "cp")
   f = jax.shard_map(
@@ -232,26 +316,34 @@ def test_ring_packed_segments_cross_shard_boundaries(load_balance, loop):
 # under pytest only; the same code as a plain script completes, and the
 # shard_map path runs unrolled everywhere. So the automatic path is tested
 # here with the scan loop only: see the closing note.
-@pytest.mark.parametrize("segments, dp, loop, window_and_padding", [
-    (False, 2, "scan", False), (True, 2, "scan", False),
-    (False, 1, "scan", False), (True, 2, "scan", True)],
-                         ids=["dp2_cp4_scan", "dp2_cp4_scan_packed",
-                              "dp1_cp4_scan", "dp2_cp4_scan_packed_window_pad"])
+@pytest.mark.parametrize(
+    "segments, dp, loop, window_and_padding, load_balance", [
+        (False, 2, "scan", False, "dual_chunk"),
+        (True, 2, "scan", False, "dual_chunk"),
+        (False, 1, "scan", False, "dual_chunk"),
+        (True, 2, "scan", True, "dual_chunk"),
+        (True, 2, "scan", True, "striped")],
+    ids=["dp2_cp4_scan", "dp2_cp4_scan_packed", "dp1_cp4_scan",
+         "dp2_cp4_scan_packed_window_pad",
+         "dp2_cp4_scan_striped_packed_window_pad"])
 def test_automatic_path_under_jit_matches_reference(segments, dp, loop,
-                                                    window_and_padding):
+                                                    window_and_padding,
+                                                    load_balance):
   """jit + NamedSharding (data x cp), no shard_map in user code."""
   cp = 4
   if len(jax.devices()) < dp * cp:
     pytest.skip(f"needs {dp * cp} devices")
   m = Mesh(np.array(jax.devices()[:dp * cp]).reshape(dp, cp), ("data", "cp"))
-  q, k, v, do = rank_coded_qkv(18, cp)
+  q, k, v, do = rank_coded_qkv(18, cp, load_balance=load_balance)
   ids = jnp.asarray(ref.random_segments(19, B, S, 4))
-  re_ = lambda x: jax_ring.reorder_for_load_balance(x, cp)
-  un_ = lambda x: jax_ring.reorder_from_load_balance(x, cp)
+  re_ = lambda x: jax_ring.reorder_for_load_balance(x, cp,
+                                                    layout=load_balance)
+  un_ = lambda x: jax_ring.reorder_from_load_balance(x, cp,
+                                                     layout=load_balance)
   tok = jax.sharding.NamedSharding(m, P("data", "cp"))
   args = [jax.device_put(re_(x), tok) for x in (q, k, v, do)]
   seg = jax.device_put(re_(ids), tok) if segments else None
-  cpc = jax_ring.ContextParallel(axis="cp", load_balance="dual_chunk",
+  cpc = jax_ring.ContextParallel(axis="cp", load_balance=load_balance,
                                  loop=loop)
 
   extra = {}

@@ -71,8 +71,10 @@ def test_ulysses_kv_heads_and_soft_cap(n, kv_heads):
 
 
 @pytest.mark.parametrize("load_balance, pair", [
-    (None, False), ("dual_chunk", False), ("dual_chunk", True)],
-                         ids=["contiguous", "dual_chunk", "dual_chunk_pair"])
+    (None, False), ("dual_chunk", False), ("dual_chunk", True),
+    ("striped", False)],
+                         ids=["contiguous", "dual_chunk", "dual_chunk_pair",
+                              "striped"])
 def test_ulysses_packed_segments_cross_shard_boundaries(load_balance, pair):
   cp = 4
   q, k, v, do = coded_qkv(30, cp, 2)

@@ -348,6 +348,7 @@ def all_gather_attention(query, key, value, *, axis_name: str,
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   cp = validate.mesh_axis(axis_name)
   validate.ring_options(load_balance, None, query.shape[1], cp)
+  validate.strategy_layout("all_gather", load_balance)
   tm, cfg = shard_call.prepare(
       query, key, value, segment_ids=segment_ids,
       lengths=(query_seq_lengths, key_value_seq_lengths),

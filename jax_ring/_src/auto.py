@@ -30,7 +30,8 @@ training step of one attention layer (forward + backward):
   its per-step time is ``max(compute, comm)``; the others add their
   communication to their compute.
 
-Ulysses is a candidate only when the local query heads divide by cp. The
+Ulysses is a candidate only when the local query heads divide by cp, and
+all-gather only without the striped layout. The
 smallest modelled time wins; ties keep the order ring, all_gather, ulysses.
 A pair of axes means ``hybrid``. The constants come from the measurements in
 ``benchmarks/results`` (4x H200, NVLink); on other machines the model keeps
@@ -65,7 +66,7 @@ def _tflops(length):
 
 
 def estimate(*, batch, seq, heads, kv_heads, head_dim, cp, is_causal=True,
-             window=None, dtype_bytes=2) -> Choice:
+             window=None, dtype_bytes=2, load_balance=None) -> Choice:
   """Model the candidates for one layer's forward + backward, per device."""
   share = 0.5 if is_causal else 1.0
   if window is not None:
@@ -80,7 +81,9 @@ def estimate(*, batch, seq, heads, kv_heads, head_dim, cp, is_causal=True,
   per_step_comm = gathered / cp * 4 / (P2P_GBS * 1e9)  # fwd + bwd bytes
   per_step = max(compute / cp, per_step_comm)
   times["ring"] = compute / cp + steps * per_step + 2 * cp * STEP_US * 1e-6
-  times["all_gather"] = compute + frac * gathered * 4 / (COLLECTIVE_GBS * 1e9)
+  if load_balance != "striped":  # all-gather computes contiguous ranges
+    times["all_gather"] = compute + frac * gathered * 4 / (
+        COLLECTIVE_GBS * 1e9)
   if heads % cp == 0:
     kv_rep = max(kv_heads, cp)
     a2a = (frac / cp * 2 * batch * seq * head_dim * dtype_bytes *
@@ -107,7 +110,8 @@ def resolve(cpc: ContextParallel, mesh, q_shape, local_heads, kv_heads=None,
   b, s, _, h = q_shape
   choice = estimate(batch=b, seq=s, heads=local_heads,
                     kv_heads=kv_heads or local_heads, head_dim=h,
-                    cp=mesh.shape[cpc.axis], **mask)
+                    cp=mesh.shape[cpc.axis],
+                    load_balance=cpc.load_balance, **mask)
   return dataclasses.replace(cpc, strategy=choice.strategy)
 
 

@@ -56,6 +56,11 @@ class AttentionConfig:
     return dataclasses.replace(self, **changes)
 
 
+# Token layouts of the shards (``layout`` says who holds what); None in a
+# ``load_balance`` field means contiguous shards.
+LoadBalance = Literal["dual_chunk", "striped"]
+LOAD_BALANCES: tuple[str, ...] = get_args(LoadBalance)
+
 Strategy = Literal["ring", "all_gather", "ulysses", "hybrid", "auto"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
@@ -71,9 +76,9 @@ class ContextParallel:
     strategy: ``"ring"``, ``"all_gather"``, ``"ulysses"``, ``"hybrid"`` or
       ``"auto"`` (chosen per call from the shapes and the mesh; see
       ``jax_ring.explain``).
-    load_balance: ``"dual_chunk"`` (inputs must be in that layout, see
-      ``reorder_for_load_balance``; for ``"hybrid"`` with cp_size = the ring
-      axis size) or ``None`` (contiguous shards).
+    load_balance: ``"dual_chunk"`` or ``"striped"`` (inputs must be in
+      that layout, see ``reorder_for_load_balance``; for ``"hybrid"`` with
+      cp_size = the ring axis size) or ``None`` (contiguous shards).
     loop: the ring's ``"scan"``, ``"unrolled"`` or ``None`` (from the
       environment).
     kv_chunk_heads: ``"all_gather"`` only: gather this many kv heads at a
@@ -82,7 +87,7 @@ class ContextParallel:
 
   axis: str | tuple[str, str] = "cp"
   strategy: Strategy = "ring"
-  load_balance: Literal["dual_chunk"] | None = "dual_chunk"
+  load_balance: LoadBalance | None = "dual_chunk"
   loop: Literal["scan", "unrolled"] | None = None
   kv_chunk_heads: int | None = None
 
@@ -102,7 +107,7 @@ class ShardPlan:
 
   axis_name: str
   cp_size: int
-  load_balance: Literal["dual_chunk"] | None = None
+  load_balance: LoadBalance | None = None
   loop: Literal["scan", "unrolled"] = "unrolled"
   kv_chunk_heads: int | None = None
 

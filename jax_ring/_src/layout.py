@@ -1,31 +1,42 @@
 """Load-balance layouts: which device holds which tokens of the sequence.
 
 With a causal mask, contiguous sharding gives device N-1 all of the work of
-the last rows and device 0 almost none. The dual-chunk ("zigzag") layout cuts
-the sequence into 2N chunks and gives device r chunks r and 2N-1-r, so every
-device holds one early and one late chunk:
+the last rows and device 0 almost none. Two layouts give every device early
+and late tokens alike (S tokens, N devices, T = S / N tokens each):
 
-==========  ===============  ===========================
-cp_size N   device           chunks held (of 2N)
-==========  ===============  ===========================
-2           0, 1             [0, 3], [1, 2]
-4           0, 1, 2, 3       [0, 7], [1, 6], [2, 5], [3, 4]
-==========  ===============  ===========================
+* ``"dual_chunk"`` ("zigzag"): the sequence is cut into 2N chunks and device
+  r holds chunks r and 2N-1-r, one early and one late;
+* ``"striped"``: token i goes to device i mod N, as local token i // N, so
+  device r holds tokens r, r+N, r+2N, ...
+
+==========  ======  ===========================  ==========================
+cp_size N   device  dual_chunk: chunks (of 2N)   striped: tokens (S = 4N)
+==========  ======  ===========================  ==========================
+2           0       [0, 3]                       0, 2, 4, 6
+2           1       [1, 2]                       1, 3, 5, 7
+4           0       [0, 7]                       0, 4, 8, 12
+4           1       [1, 6]                       1, 5, 9, 13
+4           2       [2, 5]                       2, 6, 10, 14
+4           3       [3, 4]                       3, 7, 11, 15
+==========  ======  ===========================  ==========================
+
+Under both, each device's local tokens are in increasing global order, so
+the valid tokens under a padding length are a prefix of the shard.
+dual_chunk needs S % 2N == 0, striped S % N == 0.
 
 ``reorder_for_load_balance`` permutes a global array so that plain
-contiguous sharding of the sequence axis yields this layout;
+contiguous sharding of the sequence axis yields the layout;
 ``reorder_from_load_balance`` undoes it. Apply the same reorder to q, k, v,
 positions, segment ids, labels and loss masks.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import jax.numpy as jnp
 import numpy as np
 
-LoadBalance = Literal["dual_chunk"]
+# The closed choice lives with the other static options, in config.
+from jax_ring._src.config import LOAD_BALANCES, LoadBalance
 
 
 def _dual_chunk_order(cp_size: int) -> np.ndarray:
@@ -34,32 +45,47 @@ def _dual_chunk_order(cp_size: int) -> np.ndarray:
                   axis=1).reshape(-1)
 
 
-def _split(x, cp_size, seq_axis):
+def _split(x, parts, seq_axis, layout, needs):
+  """``x`` with its sequence axis split into ``parts`` equal pieces."""
   s = x.shape[seq_axis]
-  if s % (2 * cp_size):
+  if s % parts:
     raise ValueError(
         f"sequence length {s} (axis {seq_axis} of shape {tuple(x.shape)}) "
-        f"must be divisible by 2 * cp_size = {2 * cp_size} for the "
-        "dual_chunk load balance")
-  return x.reshape(x.shape[:seq_axis] + (2 * cp_size, s // (2 * cp_size)) +
+        f"must be divisible by {needs} = {parts} for the {layout} load "
+        "balance")
+  return x.reshape(x.shape[:seq_axis] + (parts, s // parts) +
                    x.shape[seq_axis + 1:])
+
+
+def _reorder(x, cp_size, seq_axis, layout, inverse):
+  x = jnp.asarray(x)
+  seq_axis = seq_axis % x.ndim
+  if layout == "dual_chunk":
+    chunks = _split(x, 2 * cp_size, seq_axis, layout, "2 * cp_size")
+    order = _dual_chunk_order(cp_size)
+    if inverse:
+      order = np.argsort(order)
+    return jnp.take(chunks, order, axis=seq_axis).reshape(x.shape)
+  if layout == "striped":
+    # Natural order is (T, N) row-major: token a * N + r. Device-major
+    # order is (N, T): device r's local token a. A transpose maps one to
+    # the other.
+    y = _split(x, cp_size, seq_axis, layout, "cp_size")  # (N, T) pieces
+    if not inverse:  # natural: read the same memory as (T, N)
+      y = y.reshape(x.shape[:seq_axis] + (y.shape[seq_axis + 1], cp_size) +
+                    x.shape[seq_axis + 1:])
+    return jnp.swapaxes(y, seq_axis, seq_axis + 1).reshape(x.shape)
+  raise ValueError(f"layout must be one of {LOAD_BALANCES}; got {layout!r}")
 
 
 def reorder_for_load_balance(x, cp_size: int, *, seq_axis: int = 1,
                              layout: LoadBalance = "dual_chunk"):
-  """Global natural order -> device-major dual-chunk order along seq_axis."""
-  del layout  # the only layout so far
-  x = jnp.asarray(x)
-  chunks = _split(x, cp_size, seq_axis)
-  out = jnp.take(chunks, _dual_chunk_order(cp_size), axis=seq_axis)
-  return out.reshape(x.shape)
+  """Global natural order -> device-major ``layout`` order along seq_axis,
+  so that contiguous sharding gives each device its tokens (module doc)."""
+  return _reorder(x, cp_size, seq_axis, layout, inverse=False)
 
 
 def reorder_from_load_balance(x, cp_size: int, *, seq_axis: int = 1,
                               layout: LoadBalance = "dual_chunk"):
   """Inverse of :func:`reorder_for_load_balance`."""
-  del layout
-  x = jnp.asarray(x)
-  chunks = _split(x, cp_size, seq_axis)
-  inverse = np.argsort(_dual_chunk_order(cp_size))
-  return jnp.take(chunks, inverse, axis=seq_axis).reshape(x.shape)
+  return _reorder(x, cp_size, seq_axis, layout, inverse=True)

@@ -63,6 +63,7 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg):
   cpc = auto.resolve(cpc, mesh, q_shape.shape, local_heads,
                      kv_heads=max(1, arg_shapes[1].shape[2] // tp),
                      is_causal=cfg.is_causal, window=cfg.local_window)
+  validate.strategy_layout(cpc.strategy, cpc.load_balance)
   axes = cpc.axis if isinstance(cpc.axis, tuple) else (cpc.axis,)
   cp = math.prod(mesh.shape[a] for a in axes)
   if seq % cp:

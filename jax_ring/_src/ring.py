@@ -11,7 +11,7 @@ Partial results merge through their softmax statistics in float32; the output
 is cast to the input dtype once, at the end.
 
 Schedule on device r, step i, holding the KV of device ``src = (r - i) % cp``
-(causal; without a causal mask every step is "full"):
+(causal; without a causal mask every step is "full"; striped below):
 
 ==========  =====================  ==========================================
 layout      step                   branch (a ``lax.cond`` on src < r)
@@ -33,12 +33,52 @@ increasing global order, the valid tokens of a block are a prefix of it, so
 each block gets a local prefix length (a runtime operand, which cuDNN takes
 as its sequence lengths) and static offsets.
 
-With a sliding window the schedule works per (query chunk, kv chunk) pair:
-the pair's distance in chunks, ``k = q_chunk - kv_chunk``, is traced, but
-only a few values of k can touch the window, so a ``lax.switch`` over them
-gives each branch a *static* band (offset ``k * C``, the window) and sends
-every other distance to a skip branch: work outside the window is never
-done, and the cuDNN band stays a compile-time constant.
+With a sliding window (contiguous and dual_chunk) the schedule works per
+(query chunk, kv chunk) pair: the pair's distance in chunks, ``k = q_chunk -
+kv_chunk``, is traced, but only a few values of k can touch the window, so a
+``lax.switch`` over them gives each branch a *static* band (offset ``k * C``,
+the window) and sends every other distance to a skip branch: work outside
+the window is never done, and the cuDNN band stays a compile-time constant.
+
+Striped layout (token i on device i mod N, as local token i // N). Every
+step is one block of all T queries against all T held keys. Local query a
+of device r is global ``a N + r``, held key b of device src is ``b N + src``,
+so with ``d = r - src`` (traced, in (-N, N)) the global distance is
+``p_q - p_k = (a - b) N + d``. A mask that keeps ``-right <= p_q - p_k <=
+left`` (causal: right = 0; no window: left = inf) keeps ``lo <= a - b <=
+hi`` with ``lo = ceil((-right - d) / N)``, ``hi = floor((left - d) / N)``: a
+static ``BlockMask`` with ``kv_offset - q_offset = lo`` under a local causal
+mask and window ``(hi - lo, 0)`` (none when hi is infinite; skipped when
+hi < lo). Only a few distinct bands arise from the 2N - 1 values of d, so a
+``lax.switch`` on a small table indexed by d picks one (the band stays a
+compile-time constant for cuDNN). Causal, no window, step i (src = r - i
+mod N):
+
+=======================  ===========  ====================================
+step                     d = r - src  band (``lax.switch`` on d)
+=======================  ===========  ====================================
+0 (own KV)               0            inclusive: ``b <= a``, kv_offset 0
+i > 0, i <= r (src < r)  i            inclusive: ``b <= a``, kv_offset 0
+i > 0, i > r (src > r)   i - N        strict: ``b < a``, kv_offset 1
+=======================  ===========  ====================================
+
+Without a causal mask or window every block is full; with a window a few
+more bands appear (e.g. causal (5, 0) on N = 4: ``[0, 1]`` for d in {0, 1},
+``[0, 0]`` for d in {2, 3}, ``[1, 1]`` for d in {-1, -2}, ``[1, 2]`` for
+d = -3). The unrolled loop knows the step, so its switch holds only the
+bands of d in {i, i - N}. Padding: device r's valid tokens under a global
+length L are a prefix of ``ceil((L - r) / N)``, given as local prefix
+lengths shifted by the block's offsets.
+
+Why striped balances causal work: an inclusive block has ``T (T + 1) / 2``
+visible pairs and a strict one ``T (T - 1) / 2``, so every device's block
+at every step is half full to within one diagonal. dual_chunk reaches the
+same balance with unmasked C x 2C blocks, which a tiled kernel runs with no
+wasted tile; a striped block is triangular, so the partly masked tiles along
+its diagonal are computed too (about T x block / 2 extra per step). Striped
+needs only S % N == 0 (dual_chunk: S % 2N). With packed documents its
+blocks after step 0 put a band between different id arrays, which cuDNN's
+ragged path does not serve: those run on the xla backend.
 
 Backward (custom VJP): dq accumulates locally; (K, V) and their dK/dV
 accumulators travel the ring together, each block's backward is given the
@@ -56,6 +96,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_ring._src import kernel, shard_call, validate, vma
@@ -91,6 +132,12 @@ def _send_next(x, plan: ShardPlan):
 def chunk_ids(plan: ShardPlan, device):
   """Global chunk ids device ``device`` holds, in its local (increasing)
   order; chunks are ``T / len(ids)`` tokens long."""
+  if plan.load_balance == "striped":
+    # One-token chunks [r, r + N, ...] would be exact but make every
+    # chunk-wise caller do T calls; callers must handle striped themselves.
+    raise ValueError(
+        "load_balance='striped' has no chunk layout (token i is on device "
+        "i % cp_size); chunk_ids serves 'dual_chunk' and contiguous shards")
   if plan.load_balance == "dual_chunk":
     return [device, 2 * plan.cp_size - 1 - device]
   return [device]
@@ -290,6 +337,133 @@ def _window_bwd(q, tm, kv, r, src, out, lse, dout, cfg, plan):
   return jnp.concatenate(dqs, 1), jnp.concatenate(dkvs, 2)
 
 
+# --- the striped layout -----------------------------------------------------
+#
+# Every step runs one block of all T local queries against all T held keys,
+# under a static band picked by d = r - src (module doc).
+
+@dataclasses.dataclass(frozen=True)
+class _Band:
+  """Static mask of a striped block: offsets, and the causal flag and
+  window of its local band (the default is the unmasked, full block)."""
+
+  q_offset: int = 0
+  kv_offset: int = 0
+  is_causal: bool = False
+  window: tuple[int, int] | None = None
+
+
+def _striped_band(cfg: AttentionConfig, n: int, t: int, d: int):
+  """The ``_Band`` of a striped block whose KV comes from device src =
+  r - d, or None if no (query, key) pair of it is visible.
+
+  Local query a is global a n + r and held key b is b n + src, so
+  ``p_q - p_k = (a - b) n + d``, and the global band ``-right <= p_q - p_k
+  <= left`` is the band ``lo <= a - b <= hi`` below. With offsets whose
+  difference is -lo, ``p_q - p_k`` of the block is ``a - b - lo``: a local
+  causal mask with window ``(hi - lo, 0)``.
+  """
+  if not cfg.is_causal and cfg.local_window is None:
+    return _Band()
+  left, right = cfg.local_window or (None, 0)
+  if cfg.is_causal:
+    right = 0  # p_k <= p_q: tighter than any window's right (>= 0)
+  lo = -((right + d) // n)  # ceil((-right - d) / n)
+  hi = None if left is None else (left - d) // n  # floor((left - d) / n)
+  # a - b lies in [1 - t, t - 1]: a bound at or past that is no bound.
+  lo = max(lo, 1 - t)
+  if hi is not None and hi >= t - 1:
+    hi = None
+  if lo > t - 1 or (hi is not None and hi < lo):
+    return None
+  if lo == 1 - t and hi is None:
+    return _Band()
+  # Non-negative offsets (q_offset = -lo when lo < 0) keep the shifted
+  # lengths below non-negative too.
+  return _Band(q_offset=max(0, -lo), kv_offset=max(0, lo), is_causal=True,
+               window=None if hi is None else (hi - lo, 0))
+
+
+def _distances(step, n: int):
+  """The values d = r - src can take at ``step`` (a Python int when the
+  loop is unrolled: src = r - step or r - step + n; traced in a scan)."""
+  if isinstance(step, int):
+    return (0,) if step == 0 else (step, step - n)
+  return tuple(d for d in range(1 - n, n) if d)
+
+
+def _striped_prefix(lengths, device, n: int, t: int):
+  """Valid tokens of ``device``'s striped shard under global ``lengths
+  (B,)``: local a is valid iff a n + device < L, a prefix of
+  ceil((L - device) / n) tokens."""
+  if lengths is None:
+    return None
+  return jnp.clip((lengths - device + n - 1) // n, 0, t)
+
+
+def _striped_call(fn, skip, q, tm: TokenMask, kv, r, src, ds, cfg, plan,
+                  own=False):
+  """``fn(kv, mask, config)`` for all local queries against the held KV of
+  device ``src``: a ``lax.switch`` over the distinct bands of the
+  distances ``ds`` it may be at (none when there is one), ``skip()`` where
+  nothing is visible. ``own``: step 0 with one id array."""
+  n, t = plan.cp_size, q.shape[1]
+  bands = {d: _striped_band(cfg, n, t, d) for d in ds}
+  distinct = list(dict.fromkeys(bands.values()))
+  q_len = _striped_prefix(tm.q_lengths, r, n, t)
+  kv_len = _striped_prefix(tm.kv_lengths, src, n, t)
+  q_seg = tm.q_segment_ids
+  shift = lambda x, offset: None if x is None else x + offset
+
+  def branch(band, kv):
+    if band is None:
+      return skip()
+    mask = BlockMask(
+        q_offset=band.q_offset, kv_offset=band.kv_offset,
+        q_segment_ids=q_seg, kv_segment_ids=q_seg if own else kv[1],
+        q_lengths=shift(q_len, band.q_offset),
+        kv_lengths=shift(kv_len, band.kv_offset))
+    return fn(kv, mask, cfg.replace(is_causal=band.is_causal,
+                                    local_window=band.window))
+
+  if len(distinct) == 1:
+    return branch(distinct[0], kv)
+  table = np.zeros(2 * n - 1, np.int32)
+  for d, band in bands.items():
+    table[d + n - 1] = distinct.index(band)
+  index = jnp.asarray(table)[r - src + n - 1]
+  return lax.switch(index, [functools.partial(branch, b) for b in distinct],
+                    kv)
+
+
+def _striped_fwd(q, tm, kv, r, src, ds, cfg, plan, own=False):
+  """(out f32, lse) of one striped step."""
+  b, t, n, h = q.shape
+
+  def fwd(kv, mask, c):
+    o, l = kernel.attention(q, kv[0][0], kv[0][1], None, mask, c)
+    return o.astype(jnp.float32), l
+
+  return _striped_call(fwd, lambda: _masked(b, t, n, h, (q, kv[0])), q, tm,
+                       kv, r, src, ds, cfg, plan, own)
+
+
+def _striped_bwd(q, tm, kv, r, src, ds, out, lse, dout, cfg, plan,
+                 own=False):
+  """(dq, dK/dV (2, B, T, K, H)) of one striped step, float32."""
+
+  def bwd(kv, mask, c):
+    dq, dk, dv, _ = kernel.attention_backward(
+        q, kv[0][0], kv[0][1], None, mask, out, lse, dout, None, c)
+    f32 = lambda x: x.astype(jnp.float32)
+    return f32(dq), jnp.stack([f32(dk), f32(dv)])
+
+  skip = lambda: vma.like((jnp.zeros(q.shape, jnp.float32),
+                           jnp.zeros(kv[0].shape, jnp.float32)), q, kv[0],
+                          out, dout)
+  return _striped_call(bwd, skip, q, tm, kv, r, src, ds, cfg, plan, own)
+
+
 # --- the loop ---------------------------------------------------------------
 
 def _ring_loop(plan, first, later, kv, carry):
@@ -336,14 +510,22 @@ def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   """(out in q's dtype, lse f32) of this device's queries."""
   r = lax.axis_index(plan.axis_name)
   src_of = lambda step: (r - step) % plan.cp_size
-  qc = chunk_ids(plan, r)
   kv0 = (jnp.stack([k, v]), tm.kv_ids())
-  if cfg.local_window is not None:
+  if plan.load_balance == "striped":
+    first = lambda kv, _: _striped_fwd(q, tm, kv, r, r, (0,), cfg, plan,
+                                       tm.same_ids)
+
+    def later(step, kv, carry):
+      part = _striped_fwd(q, tm, kv, r, src_of(step),
+                          _distances(step, plan.cp_size), cfg, plan)
+      return merge(*carry, *part)
+  elif cfg.local_window is not None:
     first = lambda kv, _: _window_fwd(q, tm, kv, r, r, cfg, plan, None)
     later = lambda step, kv, carry: _window_fwd(q, tm, kv, r, src_of(step),
                                                 cfg, plan, carry)
   else:
     cfgs = _cfgs(cfg)
+    qc = chunk_ids(plan, r)
     first = lambda kv, _: _kind_fwd("diag" if cfg.is_causal else "full", q,
                                     tm, kv, qc, qc, cfgs, tm.same_ids)
 
@@ -364,18 +546,26 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   """(dq, dk, dv) of this device's shards, given the global out and lse."""
   r = lax.axis_index(plan.axis_name)
   src_of = lambda step: (r - step) % plan.cp_size
-  qc = chunk_ids(plan, r)
-  if cfg.local_window is not None:
-    step_bwd = lambda kv, src: _window_bwd(q, tm, kv, r, src, out, lse, dout,
-                                           cfg, plan)
-    first_bwd = lambda kv: step_bwd(kv, r)
+  if plan.load_balance == "striped":
+    first_bwd = lambda kv: _striped_bwd(q, tm, kv, r, r, (0,), out, lse,
+                                        dout, cfg, plan, tm.same_ids)
+    step_bwd = lambda step, kv: _striped_bwd(
+        q, tm, kv, r, src_of(step), _distances(step, plan.cp_size), out, lse,
+        dout, cfg, plan)
+  elif cfg.local_window is not None:
+    step_bwd = lambda step, kv: _window_bwd(q, tm, kv, r, src_of(step), out,
+                                            lse, dout, cfg, plan)
+    first_bwd = lambda kv: _window_bwd(q, tm, kv, r, r, out, lse, dout, cfg,
+                                       plan)
   else:
     cfgs = _cfgs(cfg)
+    qc = chunk_ids(plan, r)
     first_bwd = lambda kv: _kind_bwd("diag" if cfg.is_causal else "full", q,
                                      tm, kv, qc, qc, out, lse, dout, cfgs,
                                      tm.same_ids)
 
-    def step_bwd(kv, src):
+    def step_bwd(step, kv):
+      src = src_of(step)
       return _step_call(
           lambda kind, kv: _kind_bwd(kind, q, tm, kv, qc,
                                      chunk_ids(plan, src), out, lse, dout,
@@ -386,7 +576,7 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   def later(step, kv, carry):
     dq, dkv = carry
     dkv = _send_next(dkv, plan)
-    dq_i, dkv_i = step_bwd(kv, src_of(step))
+    dq_i, dkv_i = step_bwd(step, kv)
     return dq + dq_i, dkv + dkv_i
 
   kv0 = (jnp.stack([k, v]), tm.kv_ids())
@@ -427,14 +617,16 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
 
   Call it inside ``shard_map`` on the local shards: ``query (B, T, N, H)``,
   ``key``/``value (B, T, K, H)``, T = S_total / cp_size tokens each. With
-  ``load_balance="dual_chunk"`` the global sequence must have been put in
-  that layout with :func:`jax_ring.reorder_for_load_balance` (and outputs,
-  labels, positions restored or reordered the same way).
+  a ``load_balance`` layout the global sequence must have been put in that
+  layout with :func:`jax_ring.reorder_for_load_balance` (``layout=`` the
+  same name; and outputs, labels, positions restored or reordered the same
+  way).
 
   Args:
     axis_name: the mesh axis the sequence is sharded over.
     is_causal: causal mask in global positions.
-    load_balance: ``None`` (contiguous shards) or ``"dual_chunk"``.
+    load_balance: ``None`` (contiguous shards), ``"dual_chunk"`` or
+      ``"striped"`` (see ``jax_ring._src.layout``).
     segment_ids: packed documents, this device's ``(B, T)`` ids (or a
       ``(q_ids, kv_ids)`` pair), in the same layout as the tokens; the kv
       ids travel the ring with K/V. Documents may cross shard boundaries.

@@ -101,15 +101,17 @@ def _to_heads(x, plan: ShardPlan, seq_axis: int):
   """Sequence-sharded, layout order -> whole sequence in natural order,
   heads (axis ``seq_axis + 1``) sharded."""
   x = lax.all_to_all(x, plan.axis_name, seq_axis + 1, seq_axis, tiled=True)
-  if plan.load_balance == "dual_chunk":
-    x = reorder_from_load_balance(x, plan.cp_size, seq_axis=seq_axis)
+  if plan.load_balance:
+    x = reorder_from_load_balance(x, plan.cp_size, seq_axis=seq_axis,
+                                  layout=plan.load_balance)
   return x
 
 
 def _to_tokens(x, plan: ShardPlan, seq_axis: int):
   """Inverse of :func:`_to_heads`."""
-  if plan.load_balance == "dual_chunk":
-    x = reorder_for_load_balance(x, plan.cp_size, seq_axis=seq_axis)
+  if plan.load_balance:
+    x = reorder_for_load_balance(x, plan.cp_size, seq_axis=seq_axis,
+                                 layout=plan.load_balance)
   return lax.all_to_all(x, plan.axis_name, seq_axis, seq_axis + 1, tiled=True)
 
 
@@ -130,8 +132,9 @@ def _block_mask(tm: TokenMask, plan: ShardPlan) -> BlockMask:
     ids = (tm.q_segment_ids[None] if tm.same_ids else
            jnp.stack([tm.q_segment_ids, tm.kv_segment_ids]))
     ids = lax.all_gather(ids, plan.axis_name, axis=2, tiled=True)
-    if plan.load_balance == "dual_chunk":
-      ids = reorder_from_load_balance(ids, plan.cp_size, seq_axis=2)
+    if plan.load_balance:
+      ids = reorder_from_load_balance(ids, plan.cp_size, seq_axis=2,
+                                      layout=plan.load_balance)
     q_ids, kv_ids = ids[0], (None if tm.same_ids else ids[1])
   return BlockMask(q_segment_ids=q_ids, kv_segment_ids=kv_ids,
                    q_lengths=tm.q_lengths, kv_lengths=tm.kv_lengths)

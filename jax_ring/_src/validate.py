@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ring._src.config import IMPLEMENTATIONS
+from jax_ring._src.config import IMPLEMENTATIONS, LOAD_BALANCES
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                 jnp.dtype(jnp.float16))
@@ -154,14 +154,25 @@ def kv_chunk_heads(kv_chunk_heads, kv_heads: int) -> None:
 
 
 def ring_choices(load_balance, loop) -> None:
-  if load_balance not in (None, "dual_chunk"):
-    raise ValueError(f"load_balance must be None or 'dual_chunk'; got "
-                     f"{load_balance!r}")
+  if load_balance is not None and load_balance not in LOAD_BALANCES:
+    raise ValueError(f"load_balance must be None, 'dual_chunk' or 'striped'; "
+                     f"got {load_balance!r}")
   if loop not in (None, "scan", "unrolled"):
     raise ValueError(f"loop must be None, 'scan' or 'unrolled'; got {loop!r}")
 
 
+def strategy_layout(strategy: str, load_balance) -> None:
+  """All-gather computes contiguous chunk ranges: no striped layout."""
+  if strategy == "all_gather" and load_balance == "striped":
+    raise ValueError(
+        "strategy 'all_gather' does not support load_balance='striped' (each "
+        "device's calls are contiguous key ranges); use 'dual_chunk' or None")
+
+
 def ring_options(load_balance, loop, local_len, cp_size) -> None:
+  """Layout and loop of local shards of ``local_len`` tokens on cp_size
+  devices. ``"striped"`` needs only S % cp_size == 0, which local shards
+  already are; ``"dual_chunk"`` also needs an even local length."""
   ring_choices(load_balance, loop)
   if load_balance == "dual_chunk" and local_len % 2:
     raise ValueError(
