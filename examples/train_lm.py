@@ -1,0 +1,479 @@
+"""Train a byte-level decoder-only LM at long context with jax_ring.
+
+The text is the Python standard library's own source, read from this
+machine (no download): every ``.py`` file is one document, batches are
+random windows of the concatenated files, so a window may pack the end
+of one file and the start of the next (``segment_ids``, positions restart).
+
+  python examples/train_lm.py                  # CPU: 8 simulated devices,
+                                               # data=2 x context=4, ring,
+                                               # dual_chunk, about 3 minutes
+  python examples/train_lm.py --resume         # continue from the last
+                                               # checkpoint, same losses
+  python examples/train_lm.py --preset 1b --mesh data=1,context=4   # GPUs
+
+On GPUs the compute dtype defaults to bfloat16, so ``implementation=None``
+picks the cuDNN backend. Under ``jax.distributed`` (one process per host)
+add ``--distributed``; see the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import sys
+import sysconfig
+import tempfile
+import time
+import typing
+
+import numpy as np
+
+# Model presets: the model's shape and the defaults that go with it.
+PRESETS = {
+    # ~0.9M params; trains from 5.5 to ~2.5 nats/byte in 3 CPU minutes.
+    "tiny": dict(model=dict(embed_dim=128, num_layers=4, num_heads=4,
+                            num_kv_heads=2, head_dim=32, mlp_dim=384),
+                 seq=2048, batch_per_data=1, lr=3e-3, steps=100),
+    # ~25M params: a single GPU or a long CPU run.
+    "small": dict(model=dict(embed_dim=512, num_layers=8, num_heads=8,
+                             num_kv_heads=2, head_dim=64, mlp_dim=1536),
+                  seq=8192, batch_per_data=2, lr=1e-3, steps=500),
+    # ~40k params, 64 tokens: for tests and smoke runs.
+    "micro": dict(model=dict(embed_dim=32, num_layers=2, num_heads=4,
+                             num_kv_heads=2, head_dim=8, mlp_dim=64),
+                  seq=64, batch_per_data=2, lr=3e-3, steps=4),
+    # ~1.0B params, 32k context: GPUs (bfloat16, cuDNN), remat per block.
+    "1b": dict(model=dict(embed_dim=2048, num_layers=16, num_heads=16,
+                          num_kv_heads=4, head_dim=128, mlp_dim=8192,
+                          remat=True),
+               seq=32768, batch_per_data=1, lr=3e-4, steps=300),
+}
+
+
+def _choices(field: str) -> tuple[str, ...]:
+  """The values ContextParallel's Literal field allows, read from the
+  library, so new strategies appear here without editing the example."""
+  import jax_ring
+  hint = typing.get_type_hints(jax_ring.ContextParallel)[field]
+  return tuple(a for a in typing.get_args(hint) if isinstance(a, str)) or (
+      tuple(a for arg in typing.get_args(hint)
+            for a in typing.get_args(arg) if isinstance(a, str)))
+
+
+def _add_process_flags(p: argparse.ArgumentParser):
+  p.add_argument("--cpu-devices", type=int, default=8,
+                 help="simulated CPU devices (per process)")
+  p.add_argument("--distributed", action="store_true",
+                 help="jax.distributed.initialize (one process per host)")
+  p.add_argument("--coordinator-address", default=None)
+  p.add_argument("--num-processes", type=int, default=None)
+  p.add_argument("--process-id", type=int, default=None)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+  p.add_argument("--mesh", default=None,
+                 help="axis=size,... over data, context, tensor; default "
+                 "data=2,context=4 on 8 devices, else context=<all devices>")
+  p.add_argument("--strategy", default="ring", choices=_choices("strategy"),
+                 help="context-parallel strategy")
+  p.add_argument("--load-balance", default="dual_chunk",
+                 choices=_choices("load_balance") + ("none",),
+                 help="token layout; none = contiguous shards")
+  p.add_argument("--loop", choices=["scan", "unrolled"], default=None,
+                 help="ring loop form (default: the library's)")
+  p.add_argument("--seq", type=int, default=None, help="sequence length")
+  p.add_argument("--batch", type=int, default=None, help="global batch")
+  p.add_argument("--steps", type=int, default=None)
+  p.add_argument("--lr", type=float, default=None, help="peak learning rate")
+  p.add_argument("--warmup", type=int, default=10)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                 help="compute dtype; default bfloat16 on GPU, else float32")
+  p.add_argument("--implementation", choices=["xla", "cudnn"], default=None)
+  p.add_argument("--sliding-window", type=int, default=None)
+  p.add_argument("--soft-cap", type=float, default=None)
+  p.add_argument("--remat", action=argparse.BooleanOptionalAction,
+                 default=None, help="rematerialise each block")
+  p.add_argument("--run-dir", default=os.path.join(tempfile.gettempdir(),
+                                                   "jax_ring_train_lm"),
+                 help="checkpoints/, losses.json and loss_curve.png go here "
+                 "(multi-host: a directory every host can write)")
+  p.add_argument("--checkpoint-every", type=int, default=25)
+  p.add_argument("--resume", action="store_true",
+                 help="continue from the last checkpoint in --run-dir")
+  p.add_argument("--stop-after", type=int, default=None,
+                 help="stop after this step, as if interrupted")
+  _add_process_flags(p)
+  p.add_argument("--quiet", action="store_true", help="no progress bar")
+  args = p.parse_args(argv)
+  preset = PRESETS[args.preset]
+  for name in ("seq", "steps", "lr"):
+    if getattr(args, name) is None:
+      setattr(args, name, preset[name])
+  args.load_balance = None if args.load_balance == "none" else args.load_balance
+  return args
+
+
+def setup_jax(args):
+  """Process-level setup; must run before jax touches a device."""
+  import jax
+  jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+  # Full Python tracebacks in HLO locations can make XLA's call-inlining
+  # metadata pass take minutes on this program (see tests/locations.py);
+  # the innermost frame is enough for error messages and profiles.
+  jax.config.update("jax_include_full_tracebacks_in_locations", False)
+  if args.distributed:
+    # CPU collectives across processes go through gloo (TCP).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(args.coordinator_address, args.num_processes,
+                               args.process_id)
+
+
+# --------------------------------------------------------------------------
+# Data: the standard library's source as bytes, windows keyed by step.
+
+
+class Corpus:
+  """Every ``.py`` file of the standard library, concatenated, as bytes,
+  with the file index (from 1) of each byte as its document id."""
+
+  def __init__(self, root: str | None = None):
+    root = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
+    files = sorted(f for f in root.rglob("*.py")
+                   if not {"site-packages", "dist-packages"} & set(f.parts))
+    chunks = [np.frombuffer(f.read_bytes(), np.uint8) for f in files]
+    chunks = [c for c in chunks if c.size]
+    if not chunks:
+      raise RuntimeError(f"no Python source found under {root}")
+    self.tokens = np.concatenate(chunks)
+    self.doc_ids = np.repeat(np.arange(1, len(chunks) + 1, dtype=np.int32),
+                             [c.size for c in chunks])
+    self.num_files = len(chunks)
+
+  def batch(self, step: int, seed: int, batch: int, seq: int):
+    """Global ``(tokens, segment_ids)``, ``(batch, seq)`` each: a pure
+    function of (seed, step), so a resumed run sees the same data."""
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, self.tokens.size - seq, batch)
+    idx = starts[:, None] + np.arange(seq)
+    return self.tokens[idx].astype(np.int32), self.doc_ids[idx]
+
+
+# --------------------------------------------------------------------------
+# Model, optimizer, step.
+
+
+# data: batch; context: the sequence (the ring axis of "hybrid"); ulysses:
+# the sequence's inner axis for "hybrid" only; tensor: heads and MLP width.
+MESH_AXES = ("data", "context", "ulysses", "tensor")
+
+
+def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
+  if spec is None:
+    return ({"data": 2, "context": 4} if num_devices == 8 else
+            {"data": 1, "context": num_devices})
+  shape = {}
+  for item in spec.split(","):
+    name, _, size = item.partition("=")
+    if name not in MESH_AXES or not size.isdigit():
+      raise SystemExit(f"--mesh: expected axis=size with axis in "
+                       f"{', '.join(MESH_AXES)}; got {item!r}")
+    shape[name] = int(size)
+  if math.prod(shape.values()) != num_devices:
+    raise SystemExit(f"--mesh {spec} has {math.prod(shape.values())} devices;"
+                     f" jax sees {num_devices}")
+  return shape
+
+
+def make_optimizer(lr: float, warmup: int, steps: int):
+  """AdamW, warmup then cosine decay to lr/10, global-norm clipping."""
+  import optax
+  return optax.chain(
+      optax.clip_by_global_norm(1.0),
+      optax.adamw(optax.warmup_cosine_decay_schedule(
+          0.0, lr, warmup, max(steps, warmup + 1), end_value=lr / 10),
+                  b2=0.95, weight_decay=0.1))
+
+
+def build(args):
+  """Mesh, model config, initial (params, opt_state), the jitted step."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+
+  import jax_ring
+  from lm_model import ModelConfig, Transformer, loss_fn, model_rules
+
+  shape = parse_mesh(args.mesh, jax.device_count())
+  mesh = jax.make_mesh(tuple(shape.values()), tuple(shape),
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+  hybrid = args.strategy == "hybrid"
+  if hybrid != ("ulysses" in shape):
+    raise SystemExit("--strategy hybrid needs a ulysses axis in --mesh (e.g. "
+                     "data=2,context=2,ulysses=2), and only hybrid uses one")
+  # The sequence is sharded over these axes (ring-major for hybrid).
+  seq_axes = tuple(a for a in ("context", "ulysses") if a in shape)
+  cpc = None
+  if math.prod(shape[a] for a in seq_axes) > 1:
+    cpc = jax_ring.ContextParallel(
+        axis=("ulysses", "context") if hybrid else "context",
+        strategy=args.strategy, load_balance=args.load_balance,
+        loop=args.loop)
+  seq = seq_axes if len(seq_axes) > 1 else (seq_axes or (None,))[0]
+  preset = PRESETS[args.preset]
+  gpu = jax.default_backend() == "gpu"
+  dtype = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32"))
+  model_kw = dict(preset["model"])
+  if args.remat is not None:
+    model_kw["remat"] = args.remat
+  cfg = ModelConfig(
+      **model_kw, dtype=dtype, sliding_window=args.sliding_window,
+      logits_soft_cap=args.soft_cap, implementation=args.implementation,
+      context_parallel=cpc,
+      rules=model_rules(data="data" if "data" in shape else None,
+                        context=seq,
+                        tensor="tensor" if "tensor" in shape else None))
+  batch = args.batch or preset["batch_per_data"] * shape.get("data", 1)
+  if batch % shape.get("data", 1):
+    raise SystemExit(f"--batch {batch} must be divisible by the data axis "
+                     f"size {shape['data']}")
+
+  tx = make_optimizer(args.lr, args.warmup, args.steps)
+
+  with jax.set_mesh(mesh):
+    # Parameters are created sharded (flax eager sharding), from the seed.
+    model = nnx.jit(lambda: Transformer(cfg, rngs=nnx.Rngs(args.seed)))()
+    graphdef, params = nnx.split(model)
+    opt_state = jax.jit(tx.init)(params)
+  state = {"params": params, "opt_state": opt_state}
+  # The step keeps every array where it found it: the restored state of a
+  # resumed run has the same shardings, so the same program runs.
+  state_sh = jax.tree.map(lambda x: x.sharding, state)
+  replicated = jax.NamedSharding(mesh, jax.P())
+
+  def step(state, batch):
+    def loss_of(params):
+      return loss_fn(nnx.merge(graphdef, params), batch)
+
+    loss, grads = jax.value_and_grad(loss_of)(state["params"])
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    return {"params": params, "opt_state": opt_state}, loss
+
+  train_step = jax.jit(step, out_shardings=(state_sh, replicated),
+                       donate_argnums=(0,) if gpu else ())
+  spec = jax.P("data" if "data" in shape else None, seq)
+  return dict(mesh=mesh, cfg=cfg, spec=spec, batch=batch, state=state,
+              train_step=train_step, graphdef=graphdef)
+
+
+# --------------------------------------------------------------------------
+# Checkpoints (orbax): the train state plus a JSON record of the run.
+
+
+def _run_record(args, built) -> dict:
+  """What must match for --resume to continue the same trajectory."""
+  return dict(preset=args.preset, seq=args.seq, batch=built["batch"],
+              steps=args.steps, lr=args.lr, warmup=args.warmup,
+              seed=args.seed, dtype=str(built["cfg"].dtype),
+              sliding_window=args.sliding_window, soft_cap=args.soft_cap)
+
+
+def _manager(run_dir: str, every: int):
+  import orbax.checkpoint as ocp
+  return ocp.CheckpointManager(
+      os.path.abspath(os.path.join(run_dir, "checkpoints")),
+      options=ocp.CheckpointManagerOptions(max_to_keep=2,
+                                           save_interval_steps=every))
+
+
+def restore(manager, state, record):
+  """(step, state, losses) of the last checkpoint."""
+  import jax
+  import orbax.checkpoint as ocp
+  step = manager.latest_step()
+  if step is None:
+    raise SystemExit(f"--resume: no checkpoint in {manager.directory}")
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      state)
+  got = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+  saved = got["meta"]["record"]
+  if saved != record:
+    diff = {k: (saved.get(k), v) for k, v in record.items()
+            if saved.get(k) != v}
+    raise SystemExit(f"--resume: the checkpoint was made with other settings "
+                     f"(saved, now): {diff}")
+  return step, got["state"], list(got["meta"]["losses"])
+
+
+# --------------------------------------------------------------------------
+# The loop.
+
+
+class ProgressBar:
+  """One line, redrawn in place on a terminal; a line per 10% otherwise."""
+
+  def __init__(self, total: int, enabled: bool):
+    self.total, self.enabled = total, enabled
+    self.tty = sys.stderr.isatty()
+
+  def update(self, step: int, loss: float, step_times: list[float],
+             tokens_per_step: int):
+    if not self.enabled:
+      return
+    bar = ("#" * int(30 * step / self.total)).ljust(30)
+    if step_times:  # after the first (compiling) step of this run
+      mean = sum(step_times) / len(step_times)
+      rate = f"{tokens_per_step / step_times[-1] / 1e3:6.1f}k tok/s"
+      left = int(mean * (self.total - step))
+      eta = f"eta {left // 60}m{left % 60:02d}s"
+    else:
+      rate, eta = "compiling    ", ""
+    line = (f"step {step:>5}/{self.total} [{bar}] loss {loss:6.3f} | "
+            f"{rate} | {eta}")
+    if self.tty:
+      sys.stderr.write("\r" + line + ("\n" if step == self.total else ""))
+      sys.stderr.flush()
+    elif step == self.total or step % max(self.total // 10, 1) == 0:
+      print(line, file=sys.stderr, flush=True)
+
+
+def train(args) -> dict:
+  """Run (or resume) training; returns the losses and throughput."""
+  import jax
+  import orbax.checkpoint as ocp
+
+  import jax_ring.flax as jrf
+
+  built = build(args)
+  mesh, state = built["mesh"], built["state"]
+  record = _run_record(args, built)
+  lead = jax.process_index() == 0
+  manager = _manager(args.run_dir, args.checkpoint_every)
+  start, losses = 0, []
+  if args.resume:
+    start, state, losses = restore(manager, state, record)
+  else:
+    for old in manager.all_steps():  # a fresh run replaces an older one
+      manager.delete(old)
+  corpus = Corpus()
+  tokens_per_step = built["batch"] * args.seq
+  if lead:
+    cfg = built["cfg"]
+    print(f"jax_ring train_lm: {cfg.num_params() / 1e6:.2f}M params "
+          f"({args.preset}), {corpus.tokens.size / 1e6:.1f}M bytes of "
+          f"Python source in {corpus.num_files} files\n"
+          f"  mesh {dict(mesh.shape)} on {jax.device_count()} "
+          f"{jax.devices()[0].platform} devices ({jax.process_count()} "
+          f"process(es)), strategy {args.strategy}, load balance "
+          f"{args.load_balance}, batch {built['batch']} x seq {args.seq}, "
+          f"{cfg.dtype.name}"
+          + (f", resuming at step {start}" if start else ""), flush=True)
+  bar = ProgressBar(args.steps, lead and not args.quiet)
+  stop = min(args.steps, args.stop_after or args.steps)
+  times = []
+  with jax.set_mesh(mesh):
+    for step in range(start, stop):
+      tokens, seg = corpus.batch(step, args.seed, built["batch"], args.seq)
+      batch = jrf.prepare_lm_batch(
+          tokens, seg, mesh=mesh, spec=built["spec"],
+          context_parallel=built["cfg"].context_parallel)
+      t0 = time.perf_counter()
+      state, loss = built["train_step"](state, batch)
+      losses.append(float(loss))
+      dt = time.perf_counter() - t0
+      if step > start:  # the first step of a run compiles
+        times.append(dt)
+      bar.update(step + 1, losses[-1], times, tokens_per_step)
+      manager.save(step + 1, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state),
+          meta=ocp.args.JsonSave({"record": record, "losses": losses})),
+          force=step + 1 == stop)
+  manager.wait_until_finished()
+  manager.close()
+  return dict(losses=losses, start=start, state=state,
+              tokens_per_s=tokens_per_step * len(times) / sum(times)
+              if times else None, seconds=sum(times))
+
+
+# --------------------------------------------------------------------------
+# Report.
+
+
+def ascii_curve(losses, width=60, height=10) -> str:
+  """The loss curve as text: bucket means, one column per bucket."""
+  cols = np.array_split(np.asarray(losses, float), min(width, len(losses)))
+  ys = np.array([c.mean() for c in cols])
+  lo, hi = ys.min(), ys.max()
+  rows = np.round((ys - lo) / max(hi - lo, 1e-9) * (height - 1)).astype(int)
+  lines = []
+  for r in range(height - 1, -1, -1):
+    label = f"{lo + (hi - lo) * r / (height - 1):7.3f} |"
+    lines.append(label + "".join("*" if v == r else " " for v in rows))
+  lines.append(" " * 8 + "+" + "-" * len(ys))
+  last = f"step {len(losses)}"
+  lines.append(" " * 9 + "step 1" + last.rjust(max(len(ys) - 6, len(last) + 2)))
+  return "\n".join(lines)
+
+
+def report(result, args):
+  losses = result["losses"]
+  print("\nloss curve (nats/byte):\n" + ascii_curve(losses))
+  k = min(10, len(losses))
+  print(f"final loss {np.mean(losses[-k:]):.4f} (mean of the last {k} steps)"
+        + (f", {result['tokens_per_s']:,.0f} tokens/s after compilation"
+           if result["tokens_per_s"] else ""))
+  os.makedirs(args.run_dir, exist_ok=True)
+  with open(os.path.join(args.run_dir, "losses.json"), "w") as f:
+    json.dump({"losses": losses, "tokens_per_s": result["tokens_per_s"]}, f)
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib is not installed (pip install 'jax-ring[examples]'): "
+          "no PNG; losses are in " + os.path.join(args.run_dir, "losses.json"))
+    return
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  steps = np.arange(1, len(losses) + 1)
+  ax.plot(steps, losses, alpha=0.35, label="loss")
+  ema, smooth = losses[0], []
+  for x in losses:
+    ema = 0.9 * ema + 0.1 * x
+    smooth.append(ema)
+  ax.plot(steps, smooth, label="moving average (0.9)")
+  ax.legend()
+  ax.set(xlabel="step", ylabel="loss (nats/byte)",
+         title=f"train_lm {args.preset}, seq {args.seq}, {args.strategy}")
+  ax.grid(alpha=0.3)
+  path = os.path.join(args.run_dir, "loss_curve.png")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"saved {path}")
+
+
+def main(argv=None):
+  # Process-level flags first: jax's devices must be set up before anything
+  # (importing jax_ring included) may touch them.
+  process_flags = argparse.ArgumentParser(add_help=False)
+  _add_process_flags(process_flags)
+  setup_jax(process_flags.parse_known_args(argv)[0])
+  args = parse_args(argv)
+  result = train(args)
+  import jax
+  if jax.process_index() == 0:
+    report(result, args)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,270 @@
+"""The Flax NNX attention layer: projections, RoPE, GQA, masks, and a call to
+``jax_ring.dot_product_attention`` (context-parallel when configured).
+
+Shapes::
+
+  B batch, S sequence (this array's order: natural, or the load-balance
+  layout under context parallelism), E embed, N query heads, K kv heads
+  (N % K == 0), H head dim
+
+Sharding is written with MaxText-style *logical* axis names; one table of
+rules maps them onto mesh axes, and the same rules serve parameters (as
+flax ``out_sharding``/``sharding_rules`` metadata) and activations (as
+sharding constraints):
+
+===========  ==========================  =========================
+logical      on                          typical mesh axis
+===========  ==========================  =========================
+batch        activations                 ``"data"`` (or data, fsdp)
+length       activations                 the context axis
+heads        wq, wo, q, out              ``"tensor"`` or None
+kv_heads     wk, wv, k, v                ``"tensor"`` or None
+head_dim     everything with H           None
+embed        wq, wk, wv, wo, x, y        None
+===========  ==========================  =========================
+
+Why positions are an input, not ``arange(S)``: under load balancing the
+array's token order is not the sequence order, and with packed documents a
+token's RoPE position restarts at each document. The masks, on the other
+hand, need no positions: ``dot_product_attention`` knows the layout from its
+``ContextParallel`` and applies causality and windows in true sequence
+order, and packing through ``segment_ids`` (which travel in the same
+layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_ring._src.api import dot_product_attention
+from jax_ring._src.config import ContextParallel
+
+BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM, EMBED = (
+    "batch", "length", "heads", "kv_heads", "head_dim", "embed")
+LOGICAL_AXES = (BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM, EMBED)
+
+# ((logical name, mesh axis or axes or None), ...), as flax spells them.
+LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+
+def logical_rules(*, batch="data", length="context", heads=None,
+                  kv_heads=None, head_dim=None, embed=None,
+                  **extra) -> LogicalRules:
+  """Rules for every logical axis of the layer (plus ``extra`` names, for
+  the rest of a model), in flax's tuple-of-pairs form.
+
+  >>> logical_rules(batch="data", length="context", heads="tensor",
+  ...               kv_heads="tensor")
+  """
+  named = dict(batch=batch, length=length, heads=heads, kv_heads=kv_heads,
+               head_dim=head_dim, embed=embed, **extra)
+  return tuple(named.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLayerConfig:
+  """Static options of :class:`Attention` (frozen, hashable).
+
+  Attributes:
+    embed_dim: E, the model width.
+    num_heads: N query heads.
+    num_kv_heads: K key/value heads; ``K < N`` is GQA, ``K == 1`` MQA.
+    head_dim: H (even, for RoPE).
+    is_causal: causal mask in sequence order.
+    sliding_window: ``W``: a query sees ``W`` keys, itself and the ``W - 1``
+      before it (and, if not causal, ``W - 1`` after), the Mistral/Gemma
+      convention; ``None`` for full attention.
+    logits_soft_cap: Gemma-2 soft cap ``c * tanh(logits / c)``.
+    scale: logit multiplier; default ``1 / sqrt(H)``.
+    rope_max_wavelength: RoPE base (``theta``).
+    dtype: compute dtype of projections and attention (bfloat16 lets
+      ``implementation=None`` pick cuDNN on a GPU).
+    param_dtype: dtype of the weights.
+    implementation: ``None`` (best available), ``"xla"`` or ``"cudnn"``.
+    context_parallel: a ``jax_ring.ContextParallel``, or ``None`` for
+      attention on whatever device holds the whole sequence. Its axis must
+      be the mesh axis that ``rules`` maps ``length`` onto.
+    rules: logical axis -> mesh axis (see :func:`logical_rules`). Empty:
+      no sharding annotations (a single-device layer that needs no mesh).
+      Otherwise every logical axis of the layer must be named, and the
+      layer must be built and called under ``jax.set_mesh(mesh)``.
+  """
+
+  embed_dim: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  is_causal: bool = True
+  sliding_window: int | None = None
+  logits_soft_cap: float | None = None
+  scale: float | None = None
+  rope_max_wavelength: float = 10_000.0
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  implementation: Literal["xla", "cudnn"] | None = None
+  context_parallel: ContextParallel | None = None
+  rules: LogicalRules = ()
+
+  def __post_init__(self):
+    for name in ("embed_dim", "num_heads", "num_kv_heads", "head_dim"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int; got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads ({self.num_heads}) must be divisible by num_kv_heads "
+          f"({self.num_kv_heads})")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim must be even for RoPE; got {self.head_dim}")
+    if self.sliding_window is not None and (
+        not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+      raise ValueError(f"sliding_window must be None or an int >= 1; got "
+                       f"{self.sliding_window!r}")
+    if self.rules:
+      named = {name for name, _ in self.rules}
+      missing = [a for a in LOGICAL_AXES if a not in named]
+      if missing:
+        raise ValueError(
+            f"rules must map every logical axis of the layer "
+            f"{LOGICAL_AXES}; missing {missing}")
+      cp = self.context_parallel
+      length = dict(self.rules)[LENGTH]
+      if cp is not None and _axis_set(length) != _axis_set(cp.axis):
+        raise ValueError(
+            f"rules map 'length' to {length!r} but context_parallel.axis is "
+            f"{cp.axis!r}; the sequence must be sharded over the context "
+            "axis (axes)")
+
+  @property
+  def local_window_size(self) -> tuple[int, int] | None:
+    """``sliding_window`` as ``dot_product_attention``'s (left, right)."""
+    if self.sliding_window is None:
+      return None
+    w = self.sliding_window - 1
+    return (w, 0) if self.is_causal else (w, w)
+
+
+def _axis_set(axes) -> frozenset:
+  return frozenset(axes if isinstance(axes, tuple) else (axes,))
+
+
+def apply_rope(x, positions, max_wavelength: float = 10_000.0):
+  """Rotary position embedding (rotate-half form), computed in float32.
+
+  Args:
+    x: ``(B, S, N, H)``, H even.
+    positions: ``(B, S)`` int: each token's position in its document, in the
+      same token order as ``x``.
+    max_wavelength: the RoPE base.
+
+  Returns:
+    ``x`` rotated, in its dtype.
+  """
+  h = x.shape[-1]
+  inv_freq = max_wavelength ** -(jnp.arange(0, h, 2, dtype=jnp.float32) / h)
+  angle = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, S, H/2)
+  sin, cos = jnp.sin(angle)[:, :, None], jnp.cos(angle)[:, :, None]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def constrain(x, logical_axes, rules: LogicalRules):
+  """Sharding constraint from logical names, under the current mesh
+  (``jax.set_mesh``). A no-op without rules or without a mesh, so that the
+  same code runs on one device."""
+  if not rules or jax.sharding.get_abstract_mesh().empty:
+    return x
+  table = dict(rules)
+  spec = jax.sharding.PartitionSpec(*(table.get(a) for a in logical_axes))
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _param(rngs, init, shape, axes, config):
+  """An ``nnx.Param`` annotated with its logical axes (when sharded)."""
+  value = init(rngs.params(), shape, config.param_dtype)
+  if not config.rules:
+    return nnx.Param(value)
+  return nnx.Param(value, out_sharding=axes, sharding_rules=config.rules)
+
+
+class Attention(nnx.Module):
+  """Multi-head attention with RoPE, GQA, causal/packed/sliding masks and
+  soft cap, context-parallel through ``jax_ring.dot_product_attention``.
+
+  Parameters (logical axes):
+
+  ======  ===========  ==========================
+  name    shape        axes
+  ======  ===========  ==========================
+  wq      (E, N, H)    (embed, heads, head_dim)
+  wk, wv  (E, K, H)    (embed, kv_heads, head_dim)
+  wo      (N, H, E)    (heads, head_dim, embed)
+  ======  ===========  ==========================
+
+  Example (mesh data=2 x context=4, inputs in the dual-chunk layout, see
+  ``jax_ring.flax.prepare_lm_batch``)::
+
+    cfg = AttentionLayerConfig(
+        embed_dim=256, num_heads=8, num_kv_heads=2, head_dim=32,
+        context_parallel=jax_ring.ContextParallel(axis="context"),
+        rules=logical_rules(batch="data", length="context"))
+    with jax.set_mesh(mesh):
+      layer = Attention(cfg, rngs=nnx.Rngs(0))
+      y = layer(x, positions, segment_ids)
+  """
+
+  def __init__(self, config: AttentionLayerConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    e, n, k, h = (config.embed_dim, config.num_heads, config.num_kv_heads,
+                  config.head_dim)
+    qkv_init = jax.nn.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=0, out_axis=(1, 2))
+    out_init = jax.nn.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=(0, 1), out_axis=2)
+    self.wq = _param(rngs, qkv_init, (e, n, h), (EMBED, HEADS, HEAD_DIM),
+                     config)
+    self.wk = _param(rngs, qkv_init, (e, k, h), (EMBED, KV_HEADS, HEAD_DIM),
+                     config)
+    self.wv = _param(rngs, qkv_init, (e, k, h), (EMBED, KV_HEADS, HEAD_DIM),
+                     config)
+    self.wo = _param(rngs, out_init, (n, h, e), (HEADS, HEAD_DIM, EMBED),
+                     config)
+
+  def __call__(self, x, positions, segment_ids=None):
+    """Attention of the tokens ``x`` over themselves.
+
+    Args:
+      x: ``(B, S, E)``.
+      positions: ``(B, S)`` int, RoPE positions in ``x``'s token order
+        (restarting at 0 per packed document).
+      segment_ids: ``(B, S)`` int or None: packed documents; a token attends
+        only within its id.
+
+    Returns:
+      ``(B, S, E)`` in ``config.dtype``.
+    """
+    cfg = self.config
+    dt = cfg.dtype
+    x = constrain(x.astype(dt), (BATCH, LENGTH, EMBED), cfg.rules)
+    q = jnp.einsum("bse,enh->bsnh", x, self.wq[...].astype(dt))
+    k = jnp.einsum("bse,ekh->bskh", x, self.wk[...].astype(dt))
+    v = jnp.einsum("bse,ekh->bskh", x, self.wv[...].astype(dt))
+    q = apply_rope(q, positions, cfg.rope_max_wavelength)
+    k = apply_rope(k, positions, cfg.rope_max_wavelength)
+    q = constrain(q, (BATCH, LENGTH, HEADS, HEAD_DIM), cfg.rules)
+    k = constrain(k, (BATCH, LENGTH, KV_HEADS, HEAD_DIM), cfg.rules)
+    v = constrain(v, (BATCH, LENGTH, KV_HEADS, HEAD_DIM), cfg.rules)
+    out = dot_product_attention(
+        q, k, v, is_causal=cfg.is_causal, segment_ids=segment_ids,
+        scale=cfg.scale, logits_soft_cap=cfg.logits_soft_cap,
+        local_window_size=cfg.local_window_size,
+        implementation=cfg.implementation,
+        context_parallel=cfg.context_parallel)
+    y = jnp.einsum("bsnh,nhe->bse", out, self.wo[...].astype(dt))
+    return constrain(y, (BATCH, LENGTH, EMBED), cfg.rules)

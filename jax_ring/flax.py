@@ -1,0 +1,34 @@
+"""jax_ring for Flax NNX models (``pip install jax-ring[flax]``).
+
+* :class:`Attention` and its :class:`AttentionLayerConfig`: a drop-in
+  attention layer (projections, RoPE, GQA, causal/packed/sliding masks, soft
+  cap) that calls :func:`jax_ring.dot_product_attention`, context-parallel
+  when configured, sharded through MaxText-style logical axis rules
+  (:func:`logical_rules`).
+* Language-model batches for context parallelism: :func:`make_lm_batch`,
+  :func:`reorder_batch`, :func:`shard_batch`, :func:`prepare_lm_batch`,
+  :func:`reorder_size`.
+"""
+
+from jax_ring._src.data import (LMBatch, document_positions, make_lm_batch,
+                                prepare_lm_batch, reorder_batch, reorder_size,
+                                shard_batch)
+from jax_ring._src.flax_attention import (LOGICAL_AXES, Attention,
+                                          AttentionLayerConfig, apply_rope,
+                                          constrain, logical_rules)
+
+__all__ = [
+    "Attention",
+    "AttentionLayerConfig",
+    "LMBatch",
+    "LOGICAL_AXES",
+    "apply_rope",
+    "constrain",
+    "document_positions",
+    "logical_rules",
+    "make_lm_batch",
+    "prepare_lm_batch",
+    "reorder_batch",
+    "reorder_size",
+    "shard_batch",
+]

@@ -1,0 +1,138 @@
+"""The LM example: context parallelism trains like one device (loss and
+gradients at step 0, losses over 5 optimizer steps), and --resume continues
+the uninterrupted run's loss trajectory exactly."""
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_ring
+import reference as ref
+from jax_ring import flax as jrf
+from locations import short_locations  # noqa: F401  (autouse)
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+import lm_model  # noqa: E402
+import train_lm  # noqa: E402
+
+DP, CP = 2, 4
+SEQ, BATCH, STEPS = 64, 4, 5
+SHAPE = dict(embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
+             head_dim=8, mlp_dim=64)
+# float32, max error relative to the largest magnitude of the single-device
+# value. Step 0 differs only by summation order (ring merges, the sharded
+# loss sum): the library's float32 tolerance (measured: <= 7e-7 on every
+# gradient). Over 5 Adam steps m / sqrt(v) can amplify the differences of
+# near-zero gradient entries, hence a looser bound on the losses (measured:
+# equal to float32 precision).
+STEP0_TOL = ref.TOLERANCES[jnp.dtype(jnp.float32)]  # 2e-5
+STEPS_TOL = 1e-4
+
+
+def make_mesh():
+  if len(jax.devices()) < DP * CP:
+    pytest.skip(f"needs {DP * CP} devices")
+  return Mesh(np.array(jax.devices()[:DP * CP]).reshape(DP, CP),
+              ("data", "context"))
+
+
+def rel_err(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+
+
+def test_context_parallel_training_matches_single_device():
+  mesh = make_mesh()
+  cpc = jax_ring.ContextParallel(axis="context", strategy="ring",
+                                 load_balance="dual_chunk", loop="scan")
+  cp_cfg = lm_model.ModelConfig(**SHAPE, implementation="xla",
+                                context_parallel=cpc,
+                                rules=lm_model.model_rules())
+  one_cfg = lm_model.ModelConfig(**SHAPE, implementation="xla")
+  with jax.set_mesh(mesh):
+    cp_model = lm_model.Transformer(cp_cfg, rngs=nnx.Rngs(0))
+  one_model = lm_model.Transformer(one_cfg, rngs=nnx.Rngs(1))
+  # The same parameters: copy the context-parallel model's into the other.
+  cp_gdef, cp_params = nnx.split(cp_model)
+  one_gdef, one_params = nnx.split(one_model)
+  nnx.replace_by_pure_dict(
+      one_params, jax.device_get(nnx.to_pure_dict(cp_params)))
+
+  # Real text, packed into 3 documents per row.
+  tokens, _ = train_lm.Corpus().batch(0, 0, BATCH, SEQ)
+  ids = ref.random_segments(1, BATCH, SEQ, 3)
+  natural = jax.tree.map(jnp.asarray, jrf.make_lm_batch(tokens, ids))
+  with jax.set_mesh(mesh):
+    sharded = jrf.prepare_lm_batch(tokens, ids, mesh=mesh,
+                                   spec=P("data", "context"),
+                                   context_parallel=cpc)
+  assert sharded.inputs.sharding.spec == P("data", "context")
+
+  tx = train_lm.make_optimizer(3e-3, 2, STEPS)
+
+  def run(gdef, params, batch):
+    def loss_of(p):
+      return lm_model.loss_fn(nnx.merge(gdef, p), batch)
+
+    @jax.jit
+    def step(params, opt_state):
+      loss, grads = jax.value_and_grad(loss_of)(params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss, grads
+
+    opt_state = tx.init(params)
+    losses, first_grads = [], None
+    for _ in range(STEPS):
+      params, opt_state, loss, grads = step(params, opt_state)
+      losses.append(float(loss))
+      first_grads = grads if first_grads is None else first_grads
+    return np.array(losses), nnx.to_pure_dict(first_grads), step
+
+  want_losses, want_grads, _ = run(one_gdef, one_params, natural)
+  with jax.set_mesh(mesh):
+    got_losses, got_grads, cp_step = run(cp_gdef, cp_params, sharded)
+    hlo = cp_step.lower(cp_params, tx.init(cp_params)).compile().as_text()
+  assert "collective-permute" in hlo  # the ring ran
+
+  assert rel_err(got_losses[0], want_losses[0]) <= STEP0_TOL, (
+      got_losses[0], want_losses[0])
+  flat_got = jax.tree_util.tree_leaves_with_path(got_grads)
+  flat_want = dict(jax.tree_util.tree_leaves_with_path(want_grads))
+  # 9 per block; embed, unembed, final norm
+  assert len(flat_got) == len(flat_want) == 2 * 9 + 3
+  for path, g in flat_got:
+    err = rel_err(g, flat_want[path])
+    assert err <= STEP0_TOL, f"grad {jax.tree_util.keystr(path)}: {err:.3g}"
+  assert want_losses[-1] < want_losses[0] - 0.5  # it trains
+  err = rel_err(got_losses, want_losses)
+  assert err <= STEPS_TOL, (err, got_losses, want_losses)
+
+
+def test_resume_continues_the_uninterrupted_trajectory(tmp_path):
+  make_mesh()
+
+  def run(run_dir, *extra):
+    args = train_lm.parse_args(
+        ["--preset", "micro", "--steps", "4", "--checkpoint-every", "2",
+         "--loop", "scan", "--run-dir", str(run_dir), "--quiet", *extra])
+    return train_lm.train(args)
+
+  whole = run(tmp_path / "a")
+  first = run(tmp_path / "b", "--stop-after", "3")  # saved at 2 and 3
+  resumed = run(tmp_path / "b", "--resume")
+  assert len(whole["losses"]) == 4 and len(first["losses"]) == 3
+  assert resumed["start"] == 3
+  np.testing.assert_array_equal(resumed["losses"], whole["losses"])
+  for a, b in zip(jax.tree.leaves(resumed["state"]),
+                  jax.tree.leaves(whole["state"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # A different setting refuses to resume rather than silently diverging.
+  with pytest.raises(SystemExit, match="other settings"):
+    run(tmp_path / "b", "--resume", "--lr", "1e-2")
