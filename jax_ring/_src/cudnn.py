@@ -168,7 +168,10 @@ def _attrs(config, bnd: Band, padding: bool, slots: int = 0):
               softcap=np.float32(config.logits_soft_cap or 0.0), slots=slots)
 
 
-_NO_RAGGED = (jnp.zeros((1,), jnp.int32),) * 2
+def _no_ragged():
+  """Placeholder ragged-offset operands of an unpacked call (built at trace
+  time: creating arrays at import would start jax's backends)."""
+  return (jnp.zeros((1,), jnp.int32),) * 2
 
 
 # --- packed documents: ragged virtual batches --------------------------------
@@ -304,7 +307,7 @@ def forward(q, k, v, bias, mask, config):
       "jax_ring_sdpa_fwd",
       (jax.ShapeDtypeStruct(q.shape, q.dtype),
        jax.ShapeDtypeStruct((b, n, rows), jnp.float32)),
-  )(q, k, v, seq_q, seq_kv, *_NO_RAGGED, **_attrs(config, bnd, padding))
+  )(q, k, v, seq_q, seq_kv, *_no_ragged(), **_attrs(config, bnd, padding))
   lse = jnp.pad(jnp.swapaxes(stats, 1, 2), ((0, 0), (bnd.row_start, 0), (0, 0)))
   if _rows_may_be_empty(bnd, padding, t, s):
     valid = _row_valid(bnd, seq_q, seq_kv, t)
@@ -337,7 +340,7 @@ def backward(q, k, v, bias, mask, out, lse, dout, dlse, config):
       (jax.ShapeDtypeStruct(q.shape, q.dtype),
        jax.ShapeDtypeStruct(k.shape, k.dtype),
        jax.ShapeDtypeStruct(v.shape, v.dtype)),
-  )(q, k, v, out, stats, dout, seq_q, seq_kv, *_NO_RAGGED,
+  )(q, k, v, out, stats, dout, seq_q, seq_kv, *_no_ragged(),
     **_attrs(config, bnd, padding))
   if _rows_may_be_empty(bnd, padding, t, s):
     dq = jnp.where(_row_valid(bnd, seq_q, seq_kv, t)[:, :, None, None], dq, 0)

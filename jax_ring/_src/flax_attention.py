@@ -16,7 +16,7 @@ sharding constraints):
 logical      on                          typical mesh axis
 ===========  ==========================  =========================
 batch        activations                 ``"data"`` (or data, fsdp)
-length       activations                 the context axis
+length       activations                 the context axis (axes)
 heads        wq, wo, q, out              ``"tensor"`` or None
 kv_heads     wk, wv, k, v                ``"tensor"`` or None
 head_dim     everything with H           None
@@ -24,9 +24,11 @@ embed        wq, wk, wv, wo, x, y        None
 ===========  ==========================  =========================
 
 Why positions are an input, not ``arange(S)``: under load balancing the
-array's token order is not the sequence order, and with packed documents a
-token's RoPE position restarts at each document. The masks, on the other
-hand, need no positions: ``dot_product_attention`` knows the layout from its
+array's token order is not the sequence order, so each token's position
+must travel with it. (With packed documents they restart at 0 per
+document, MaxText's convention; RoPE attention depends only on position
+differences, so inside a document this changes nothing.) The masks need no
+positions: ``dot_product_attention`` knows the layout from its
 ``ContextParallel`` and applies causality and windows in true sequence
 order, and packing through ``segment_ids`` (which travel in the same
 layout).
@@ -56,10 +58,9 @@ def logical_rules(*, batch="data", length="context", heads=None,
                   kv_heads=None, head_dim=None, embed=None,
                   **extra) -> LogicalRules:
   """Rules for every logical axis of the layer (plus ``extra`` names, for
-  the rest of a model), in flax's tuple-of-pairs form.
-
-  >>> logical_rules(batch="data", length="context", heads="tensor",
-  ...               kv_heads="tensor")
+  the rest of a model), in flax's tuple-of-pairs form, e.g.
+  ``logical_rules(batch="data", length="context", heads="tensor",
+  kv_heads="tensor")``; ``length=("context", "ulysses")`` for ``"hybrid"``.
   """
   named = dict(batch=batch, length=length, heads=heads, kv_heads=kv_heads,
                head_dim=head_dim, embed=embed, **extra)
@@ -87,8 +88,8 @@ class AttentionLayerConfig:
     param_dtype: dtype of the weights.
     implementation: ``None`` (best available), ``"xla"`` or ``"cudnn"``.
     context_parallel: a ``jax_ring.ContextParallel``, or ``None`` for
-      attention on whatever device holds the whole sequence. Its axis must
-      be the mesh axis that ``rules`` maps ``length`` onto.
+      attention on whatever device holds the whole sequence. Its axis (both
+      axes, for ``"hybrid"``) must be what ``rules`` maps ``length`` onto.
     rules: logical axis -> mesh axis (see :func:`logical_rules`). Empty:
       no sharding annotations (a single-device layer that needs no mesh).
       Otherwise every logical axis of the layer must be named, and the
