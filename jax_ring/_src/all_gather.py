@@ -113,7 +113,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -283,24 +282,8 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   return cat(dqs, q.dtype), cat(dks, k.dtype), cat(dvs, v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def all_gather(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
-  """All-gather attention on local shards: ``(B, T, N, H)`` in q's dtype."""
-  return _forward(q, k, v, tm, cfg, plan)[0]
-
-
-def _all_gather_fwd(q, k, v, tm, cfg, plan):
-  out, lse = _forward(q, k, v, tm, cfg, plan)
-  return out, (q, k, v, tm, out, lse)
-
-
-def _all_gather_bwd(cfg, plan, res, dout):
-  q, k, v, tm, out, lse = res
-  dq, dk, dv = _backward(q, k, v, tm, out, lse, dout, cfg, plan)
-  return dq, dk, dv, jax.tree.map(lambda _: None, tm)
-
-
-all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
+# All-gather attention on local shards: (B, T, N, H) in q's dtype.
+all_gather = shard_call.differentiable(_forward, _backward)
 
 
 def all_gather_attention(query, key, value, *, axis_name: str,

@@ -75,9 +75,7 @@ such cap. Work is balanced: the devices of a ulysses group do the same work
 
 from __future__ import annotations
 
-import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -160,27 +158,8 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def hybrid(q, k, v, tm: TokenMask, cfg: AttentionConfig, plans: Plans):
-  """Ulysses x ring attention on local shards: ``(B, T, N, H)`` in q's
-  dtype. ``plans`` is ``(ShardPlan(ulysses_axis, U), ShardPlan(ring_axis, R,
-  load_balance, loop))``; ``tm.kv_segment_ids`` None with query ids set
-  means the same ids (see :func:`_ring_mask`)."""
-  return _forward(q, k, v, tm, cfg, plans)[0]
-
-
-def _hybrid_fwd(q, k, v, tm, cfg, plans):
-  out, lse = _forward(q, k, v, tm, cfg, plans)
-  return out, (q, k, v, tm, out, lse)
-
-
-def _hybrid_bwd(cfg, plans, res, dout):
-  q, k, v, tm, out, lse = res
-  dq, dk, dv = _backward(q, k, v, tm, out, lse, dout, cfg, plans)
-  return dq, dk, dv, jax.tree.map(lambda _: None, tm)
-
-
-hybrid.defvjp(_hybrid_fwd, _hybrid_bwd)
+# Ulysses x ring on local shards; ``plan`` is (ulysses plan, ring plan).
+hybrid = shard_call.differentiable(_forward, _backward)
 
 
 def hybrid_attention(query, key, value, *, axis_name: tuple[str, str],

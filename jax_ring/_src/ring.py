@@ -586,25 +586,8 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def ring(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
-  """Ring attention on local shards; returns this device's output rows."""
-  return _forward(q, k, v, tm, cfg, plan)[0]
-
-
-def _ring_fwd(q, k, v, tm, cfg, plan):
-  out, lse = _forward(q, k, v, tm, cfg, plan)
-  return out, (q, k, v, tm, out, lse)
-
-
-def _ring_bwd(cfg, plan, res, dout):
-  q, k, v, tm, out, lse = res
-  dq, dk, dv = _backward(q, k, v, tm, out, lse, dout.astype(q.dtype), cfg,
-                         plan)
-  return dq, dk, dv, jax.tree.map(lambda _: None, tm)
-
-
-ring.defvjp(_ring_fwd, _ring_bwd)
+# Ring attention on local shards; returns this device's output rows.
+ring = shard_call.differentiable(_forward, _backward)
 
 
 def ring_attention(query, key, value, *, axis_name: str, is_causal=False,

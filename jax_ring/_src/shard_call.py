@@ -3,15 +3,19 @@
 ``ring_attention`` and its siblings take the same options as
 ``dot_product_attention`` (minus bias and dense masks, which cannot be
 sharded along the sequence). This module validates them once, in one place,
-and turns them into the two things a strategy's forward and backward need:
+ties a strategy's forward and backward into one differentiable function
+(:func:`differentiable`), and turns the options into the two things a
+strategy's forward and backward need:
 a :class:`~jax_ring._src.mask.TokenMask` of runtime operands and an
 :class:`~jax_ring._src.config.AttentionConfig` with its backend resolved.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 
 from jax_ring._src import backends, validate
@@ -58,3 +62,27 @@ def prepare(query, key, value, *, segment_ids, lengths, local_window_size,
                     q_lengths=tm.q_lengths, kv_lengths=tm.kv_lengths)
   return tm, cfg.replace(implementation=backends.resolve(
       implementation, cfg, query, key, None, block))
+
+
+def differentiable(forward, backward):
+  """``f(q, k, v, tm, cfg, plan) -> out`` with a custom VJP, from a
+  strategy's pair on local shards: ``forward(q, k, v, tm, cfg, plan) ->
+  (out, lse)`` and ``backward(q, k, v, tm, out, lse, dout, cfg, plan) ->
+  (dq, dk, dv)``. Every strategy keeps the same residual: the local shards
+  and the global ``out``/``lse``. ``cfg`` and ``plan`` are static."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+  def f(q, k, v, tm, cfg, plan):
+    return forward(q, k, v, tm, cfg, plan)[0]
+
+  def f_fwd(q, k, v, tm, cfg, plan):
+    out, lse = forward(q, k, v, tm, cfg, plan)
+    return out, (q, k, v, tm, out, lse)
+
+  def f_bwd(cfg, plan, res, dout):
+    q, k, v, tm, out, lse = res
+    grads = backward(q, k, v, tm, out, lse, dout.astype(q.dtype), cfg, plan)
+    return (*grads, jax.tree.map(lambda _: None, tm))
+
+  f.defvjp(f_fwd, f_bwd)
+  return f

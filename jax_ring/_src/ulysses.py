@@ -76,10 +76,8 @@ forward and backward are compiled together, XLA may merge the backward's
 
 from __future__ import annotations
 
-import functools
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -170,24 +168,8 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def ulysses(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
-  """Ulysses attention on local shards: ``(B, T, N, H)`` in q's dtype."""
-  return _forward(q, k, v, tm, cfg, plan)[0]
-
-
-def _ulysses_fwd(q, k, v, tm, cfg, plan):
-  out, lse = _forward(q, k, v, tm, cfg, plan)
-  return out, (q, k, v, tm, out, lse)
-
-
-def _ulysses_bwd(cfg, plan, res, dout):
-  q, k, v, tm, out, lse = res
-  dq, dk, dv = _backward(q, k, v, tm, out, lse, dout, cfg, plan)
-  return dq, dk, dv, None
-
-
-ulysses.defvjp(_ulysses_fwd, _ulysses_bwd)
+# Ulysses attention on local shards: (B, T, N, H) in q's dtype.
+ulysses = shard_call.differentiable(_forward, _backward)
 
 
 def ulysses_attention(query, key, value, *, axis_name: str, is_causal=False,
