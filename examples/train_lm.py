@@ -202,8 +202,9 @@ def make_optimizer(lr: float, warmup: int, steps: int):
                   b2=0.95, weight_decay=0.1))
 
 
-def build(args):
-  """Mesh, model config, initial (params, opt_state), the jitted step."""
+def build(args, devices=None):
+  """Mesh, model config, initial (params, opt_state), the jitted step, on
+  ``devices`` (default: all of them)."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -212,9 +213,11 @@ def build(args):
   import jax_ring
   from lm_model import ModelConfig, Transformer, loss_fn, model_rules
 
-  shape = parse_mesh(args.mesh, jax.device_count())
+  devices = jax.devices() if devices is None else devices
+  shape = parse_mesh(args.mesh, len(devices))
   mesh = jax.make_mesh(tuple(shape.values()), tuple(shape),
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+                       devices=devices)
   hybrid = args.strategy == "hybrid"
   if hybrid != ("ulysses" in shape):
     raise SystemExit("--strategy hybrid needs a ulysses axis in --mesh (e.g. "

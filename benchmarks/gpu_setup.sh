@@ -1,0 +1,16 @@
+# Source on a fresh GPU machine (device tool), from the repo root:
+#   . benchmarks/gpu_setup.sh
+# Installs the wheels the image lacks (carried in .whl/: nvidia-cudnn-frontend
+# 1.32.0, hypothesis, pytest-xdist, ...), builds the cuDNN extension, and sets
+# OUT (default benchmarks/results), NCCL_NVLS_ENABLE=0 and unbuffered output.
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+OUT=${OUT:-benchmarks/results}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl || return 1
+  export PYTHONPATH=/tmp/site
+fi
+nvidia-smi -L
+JAX_RING_CUDNN=ON python3 -m pip install --no-build-isolation --no-deps -e . \
+  > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; return 1; }
+python3 -c "import jax, jax_ring._src.cudnn as c; print('jax', jax.__version__, jax.devices()); print('cudnn ext:', c.LOAD_ERROR or c._cudnn.cudnn_version())"

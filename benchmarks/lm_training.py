@@ -1,0 +1,214 @@
+"""examples/train_lm.py on GPUs: tokens/s, model FLOPs utilisation, and the
+longest sequence whose training step fits on 1 GPU against N GPUs with
+context parallelism, measured in one process.
+
+  python benchmarks/lm_training.py                       # 1b preset, all GPUs
+  python benchmarks/lm_training.py --preset tiny --cpu   # plumbing check, CPU
+
+**Throughput.** The example's own jitted step (AdamW, remat per block,
+bfloat16, cuDNN) on the example's own data, timed over ``--steps`` steps
+after one compiling step. MFU = model FLOPs / (step time x devices x peak):
+
+  model FLOPs per token = 6 P + 6 L S Hq D     (causal attention: half of
+                                                 the usual 12 L S Hq D)
+
+with P the parameters in matrix products (the embedding table, a lookup,
+is left out; the unembedding is in), L layers, S the sequence, Hq query
+heads of size D. Remat's extra forward is not counted, by convention.
+``--peak-tflops`` defaults to the H100/H200 SXM datasheet's dense bf16
+989 TFLOP/s.
+
+**Longest sequence.** A step at the longest fitting length would take many
+minutes (attention is quadratic), so "fits" is decided at compile time:
+XLA's memory analysis of the step (arguments + outputs - donated aliases +
+temporaries) against the device's allocator limit. The peak is linear in S,
+so two compiles give a line and its root; compiles at the predicted length
+and one granule above confirm where it stops fitting. The measured peak of
+the throughput run checks the analysis against the allocator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+
+def model_flops_per_token(cfg, seq: int) -> float:
+  matmul_params = cfg.num_params() - cfg.vocab_size * cfg.embed_dim
+  attention = 6 * cfg.num_layers * seq * cfg.num_heads * cfg.head_dim
+  return 6 * matmul_params + attention
+
+
+def peak_bytes(compiled) -> int:
+  m = compiled.memory_analysis()
+  return (m.argument_size_in_bytes + m.output_size_in_bytes -
+          m.alias_size_in_bytes + m.temp_size_in_bytes)
+
+
+class Run:
+  """One mesh: the example's model, optimizer state and step, built once;
+  batches of any length are fed to the same jitted step."""
+
+  def __init__(self, argv: list[str], devices):
+    import train_lm
+    self.args = train_lm.parse_args(argv)
+    self.built = train_lm.build(self.args, devices)
+    self.corpus = train_lm.Corpus()
+
+  def batch(self, seq: int, step: int = 0):
+    import jax_ring.flax as jrf
+    b = self.built
+    tokens, seg = self.corpus.batch(step, self.args.seed, b["batch"], seq)
+    return jrf.prepare_lm_batch(tokens, seg, mesh=b["mesh"], spec=b["spec"],
+                                context_parallel=b["cfg"].context_parallel)
+
+  def compile_peak(self, seq: int) -> tuple[int, float]:
+    import jax
+    t0 = time.perf_counter()
+    with jax.set_mesh(self.built["mesh"]):
+      compiled = self.built["train_step"].lower(self.built["state"],
+                                                self.batch(seq)).compile()
+    return peak_bytes(compiled), time.perf_counter() - t0
+
+  def throughput(self, seq: int, steps: int) -> dict:
+    import jax
+    b = self.built
+    state, times = b["state"], []
+    with jax.set_mesh(b["mesh"]):
+      for step in range(steps + 1):
+        batch = self.batch(seq, step)
+        t0 = time.perf_counter()
+        state, loss = b["train_step"](state, batch)
+        loss = float(loss)  # waits for the step
+        if step:
+          times.append(time.perf_counter() - t0)
+    b["state"] = state  # the old one was donated
+    stats = jax.devices()[0].memory_stats() or {}
+    t = sorted(times)[len(times) // 2]
+    return dict(seq=seq, step_s=t, tokens_per_s=b["batch"] * seq / t,
+                loss=loss, peak_bytes_in_use=stats.get("peak_bytes_in_use"))
+
+
+def longest(run: Run, limit: int, probe: tuple[int, int], granule: int,
+            max_compiles: int = 8):
+  """(longest fitting length, bytes per token, compile records): secant
+  steps on the peak-vs-length line, alternating with bisection once the
+  answer is bracketed, rounded to ``granule``, until a fitting
+  length and a failing one a granule above it are both compiled."""
+  peaks, rec = {}, []
+
+  def at(s):
+    if s not in peaks:
+      peaks[s], c = run.compile_peak(s)
+      rec.append(dict(seq=s, peak=peaks[s], compile_s=c))
+    return peaks[s]
+
+  for s in probe:
+    at(s)
+  while True:
+    fit = max((s for s, p in peaks.items() if p <= limit), default=0)
+    over = min((s for s, p in peaks.items() if p > limit), default=None)
+    if over is not None and over - fit <= granule:
+      break
+    if len(rec) >= max_compiles:  # report the longest one known to fit
+      break
+    a, b = sorted(peaks, key=lambda s: abs(peaks[s] - limit))[:2]
+    slope = (peaks[b] - peaks[a]) / (b - a)
+    s = int((a + (limit - peaks[a]) / slope) // granule * granule)
+    if over is not None and len(rec) % 2:  # bisect every other step
+      s = (fit + over) // 2 // granule * granule
+    s = max(s, fit + granule)
+    if over is not None:
+      s = min(s, over - granule)
+    at(s)
+  s1, s2 = sorted(peaks)[-2:]
+  return fit, (peaks[s2] - peaks[s1]) / (s2 - s1), rec
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--preset", default="1b")
+  p.add_argument("--seq", type=int, nargs="+", default=[32768, 131072],
+                 help="throughput lengths (each on the CP mesh; the first "
+                 "also on one device)")
+  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--strategy", default="ring")
+  p.add_argument("--granule", type=int, default=16384)
+  p.add_argument("--probe", type=int, nargs=2, default=[65536, 131072])
+  p.add_argument("--peak-tflops", type=float, default=989.0)
+  p.add_argument("--skip-longest", action="store_true")
+  p.add_argument("--cpu", action="store_true",
+                 help="simulated CPU devices (plumbing check only)")
+  a = p.parse_args()
+
+  import jax
+  if a.cpu:
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 4)
+  jax.config.update("jax_include_full_tracebacks_in_locations", False)
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  from common import write
+
+  n = jax.device_count()
+  common_argv = ["--preset", a.preset, "--quiet", "--strategy", a.strategy]
+  meshes = {1: ["--mesh", "context=1"], n: ["--mesh", f"data=1,context={n}"]}
+  rows, longest_rows, runs = [], [], {}
+
+  def report():
+    cfg = next(iter(runs.values())).built["cfg"]
+    extra = dict(preset=a.preset, params=cfg.num_params(),
+                 strategy=a.strategy, peak_tflops=a.peak_tflops,
+                 mfu="model FLOPs/token (6P + 6 L S Hq D) x tokens/s / "
+                 "(devices x peak)", longest=longest_rows,
+                 memory_fraction=os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"])
+    if len(longest_rows) == 2 and longest_rows[0]["longest_seq"]:
+      extra["longest_ratio"] = (longest_rows[1]["longest_seq"] /
+                                longest_rows[0]["longest_seq"])
+    write("lm_training" + ("_cpu" if a.cpu else ""), rows,
+          ["devices", "seq", "step_s", "tokens_per_s", "mfu", "loss"],
+          extra=extra)
+    return extra
+
+  # Throughput first (both meshes), then the compile-only length search, so
+  # that a run cut short keeps the most useful numbers (JSON after each).
+  for devices, mesh_argv in meshes.items():
+    run = runs[devices] = Run(common_argv + mesh_argv, jax.devices()[:devices])
+    cfg = run.built["cfg"]
+    for i, seq in enumerate(a.seq[:1] if devices == 1 else a.seq):
+      before = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use")
+      r = run.throughput(seq, a.steps)
+      r.update(devices=devices, params=cfg.num_params(), bytes_in_use_before=
+               before, mfu=model_flops_per_token(cfg, seq) *
+               r["tokens_per_s"] / (devices * a.peak_tflops * 1e12))
+      if i == 0:  # the analysis against the allocator's measured peak
+        r["analysed_peak_bytes"] = run.compile_peak(seq)[0]
+      rows.append(r)
+      print(r, flush=True)
+      report()
+  extra = {}
+  if not a.skip_longest:
+    for devices, run in runs.items():
+      limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+      if not limit:
+        break
+      best, slope, rec = longest(run, limit, tuple(a.probe), a.granule)
+      longest_rows.append(dict(devices=devices, longest_seq=best,
+                               bytes_limit=limit, bytes_per_token=slope,
+                               compiles=rec))
+      print(longest_rows[-1], flush=True)
+      extra = report()
+    if "longest_ratio" in extra:
+      print(f"longest sequence: {longest_rows[0]['longest_seq']} on 1 device,"
+            f" {longest_rows[1]['longest_seq']} on {n}: "
+            f"{extra['longest_ratio']:.2f}x")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,194 @@
+"""Where a ring step's time goes: a jax.profiler trace of the ring's forward
+and forward+backward, summarised per GPU from the trace's kernel events.
+
+  python benchmarks/profile_ring.py --seq 16384 32768 [--kv-heads 32 8]
+                                    [--out DIR] [--loop unrolled]
+
+For each shape and pass, per call and averaged over GPUs:
+
+| column      | meaning                                                  |
+|-------------|----------------------------------------------------------|
+| wall_ms     | first kernel start to last kernel end, per call          |
+| busy_ms     | union of all kernel intervals                            |
+| attn_ms     | cuDNN attention kernels (names with fmha/flash/sdpa/cudnn)|
+| comm_ms     | NCCL kernels (sends/receives of the ring)                |
+| comm_only   | NCCL time with no other kernel running (exposed comm)    |
+| other_ms    | every other kernel (merges, casts, copies, slicing)      |
+| idle_ms     | wall - busy: launch gaps, host waits                     |
+
+The raw Perfetto trace and a per-kernel table of GPU 0 are written to
+``--out`` for a closer look.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import pathlib
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_ring
+
+ATTN = ("fmha", "flash", "sdpa", "cudnn", "attn")
+
+
+def kind(name: str) -> str:
+  n = name.lower()
+  if "nccl" in n:
+    return "comm"
+  if any(a in n for a in ATTN):
+    return "attn"
+  return "other"
+
+
+def union(intervals) -> float:
+  total, end = 0.0, -np.inf
+  for s, e in sorted(intervals):
+    if s > end:
+      total += e - s
+      end = e
+    elif e > end:
+      total += e - end
+      end = e
+  return total
+
+
+def exposed(comm, rest) -> float:
+  """Length of ``comm`` intervals not covered by any of ``rest``."""
+  return union(list(comm) + list(rest)) - union(rest) if comm else 0.0
+
+
+def gpu_events(trace_path):
+  with gzip.open(trace_path) as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  names = {e["pid"]: e["args"]["name"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  gpus = {pid: n for pid, n in names.items() if "/device:GPU" in n}
+  # A GPU's rows are its CUDA streams plus derived rows ("XLA Ops", "XLA
+  # Modules") that repeat the same time: keep the streams.
+  threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"
+             and e.get("pid") in gpus}
+  streams = {k for k, n in threads.items() if n.lower().startswith("stream")}
+  per = collections.defaultdict(list)
+  for e in events:
+    if (e.get("ph") == "X" and e.get("pid") in gpus and "dur" in e and
+        (e["pid"], e.get("tid")) in streams):
+      per[gpus[e["pid"]]].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+  return per
+
+
+def summarise(per, calls: int):
+  if not per:
+    raise SystemExit("no GPU kernel events in the trace (GPUs only)")
+  rows, detail = [], None
+  for gpu, evs in sorted(per.items()):
+    by = collections.defaultdict(list)
+    for s, e, n in evs:
+      by[kind(n)].append((s, e))
+    allv = [(s, e) for s, e, _ in evs]
+    wall = max(e for _, e in allv) - min(s for s, _ in allv)
+    busy = union(allv)
+    rows.append(dict(
+        gpu=gpu, wall_ms=wall / 1e3 / calls, busy_ms=busy / 1e3 / calls,
+        attn_ms=union(by["attn"]) / 1e3 / calls,
+        comm_ms=union(by["comm"]) / 1e3 / calls,
+        comm_only_ms=exposed(by["comm"], by["attn"] + by["other"]) / 1e3 /
+        calls,
+        other_ms=union(by["other"]) / 1e3 / calls,
+        idle_ms=(wall - busy) / 1e3 / calls))
+    if detail is None:
+      agg = collections.defaultdict(lambda: [0, 0.0])
+      for s, e, n in evs:
+        agg[n][0] += 1
+        agg[n][1] += e - s
+      detail = sorted(((v[1] / 1e3 / calls, v[0] // calls, n[:110])
+                       for n, v in agg.items()), reverse=True)
+  mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]
+          if k != "gpu"}
+  return mean, detail
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--seq", type=int, nargs="+", default=[16384, 32768])
+  p.add_argument("--kv-heads", type=int, nargs="+", default=[32])
+  p.add_argument("--heads", type=int, default=32)
+  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--loop", default="unrolled")
+  p.add_argument("--path", choices=["shard_map", "auto"], default="shard_map",
+                 help="ring_attention in shard_map, or dot_product_attention "
+                 "with ContextParallel under jit")
+  p.add_argument("--calls", type=int, default=3)
+  p.add_argument("--out", default=tempfile.mkdtemp())
+  a = p.parse_args()
+  os.makedirs(a.out, exist_ok=True)
+  cp = jax.device_count()
+  mesh = Mesh(np.array(jax.devices()), ("cp",))
+  sh = NamedSharding(mesh, P(None, "cp"))
+  table = []
+  for s in a.seq:
+    for kh in a.kv_heads:
+      ks = jax.random.split(jax.random.key(s), 4)
+      q = jax.random.normal(ks[0], (1, s, a.heads, a.head_dim), jnp.bfloat16)
+      k = jax.random.normal(ks[1], (1, s, kh, a.head_dim), jnp.bfloat16)
+      v = jax.random.normal(ks[2], (1, s, kh, a.head_dim), jnp.bfloat16)
+      do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+      args = [jax.device_put(x, sh) for x in (q, k, v, do)]
+      if a.path == "shard_map":
+        ring = jax.shard_map(
+            lambda q, k, v: jax_ring.ring_attention(
+                q, k, v, axis_name="cp", is_causal=True,
+                load_balance="dual_chunk", loop=a.loop),
+            mesh=mesh, in_specs=(P(None, "cp"),) * 3, out_specs=P(None, "cp"))
+      else:
+        cpc = jax_ring.ContextParallel(axis="cp", strategy="ring",
+                                       load_balance="dual_chunk", loop=a.loop)
+        ring = lambda q, k, v: jax_ring.dot_product_attention(
+            q, k, v, is_causal=True, context_parallel=cpc)
+      fns = {"fwd": (jax.jit(ring), args[:3]),
+             "fwdbwd": (jax.jit(lambda q, k, v, do: jax.vjp(ring, q, k, v)[1](
+                 do)), args)}
+      for pas, (fn, xs) in fns.items():
+        jax.block_until_ready(fn(*xs))
+        jax.block_until_ready(fn(*xs))
+        name = f"{a.path}_{s}_{kh}_{pas}"
+        d = os.path.join(a.out, f"trace_{name}")
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+          for _ in range(a.calls):
+            out = fn(*xs)
+          jax.block_until_ready(out)
+        path = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"),
+                         recursive=True)[0]
+        mean, detail = summarise(gpu_events(path), a.calls)
+        row = dict(path=a.path, seq=s, kv_heads=kh, pass_=pas, **mean)
+        table.append(row)
+        print({k: (round(v, 3) if isinstance(v, float) else v)
+               for k, v in row.items()}, flush=True)
+        with open(os.path.join(a.out, f"kernels_{name}.txt"), "w") as f:
+          f.write("ms/call  count/call  kernel (GPU 0)\n")
+          for ms, cnt, n in detail:
+            f.write(f"{ms:8.3f} {cnt:6d}  {n}\n")
+  cols = ["path", "seq", "kv_heads", "pass_", "wall_ms", "busy_ms", "attn_ms",
+          "comm_ms", "comm_only_ms", "other_ms", "idle_ms"]
+  print(" ".join(c.rjust(9) for c in cols))
+  for r in table:
+    print(" ".join((f"{r[c]:.3f}" if isinstance(r[c], float) else
+                    str(r[c])).rjust(9) for c in cols))
+  pathlib.Path(a.out, f"profile_ring_{a.path}.json").write_text(json.dumps(table,
+                                                                 indent=1))
+
+
+if __name__ == "__main__":
+  sys.exit(main())
