@@ -56,8 +56,9 @@ class Run:
   """One mesh: the example's model, optimizer state and step, built once;
   batches of any length are fed to the same jitted step."""
 
-  def __init__(self, argv: list[str], devices):
+  def __init__(self, argv: list[str], devices, packed: bool = True):
     import train_lm
+    self.packed = packed
     self.args = train_lm.parse_args(argv)
     self.built = train_lm.build(self.args, devices)
     self.corpus = train_lm.Corpus()
@@ -66,15 +67,18 @@ class Run:
     import jax_ring.flax as jrf
     b = self.built
     tokens, seg = self.corpus.batch(step, self.args.seed, b["batch"], seq)
-    return jrf.prepare_lm_batch(tokens, seg, mesh=b["mesh"], spec=b["spec"],
+    return jrf.prepare_lm_batch(tokens, seg if self.packed else None, mesh=b["mesh"], spec=b["spec"],
                                 context_parallel=b["cfg"].context_parallel)
 
-  def compile_peak(self, seq: int) -> tuple[int, float]:
+  def compile(self, seq: int):
     import jax
-    t0 = time.perf_counter()
     with jax.set_mesh(self.built["mesh"]):
-      compiled = self.built["train_step"].lower(self.built["state"],
-                                                self.batch(seq)).compile()
+      return self.built["train_step"].lower(self.built["state"],
+                                            self.batch(seq)).compile()
+
+  def compile_peak(self, seq: int) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    compiled = self.compile(seq)
     return peak_bytes(compiled), time.perf_counter() - t0
 
   def throughput(self, seq: int, steps: int) -> dict:
@@ -144,6 +148,11 @@ def main():
   p.add_argument("--probe", type=int, nargs=2, default=[65536, 131072])
   p.add_argument("--peak-tflops", type=float, default=989.0)
   p.add_argument("--skip-longest", action="store_true")
+  p.add_argument("--no-packing", action="store_true",
+                 help="batches without segment ids (one stream per row)")
+  p.add_argument("--analyse", type=int, nargs="+", default=None,
+                 help="only compile at these lengths on both meshes and "
+                 "record XLA's memory analysis (arguments, temporaries)")
   p.add_argument("--cpu", action="store_true",
                  help="simulated CPU devices (plumbing check only)")
   a = p.parse_args()
@@ -176,10 +185,29 @@ def main():
           extra=extra)
     return extra
 
+  if a.analyse:
+    rows = []
+    for devices, mesh_argv in meshes.items():
+      run = runs[devices] = Run(common_argv + mesh_argv,
+                                jax.devices()[:devices], not a.no_packing)
+      for seq in a.analyse:
+        t0 = time.perf_counter()
+        m = run.compile(seq).memory_analysis()
+        rows.append(dict(devices=devices, seq=seq, packed=not a.no_packing,
+                         argument_gb=m.argument_size_in_bytes / 1e9,
+                         temp_gb=m.temp_size_in_bytes / 1e9,
+                         compile_s=time.perf_counter() - t0))
+        print(rows[-1], flush=True)
+    write(f"lm_training_memory_{a.strategy}" + ("_cpu" if a.cpu else ""),
+          rows, ["devices", "seq", "packed", "argument_gb", "temp_gb"],
+          extra=dict(preset=a.preset, strategy=a.strategy))
+    return
+
   # Throughput first (both meshes), then the compile-only length search, so
   # that a run cut short keeps the most useful numbers (JSON after each).
   for devices, mesh_argv in meshes.items():
-    run = runs[devices] = Run(common_argv + mesh_argv, jax.devices()[:devices])
+    run = runs[devices] = Run(common_argv + mesh_argv,
+                              jax.devices()[:devices], not a.no_packing)
     cfg = run.built["cfg"]
     for i, seq in enumerate(a.seq[:1] if devices == 1 else a.seq):
       before = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use")

@@ -186,8 +186,12 @@ def main():
   for r in table:
     print(" ".join((f"{r[c]:.3f}" if isinstance(r[c], float) else
                     str(r[c])).rjust(9) for c in cols))
-  pathlib.Path(a.out, f"profile_ring_{a.path}.json").write_text(json.dumps(table,
-                                                                 indent=1))
+  sys.path.insert(0, str(pathlib.Path(__file__).parent))
+  from common import environment
+  pathlib.Path(a.out, f"profile_ring_{a.path}.json").write_text(json.dumps(
+      dict(benchmark="profile_ring", **environment(), loop=a.loop,
+           heads=a.heads, head_dim=a.head_dim, dtype="bfloat16", batch=1,
+           xla_flags=os.environ.get("XLA_FLAGS", ""), rows=table), indent=1))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,16 @@
-"""Test session setup: 8 simulated CPU devices, so that the context-parallel
-tests run on one machine. It must run before jax initialises its backends."""
+"""Test session setup, before jax initialises its backends:
+
+* 8 simulated CPU devices, so that the context-parallel tests run on one
+  machine;
+* innermost-frame HLO locations. With full Python tracebacks (jax's
+  default), XLA:CPU's ``PropagateCallMetadata``, run when calls are inlined,
+  can take minutes on a context-parallel program traced deep under pytest:
+  the compile looks like a hang, and comes and goes with unrelated code
+  changes. The setting changes nothing but debug metadata. (The example
+  sets it too; see ``examples/train_lm.py``.)
+"""
 
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_include_full_tracebacks_in_locations", False)

@@ -14,7 +14,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_ring
 import reference as ref
 from jax_ring import flax as jrf
-from locations import short_locations  # noqa: F401  (autouse)
 
 B, S, E, N, K, H = 2, 48, 32, 4, 2, 16  # S divisible by 2 * cp for cp = 4
 CP, DP = 4, 2

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 import reference as ref
-from locations import short_locations  # noqa: F401  (autouse)
 
 NUM_PROCESSES = 2
 TIMEOUT_S = 240

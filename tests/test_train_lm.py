@@ -16,7 +16,6 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_ring
 import reference as ref
 from jax_ring import flax as jrf
-from locations import short_locations  # noqa: F401  (autouse)
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
 import lm_model  # noqa: E402
