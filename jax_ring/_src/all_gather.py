@@ -121,7 +121,7 @@ from jax_ring._src.config import AttentionConfig, ShardPlan
 from jax_ring._src.layout import (LoadBalance, reorder_for_load_balance,
                                   reorder_from_load_balance)
 from jax_ring._src.mask import BlockMask, TokenMask
-from jax_ring._src.ring import _prefix, chunk_ids
+from jax_ring._src.ring_blocks import chunk_ids, prefix
 
 
 # --- moving the whole sequence ------------------------------------------------
@@ -199,7 +199,7 @@ def _on_device(fn, r, tm: TokenMask, kv_ids, cfg: AttentionConfig,
   branch's masks are static, unless the mask ignores position."""
   if not _position_dependent(cfg):
     c = t // len(chunk_ids(plan, 0))
-    q_len = _prefix(tm.q_lengths, chunk_ids(plan, r), c)  # traced r is fine
+    q_len = prefix(tm.q_lengths, chunk_ids(plan, r), c)  # traced r is fine
     return fn([_Call(slice(0, t), slice(0, t * plan.cp_size), BlockMask(
         q_segment_ids=tm.q_segment_ids, kv_segment_ids=kv_ids,
         q_lengths=q_len, kv_lengths=tm.kv_lengths))])

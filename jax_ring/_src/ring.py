@@ -33,52 +33,7 @@ increasing global order, the valid tokens of a block are a prefix of it, so
 each block gets a local prefix length (a runtime operand, which cuDNN takes
 as its sequence lengths) and static offsets.
 
-With a sliding window (contiguous and dual_chunk) the schedule works per
-(query chunk, kv chunk) pair: the pair's distance in chunks, ``k = q_chunk -
-kv_chunk``, is traced, but only a few values of k can touch the window, so a
-``lax.switch`` over them gives each branch a *static* band (offset ``k * C``,
-the window) and sends every other distance to a skip branch: work outside
-the window is never done, and the cuDNN band stays a compile-time constant.
-
-Striped layout (token i on device i mod N, as local token i // N). Every
-step is one block of all T queries against all T held keys. Local query a
-of device r is global ``a N + r``, held key b of device src is ``b N + src``,
-so with ``d = r - src`` (traced, in (-N, N)) the global distance is
-``p_q - p_k = (a - b) N + d``. A mask that keeps ``-right <= p_q - p_k <=
-left`` (causal: right = 0; no window: left = inf) keeps ``lo <= a - b <=
-hi`` with ``lo = ceil((-right - d) / N)``, ``hi = floor((left - d) / N)``: a
-static ``BlockMask`` with ``kv_offset - q_offset = lo`` under a local causal
-mask and window ``(hi - lo, 0)`` (none when hi is infinite; skipped when
-hi < lo). Only a few distinct bands arise from the 2N - 1 values of d, so a
-``lax.switch`` on a small table indexed by d picks one (the band stays a
-compile-time constant for cuDNN). Causal, no window, step i (src = r - i
-mod N):
-
-=======================  ===========  ====================================
-step                     d = r - src  band (``lax.switch`` on d)
-=======================  ===========  ====================================
-0 (own KV)               0            inclusive: ``b <= a``, kv_offset 0
-i > 0, i <= r (src < r)  i            inclusive: ``b <= a``, kv_offset 0
-i > 0, i > r (src > r)   i - N        strict: ``b < a``, kv_offset 1
-=======================  ===========  ====================================
-
-Without a causal mask or window every block is full; with a window a few
-more bands appear (e.g. causal (5, 0) on N = 4: ``[0, 1]`` for d in {0, 1},
-``[0, 0]`` for d in {2, 3}, ``[1, 1]`` for d in {-1, -2}, ``[1, 2]`` for
-d = -3). The unrolled loop knows the step, so its switch holds only the
-bands of d in {i, i - N}. Padding: device r's valid tokens under a global
-length L are a prefix of ``ceil((L - r) / N)``, given as local prefix
-lengths shifted by the block's offsets.
-
-Why striped balances causal work: an inclusive block has ``T (T + 1) / 2``
-visible pairs and a strict one ``T (T - 1) / 2``, so every device's block
-at every step is half full to within one diagonal. dual_chunk reaches the
-same balance with unmasked C x 2C blocks, which a tiled kernel runs with no
-wasted tile; a striped block is triangular, so the partly masked tiles along
-its diagonal are computed too (about T x block / 2 extra per step). Striped
-needs only S % N == 0 (dual_chunk: S % 2N). With packed documents its
-blocks after step 0 put a band between different id arrays, which cuDNN's
-ragged path does not serve: those run on the xla backend.
+Windows and the striped layout: see :mod:`jax_ring._src.ring_blocks`.
 
 Backward (custom VJP): dq accumulates locally; (K, V) and their dK/dV
 accumulators travel the ring together, each block's backward is given the
@@ -90,65 +45,30 @@ accumulator's bytes on the wire, which overlap the next block's compute).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from jax_ring._src import kernel, shard_call, validate, vma
+from jax_ring._src import ring_blocks as blocks
+from jax_ring._src import shard_call, validate
 from jax_ring._src.config import (AttentionConfig, ShardPlan,
                                   loop_from_environment)
 from jax_ring._src.layout import LoadBalance
-from jax_ring._src.mask import BlockMask, TokenMask
-from jax_ring._src.xla_backend import MASK_VALUE
+from jax_ring._src.mask import TokenMask
 
 Loop = Literal["scan", "unrolled"]
 
-
-def merge(out, lse, out_i, lse_i):
-  """Merge two partial attentions over disjoint keys, in float32.
-
-  ``out`` moves toward ``out_i`` by the sigmoid of the lse difference (never
-  an exp of a large positive number). The new lse is a logaddexp, not the
-  equivalent ``lse - log_sigmoid(lse - lse_i)``: with a fully masked side at
-  the finite MASK_VALUE = -1e30, that form computes -1e30 + (1e30 + lse_i)
-  and loses lse_i to rounding, while logaddexp returns lse_i exactly.
-  """
-  out_i, lse_i = out_i.astype(jnp.float32), lse_i.astype(jnp.float32)
-  out = out - jax.nn.sigmoid(lse_i - lse)[..., None] * (out - out_i)
-  return out, jnp.logaddexp(lse, lse_i)
+# Re-exported: the merge and the chunk layout are the ring's vocabulary.
+merge, chunk_ids = blocks.merge, blocks.chunk_ids
 
 
 def _send_next(x, plan: ShardPlan):
   """Every array of ``x`` to the next device on the ring."""
   perm = [(j, (j + 1) % plan.cp_size) for j in range(plan.cp_size)]
   return jax.tree.map(lambda a: lax.ppermute(a, plan.axis_name, perm), x)
-
-
-def chunk_ids(plan: ShardPlan, device):
-  """Global chunk ids device ``device`` holds, in its local (increasing)
-  order; chunks are ``T / len(ids)`` tokens long."""
-  if plan.load_balance == "striped":
-    # One-token chunks [r, r + N, ...] would be exact but make every
-    # chunk-wise caller do T calls; callers must handle striped themselves.
-    raise ValueError(
-        "load_balance='striped' has no chunk layout (token i is on device "
-        "i % cp_size); chunk_ids serves 'dual_chunk' and contiguous shards")
-  if plan.load_balance == "dual_chunk":
-    return [device, 2 * plan.cp_size - 1 - device]
-  return [device]
-
-
-def _prefix(lengths, chunks, c):
-  """Valid tokens of a block made of ``chunks`` (increasing global ids, c
-  tokens each) under global ``lengths (B,)``: they form a prefix."""
-  if lengths is None:
-    return None
-  return sum(jnp.clip(lengths - ch * c, 0, c) for ch in chunks)
 
 
 def _kinds(plan: ShardPlan, causal: bool):
@@ -158,310 +78,6 @@ def _kinds(plan: ShardPlan, causal: bool):
   if plan.load_balance == "dual_chunk":
     return "half_kv", "half_q"
   return "full", "skip"
-
-
-# --- what one block works on ------------------------------------------------
-#
-# ``kv`` is what travels the ring: (stacked K/V (2, B, T, K, H), the kv
-# segment ids (B, T) or None). A block is a set of query chunks of this
-# device against a set of kv chunks of the source device.
-
-@dataclasses.dataclass(frozen=True)
-class _Block:
-  """The query rows, k/v rows and BlockMask of one block call; ``rows`` and
-  ``cols`` are the slices of the local q and of the held kv it covers."""
-
-  q_rows: jax.Array
-  kv_rows: tuple[jax.Array, jax.Array]
-  mask: BlockMask
-  rows: slice
-  cols: slice
-
-
-def _cut(x, sl):
-  return x if x is None or sl == slice(None) else x[:, sl]
-
-
-def _block(q, tm: TokenMask, kv, qc, kc, rows, cols, c, q_offset=0,
-           own=False):
-  """A block of query chunks ``qc`` (local rows ``rows``) against kv chunks
-  ``kc`` (held rows ``cols``). Offsets are static: 0, or ``q_offset`` for a
-  window pair; lengths become local prefixes shifted by the same offset.
-  ``own``: the held KV is this device's, and the ids are the same."""
-  (k, v), kv_seg = (kv[0][0], kv[0][1]), kv[1]
-  q_len = _prefix(tm.q_lengths, qc, c)
-  q_seg = _cut(tm.q_segment_ids, rows)
-  # One array for both sides tells a backend the ids are the same tokens'.
-  same = q_seg is not None and own and rows == cols
-  mask = BlockMask(
-      q_offset=q_offset,
-      q_segment_ids=q_seg,
-      kv_segment_ids=q_seg if same else _cut(kv_seg, cols),
-      q_lengths=None if q_len is None else q_len + q_offset,
-      kv_lengths=_prefix(tm.kv_lengths, kc, c))
-  return _Block(q[:, rows], (k[:, cols], v[:, cols]), mask, rows, cols)
-
-
-def _kind_block(kind, q, tm, kv, qc, kc, own=False):
-  """The block of a no-window step kind (diag, full, half_kv, half_q)."""
-  c = q.shape[1] // len(qc)
-  rows = cols = slice(None)
-  if kind == "half_q":
-    rows, qc = slice(c, None), qc[1:]
-  if kind == "half_kv":
-    cols, kc = slice(0, c), kc[:1]
-  return _block(q, tm, kv, qc, kc, rows, cols, c, own=own)
-
-
-def _window_pairs(plan: ShardPlan, cfg: AttentionConfig, c: int):
-  """(k_min, k_max): the chunk distances q_chunk - kv_chunk whose c x c
-  pair can hold a visible (query, key) under the window (and causality)."""
-  left, right = cfg.local_window
-  if cfg.is_causal:
-    right = min(right, 0)
-  k_max = min((left + c - 1) // c, 2 * plan.cp_size)
-  k_min = max(-((right + c - 1) // c), -2 * plan.cp_size)
-  return k_min, k_max
-
-
-# --- forward and backward of one block, zero-filled to the full local q ----
-
-def _masked(b, rows, n, h, like):
-  return vma.like((jnp.zeros((b, rows, n, h), jnp.float32),
-                   jnp.full((b, rows, n), MASK_VALUE, jnp.float32)), *like)
-
-
-def _fwd(blk: _Block, cfg):
-  """(out f32, lse) of a block, over the local q rows ``blk.rows`` of t."""
-  o, l = kernel.attention(blk.q_rows, *blk.kv_rows, None, blk.mask, cfg)
-  return o.astype(jnp.float32), l
-
-
-def _bwd(blk: _Block, out, lse, dout, cfg):
-  """(dq of the block rows, (dk, dv) of the block cols), float32."""
-  rows = blk.rows
-  dq, dk, dv, _ = kernel.attention_backward(
-      blk.q_rows, *blk.kv_rows, None, blk.mask, out[:, rows], lse[:, rows],
-      dout[:, rows], None, cfg)
-  f32 = lambda x: x.astype(jnp.float32)
-  return f32(dq), jnp.stack([f32(dk), f32(dv)])
-
-
-def _place(x, sl, size, axis):
-  """Zero-pad ``x`` so that it fills slice ``sl`` of ``size`` along axis."""
-  if sl == slice(None):
-    return x
-  start = sl.start or 0
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (start, size - start - x.shape[axis])
-  return jnp.pad(x, pad)
-
-
-def _kind_fwd(kind, q, tm, kv, qc, kc, cfgs, own=False):
-  b, t, n, h = q.shape
-  if kind == "skip":
-    return _masked(b, t, n, h, (q, kv[0]))
-  blk = _kind_block(kind, q, tm, kv, qc, kc, own)
-  o, l = _fwd(blk, cfgs[kind == "diag"])
-  if blk.rows != slice(None):  # half_q: the first chunk saw nothing
-    zo, zl = _masked(b, t - o.shape[1], n, h, (q, kv[0]))
-    o, l = jnp.concatenate([zo, o], 1), jnp.concatenate([zl, l], 1)
-  return o, l
-
-
-def _kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs, own=False):
-  t = q.shape[1]
-  if kind == "skip":
-    return vma.like((jnp.zeros(q.shape, jnp.float32),
-                     jnp.zeros(kv[0].shape, jnp.float32)), q, kv[0], out,
-                    dout)
-  blk = _kind_block(kind, q, tm, kv, qc, kc, own)
-  dq, dkv = _bwd(blk, out, lse, dout, cfgs[kind == "diag"])
-  return _place(dq, blk.rows, t, 1), _place(dkv, blk.cols, t, 2)
-
-
-def _pair_switch(fn, skip, plan, cfg, a, b, tm, kv, r, src, c):
-  """``fn(block)`` for query chunk a of device r and kv chunk b of device
-  src, switched on their chunk distance; ``skip()`` outside the window."""
-  k_min, k_max = _window_pairs(plan, cfg, c)
-  qc, kc = chunk_ids(plan, r)[a], chunk_ids(plan, src)[b]
-  index = jnp.clip(qc - kc - k_min + 1, 0, k_max - k_min + 2)
-  own = src is r and tm.same_ids  # step 0, one id array
-
-  def branch(dist, q, tm, kv):
-    rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
-    return fn(_block(q, tm, kv, [qc], [kc], rows, cols, c, dist * c,
-                     own=own))
-
-  branches = ([lambda *_: skip()] +
-              [functools.partial(branch, d) for d in range(k_min, k_max + 1)]
-              + [lambda *_: skip()])
-  return lambda q, tm, kv: lax.switch(index, branches, q, tm, kv)
-
-
-def _window_fwd(q, tm, kv, r, src, cfg, plan, carry):
-  """Merge every (query chunk, kv chunk) pair of one step into ``carry``
-  (None at the first step: the first pair initialises it)."""
-  b, t, n, h = q.shape
-  m = len(chunk_ids(plan, 0))
-  c = t // m
-  outs = []
-  for a in range(m):
-    part = None if carry is None else (carry[0][:, a * c:(a + 1) * c],
-                                       carry[1][:, a * c:(a + 1) * c])
-    for bb in range(m):
-      f = _pair_switch(lambda blk: _fwd(blk, cfg),
-                       lambda: _masked(b, c, n, h, (q, kv[0])), plan, cfg, a,
-                       bb, tm, kv, r, src, c)
-      o = f(q, tm, kv)
-      part = o if part is None else merge(*part, *o)
-    outs.append(part)
-  return tuple(jnp.concatenate(x, 1) for x in zip(*outs))
-
-
-def _window_bwd(q, tm, kv, r, src, out, lse, dout, cfg, plan):
-  b, t, n, h = q.shape
-  m = len(chunk_ids(plan, 0))
-  c = t // m
-  kshape = kv[0].shape[:2] + (c,) + kv[0].shape[3:]
-  dqs, dkvs = [0.0] * m, [0.0] * m
-  for a in range(m):
-    for bb in range(m):
-      f = _pair_switch(
-          lambda blk: _bwd(blk, out, lse, dout, cfg),
-          lambda: vma.like((jnp.zeros((b, c, n, h), jnp.float32),
-                            jnp.zeros(kshape, jnp.float32)), q, kv[0], out,
-                           dout), plan, cfg, a, bb, tm, kv, r, src, c)
-      dq, dkv = f(q, tm, kv)
-      dqs[a], dkvs[bb] = dqs[a] + dq, dkvs[bb] + dkv
-  return jnp.concatenate(dqs, 1), jnp.concatenate(dkvs, 2)
-
-
-# --- the striped layout -----------------------------------------------------
-#
-# Every step runs one block of all T local queries against all T held keys,
-# under a static band picked by d = r - src (module doc).
-
-@dataclasses.dataclass(frozen=True)
-class _Band:
-  """Static mask of a striped block: offsets, and the causal flag and
-  window of its local band (the default is the unmasked, full block)."""
-
-  q_offset: int = 0
-  kv_offset: int = 0
-  is_causal: bool = False
-  window: tuple[int, int] | None = None
-
-
-def _striped_band(cfg: AttentionConfig, n: int, t: int, d: int):
-  """The ``_Band`` of a striped block whose KV comes from device src =
-  r - d, or None if no (query, key) pair of it is visible.
-
-  Local query a is global a n + r and held key b is b n + src, so
-  ``p_q - p_k = (a - b) n + d``, and the global band ``-right <= p_q - p_k
-  <= left`` is the band ``lo <= a - b <= hi`` below. With offsets whose
-  difference is -lo, ``p_q - p_k`` of the block is ``a - b - lo``: a local
-  causal mask with window ``(hi - lo, 0)``.
-  """
-  if not cfg.is_causal and cfg.local_window is None:
-    return _Band()
-  left, right = cfg.local_window or (None, 0)
-  if cfg.is_causal:
-    right = 0  # p_k <= p_q: tighter than any window's right (>= 0)
-  lo = -((right + d) // n)  # ceil((-right - d) / n)
-  hi = None if left is None else (left - d) // n  # floor((left - d) / n)
-  # a - b lies in [1 - t, t - 1]: a bound at or past that is no bound.
-  lo = max(lo, 1 - t)
-  if hi is not None and hi >= t - 1:
-    hi = None
-  if lo > t - 1 or (hi is not None and hi < lo):
-    return None
-  if lo == 1 - t and hi is None:
-    return _Band()
-  # Non-negative offsets (q_offset = -lo when lo < 0) keep the shifted
-  # lengths below non-negative too.
-  return _Band(q_offset=max(0, -lo), kv_offset=max(0, lo), is_causal=True,
-               window=None if hi is None else (hi - lo, 0))
-
-
-def _distances(step, n: int):
-  """The values d = r - src can take at ``step`` (a Python int when the
-  loop is unrolled: src = r - step or r - step + n; traced in a scan)."""
-  if isinstance(step, int):
-    return (0,) if step == 0 else (step, step - n)
-  return tuple(d for d in range(1 - n, n) if d)
-
-
-def _striped_prefix(lengths, device, n: int, t: int):
-  """Valid tokens of ``device``'s striped shard under global ``lengths
-  (B,)``: local a is valid iff a n + device < L, a prefix of
-  ceil((L - device) / n) tokens."""
-  if lengths is None:
-    return None
-  return jnp.clip((lengths - device + n - 1) // n, 0, t)
-
-
-def _striped_call(fn, skip, q, tm: TokenMask, kv, r, src, ds, cfg, plan,
-                  own=False):
-  """``fn(kv, mask, config)`` for all local queries against the held KV of
-  device ``src``: a ``lax.switch`` over the distinct bands of the
-  distances ``ds`` it may be at (none when there is one), ``skip()`` where
-  nothing is visible. ``own``: step 0 with one id array."""
-  n, t = plan.cp_size, q.shape[1]
-  bands = {d: _striped_band(cfg, n, t, d) for d in ds}
-  distinct = list(dict.fromkeys(bands.values()))
-  q_len = _striped_prefix(tm.q_lengths, r, n, t)
-  kv_len = _striped_prefix(tm.kv_lengths, src, n, t)
-  q_seg = tm.q_segment_ids
-  shift = lambda x, offset: None if x is None else x + offset
-
-  def branch(band, kv):
-    if band is None:
-      return skip()
-    mask = BlockMask(
-        q_offset=band.q_offset, kv_offset=band.kv_offset,
-        q_segment_ids=q_seg, kv_segment_ids=q_seg if own else kv[1],
-        q_lengths=shift(q_len, band.q_offset),
-        kv_lengths=shift(kv_len, band.kv_offset))
-    return fn(kv, mask, cfg.replace(is_causal=band.is_causal,
-                                    local_window=band.window))
-
-  if len(distinct) == 1:
-    return branch(distinct[0], kv)
-  table = np.zeros(2 * n - 1, np.int32)
-  for d, band in bands.items():
-    table[d + n - 1] = distinct.index(band)
-  index = jnp.asarray(table)[r - src + n - 1]
-  return lax.switch(index, [functools.partial(branch, b) for b in distinct],
-                    kv)
-
-
-def _striped_fwd(q, tm, kv, r, src, ds, cfg, plan, own=False):
-  """(out f32, lse) of one striped step."""
-  b, t, n, h = q.shape
-
-  def fwd(kv, mask, c):
-    o, l = kernel.attention(q, kv[0][0], kv[0][1], None, mask, c)
-    return o.astype(jnp.float32), l
-
-  return _striped_call(fwd, lambda: _masked(b, t, n, h, (q, kv[0])), q, tm,
-                       kv, r, src, ds, cfg, plan, own)
-
-
-def _striped_bwd(q, tm, kv, r, src, ds, out, lse, dout, cfg, plan,
-                 own=False):
-  """(dq, dK/dV (2, B, T, K, H)) of one striped step, float32."""
-
-  def bwd(kv, mask, c):
-    dq, dk, dv, _ = kernel.attention_backward(
-        q, kv[0][0], kv[0][1], None, mask, out, lse, dout, None, c)
-    f32 = lambda x: x.astype(jnp.float32)
-    return f32(dq), jnp.stack([f32(dk), f32(dv)])
-
-  skip = lambda: vma.like((jnp.zeros(q.shape, jnp.float32),
-                           jnp.zeros(kv[0].shape, jnp.float32)), q, kv[0],
-                          out, dout)
-  return _striped_call(bwd, skip, q, tm, kv, r, src, ds, cfg, plan, own)
 
 
 # --- the loop ---------------------------------------------------------------
@@ -512,30 +128,30 @@ def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   src_of = lambda step: (r - step) % plan.cp_size
   kv0 = (jnp.stack([k, v]), tm.kv_ids())
   if plan.load_balance == "striped":
-    first = lambda kv, _: _striped_fwd(q, tm, kv, r, r, (0,), cfg, plan,
+    first = lambda kv, _: blocks.striped_fwd(q, tm, kv, r, r, (0,), cfg, plan,
                                        tm.same_ids)
 
     def later(step, kv, carry):
-      part = _striped_fwd(q, tm, kv, r, src_of(step),
-                          _distances(step, plan.cp_size), cfg, plan)
-      return merge(*carry, *part)
+      part = blocks.striped_fwd(q, tm, kv, r, src_of(step),
+                          blocks.distances(step, plan.cp_size), cfg, plan)
+      return blocks.merge(*carry, *part)
   elif cfg.local_window is not None:
-    first = lambda kv, _: _window_fwd(q, tm, kv, r, r, cfg, plan, None)
-    later = lambda step, kv, carry: _window_fwd(q, tm, kv, r, src_of(step),
+    first = lambda kv, _: blocks.window_fwd(q, tm, kv, r, r, cfg, plan, None)
+    later = lambda step, kv, carry: blocks.window_fwd(q, tm, kv, r, src_of(step),
                                                 cfg, plan, carry)
   else:
     cfgs = _cfgs(cfg)
-    qc = chunk_ids(plan, r)
-    first = lambda kv, _: _kind_fwd("diag" if cfg.is_causal else "full", q,
+    qc = blocks.chunk_ids(plan, r)
+    first = lambda kv, _: blocks.kind_fwd("diag" if cfg.is_causal else "full", q,
                                     tm, kv, qc, qc, cfgs, tm.same_ids)
 
     def later(step, kv, carry):
       src = src_of(step)
       part = _step_call(
-          lambda kind, kv: _kind_fwd(kind, q, tm, kv, qc,
-                                     chunk_ids(plan, src), cfgs),
+          lambda kind, kv: blocks.kind_fwd(kind, q, tm, kv, qc,
+                                     blocks.chunk_ids(plan, src), cfgs),
           plan, cfg.is_causal, r, src, kv)
-      return merge(*carry, *part)
+      return blocks.merge(*carry, *part)
 
   out, lse = _ring_loop(plan, first, later, kv0, None)
   return out.astype(q.dtype), lse
@@ -547,28 +163,28 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   r = lax.axis_index(plan.axis_name)
   src_of = lambda step: (r - step) % plan.cp_size
   if plan.load_balance == "striped":
-    first_bwd = lambda kv: _striped_bwd(q, tm, kv, r, r, (0,), out, lse,
+    first_bwd = lambda kv: blocks.striped_bwd(q, tm, kv, r, r, (0,), out, lse,
                                         dout, cfg, plan, tm.same_ids)
-    step_bwd = lambda step, kv: _striped_bwd(
-        q, tm, kv, r, src_of(step), _distances(step, plan.cp_size), out, lse,
+    step_bwd = lambda step, kv: blocks.striped_bwd(
+        q, tm, kv, r, src_of(step), blocks.distances(step, plan.cp_size), out, lse,
         dout, cfg, plan)
   elif cfg.local_window is not None:
-    step_bwd = lambda step, kv: _window_bwd(q, tm, kv, r, src_of(step), out,
+    step_bwd = lambda step, kv: blocks.window_bwd(q, tm, kv, r, src_of(step), out,
                                             lse, dout, cfg, plan)
-    first_bwd = lambda kv: _window_bwd(q, tm, kv, r, r, out, lse, dout, cfg,
+    first_bwd = lambda kv: blocks.window_bwd(q, tm, kv, r, r, out, lse, dout, cfg,
                                        plan)
   else:
     cfgs = _cfgs(cfg)
-    qc = chunk_ids(plan, r)
-    first_bwd = lambda kv: _kind_bwd("diag" if cfg.is_causal else "full", q,
+    qc = blocks.chunk_ids(plan, r)
+    first_bwd = lambda kv: blocks.kind_bwd("diag" if cfg.is_causal else "full", q,
                                      tm, kv, qc, qc, out, lse, dout, cfgs,
                                      tm.same_ids)
 
     def step_bwd(step, kv):
       src = src_of(step)
       return _step_call(
-          lambda kind, kv: _kind_bwd(kind, q, tm, kv, qc,
-                                     chunk_ids(plan, src), out, lse, dout,
+          lambda kind, kv: blocks.kind_bwd(kind, q, tm, kv, qc,
+                                     blocks.chunk_ids(plan, src), out, lse, dout,
                                      cfgs), plan, cfg.is_causal, r, src, kv)
 
   # The carry is (dq, dkv): dkv belongs to the KV held at this step, so it
