@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import shlex
 import sys
 import time
 
@@ -148,6 +149,10 @@ def main():
   p.add_argument("--probe", type=int, nargs=2, default=[65536, 131072])
   p.add_argument("--peak-tflops", type=float, default=989.0)
   p.add_argument("--skip-longest", action="store_true")
+  p.add_argument("--example-args", default="",
+                 help="more flags for examples/train_lm.py, e.g. "
+                 "--example-args=--no-remat")
+  p.add_argument("--tag", default="", help="suffix of the results file")
   p.add_argument("--no-packing", action="store_true",
                  help="batches without segment ids (one stream per row)")
   p.add_argument("--analyse", type=int, nargs="+", default=None,
@@ -166,7 +171,8 @@ def main():
   from common import write
 
   n = jax.device_count()
-  common_argv = ["--preset", a.preset, "--quiet", "--strategy", a.strategy]
+  common_argv = (["--preset", a.preset, "--quiet", "--strategy", a.strategy]
+                 + shlex.split(a.example_args))
   meshes = {1: ["--mesh", "context=1"], n: ["--mesh", f"data=1,context={n}"]}
   rows, longest_rows, runs = [], [], {}
 
@@ -180,7 +186,7 @@ def main():
     if len(longest_rows) == 2 and longest_rows[0]["longest_seq"]:
       extra["longest_ratio"] = (longest_rows[1]["longest_seq"] /
                                 longest_rows[0]["longest_seq"])
-    write("lm_training" + ("_cpu" if a.cpu else ""), rows,
+    write("lm_training" + a.tag + ("_cpu" if a.cpu else ""), rows,
           ["devices", "seq", "step_s", "tokens_per_s", "mfu", "loss"],
           extra=extra)
     return extra
@@ -198,9 +204,12 @@ def main():
                          temp_gb=m.temp_size_in_bytes / 1e9,
                          compile_s=time.perf_counter() - t0))
         print(rows[-1], flush=True)
-    write(f"lm_training_memory_{a.strategy}" + ("_cpu" if a.cpu else ""),
+    name = f"lm_training_memory_{a.strategy}{a.tag}"
+    write(name + ("_cpu" if a.cpu else ""),
           rows, ["devices", "seq", "packed", "argument_gb", "temp_gb"],
-          extra=dict(preset=a.preset, strategy=a.strategy))
+          extra=dict(preset=a.preset, strategy=a.strategy,
+                     example_args=a.example_args,
+                     xla_flags=os.environ.get("XLA_FLAGS", "")))
     return
 
   # Throughput first (both meshes), then the compile-only length search, so

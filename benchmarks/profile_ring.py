@@ -134,7 +134,6 @@ def main():
   p.add_argument("--out", default=tempfile.mkdtemp())
   a = p.parse_args()
   os.makedirs(a.out, exist_ok=True)
-  cp = jax.device_count()
   mesh = Mesh(np.array(jax.devices()), ("cp",))
   sh = NamedSharding(mesh, P(None, "cp"))
   table = []

@@ -7,9 +7,11 @@ convention).
 
 B=1, N=32, D=128, bf16, causal, dual-chunk layout. Each strategy runs
 through the automatic path (jit + NamedSharding + ContextParallel), the way
-a model calls it; hybrid uses a (cp/2 ulysses) x (2 ring) mesh. Also records
-what ``strategy="auto"`` picks and how far that is from the fastest.
-Writes benchmarks/results/strategies_<gpu>.json.
+a model calls it. Names: ``ring`` (unrolled), ``ring_scan``, ``all_gather``,
+``ulysses``, ``hybrid_UxR`` (U ulysses x R ring devices); the default is
+ring, all_gather, ulysses and every hybrid with U, R >= 2 (2x2 on 4 GPUs;
+2x4 and 4x2 on 8). Also records what ``strategy="auto"`` picks and how far
+that is from the fastest. Writes benchmarks/results/strategies<tag>_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -28,14 +30,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import jax_ring  # noqa: E402
 from common import time_fn, write  # noqa: E402
 
-STRATEGIES = ("ring", "all_gather", "ulysses", "hybrid")
+def default_strategies(cp: int) -> list[str]:
+  hybrids = [f"hybrid_{u}x{cp // u}" for u in range(2, cp // 2 + 1)
+             if cp % u == 0]
+  return ["ring", "all_gather", "ulysses"] + hybrids
 
 
-def setup(strategy, cp, causal):
-  """(ContextParallel, token sharding, reorder, inverse) for a strategy."""
-  lb = "dual_chunk" if causal else None
-  if strategy == "hybrid":
-    u, r = cp // 2, 2
+def setup(name, cp, lb):
+  """(ContextParallel, token sharding, reorder, inverse) for a strategy
+  name (see the module docstring) under load balance ``lb``."""
+  if name.startswith("hybrid"):
+    u, r = ((cp // 2, 2) if name == "hybrid" else
+            map(int, name.split("_")[1].split("x")))
+    if u * r != cp:
+      raise ValueError(f"{name}: {u} x {r} != {cp} devices")
     mesh = Mesh(np.array(jax.devices()).reshape(r, u), ("ring", "ulysses"))
     spec, ring_size = P(None, ("ring", "ulysses")), r
     cpc = jax_ring.ContextParallel(axis=("ulysses", "ring"),
@@ -43,17 +51,20 @@ def setup(strategy, cp, causal):
   else:
     mesh = Mesh(np.array(jax.devices()), ("cp",))
     spec, ring_size = P(None, "cp"), cp
+    strategy, scan, _ = name.partition("_scan")
     cpc = jax_ring.ContextParallel(axis="cp", strategy=strategy,
-                                   load_balance=lb, loop="unrolled")
-  to = lambda x: jax_ring.reorder_for_load_balance(x, ring_size) if lb else x
-  back = lambda x: (jax_ring.reorder_from_load_balance(x, ring_size) if lb
-                    else x)
+                                   load_balance=lb,
+                                   loop="scan" if scan else "unrolled")
+  to = lambda x: (jax_ring.reorder_for_load_balance(x, ring_size, layout=lb)
+                  if lb else x)
+  back = lambda x: (jax_ring.reorder_from_load_balance(x, ring_size, layout=lb)
+                    if lb else x)
   return cpc, NamedSharding(mesh, spec), to, back
 
 
 def measure(row, name, cp, causal, q, k, v, do, want, t1, tb1):
   """Time one strategy's forward and forward+backward into ``row``."""
-  cpc, sh, to, back = setup(name, cp, causal)
+  cpc, sh, to, back = setup(name, cp, "dual_chunk" if causal else None)
   args = [jax.device_put(to(x), sh) for x in (q, k, v, do)]
   attn = lambda q, k, v: jax_ring.dot_product_attention(
       q, k, v, is_causal=causal, context_parallel=cpc)
@@ -72,7 +83,7 @@ def report(rows, a):
   cols = ["seq", "kv_heads"]
   for n in a.strategies:
     cols += [f"{n}_fwd_eff", f"{n}_fwdbwd_eff"]
-  write("strategies", rows, cols + ["best", "auto_pick", "auto_vs_best"],
+  write("strategies" + a.tag, rows, cols + ["best", "auto_pick", "auto_vs_best"],
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
                    xla_flags=os.environ.get("XLA_FLAGS", ""),
                    efficiency="(single-GPU cuDNN time / cp) / strategy time",
@@ -86,11 +97,14 @@ def main():
   p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
   p.add_argument("--heads", type=int, default=32)
   p.add_argument("--head-dim", type=int, default=128)
-  p.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
+  p.add_argument("--strategies", nargs="+", default=None,
+                 help="names as above (default: see the module docstring)")
+  p.add_argument("--tag", default="", help="suffix of the results file")
   p.add_argument("--implementation", default="cudnn",
                  help="single-GPU baseline backend (xla for a CPU dry run)")
   a = p.parse_args()
   cp = jax.device_count()
+  a.strategies = a.strategies or default_strategies(cp)
   causal = True
   rows = []
   for s in a.seq:
