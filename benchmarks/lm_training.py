@@ -21,10 +21,14 @@ heads of size D. Remat's extra forward is not counted, by convention.
 **Longest sequence.** A step at the longest fitting length would take many
 minutes (attention is quadratic), so "fits" is decided at compile time:
 XLA's memory analysis of the step (arguments + outputs - donated aliases +
-temporaries) against the device's allocator limit. The peak is linear in S,
-so two compiles give a line and its root; compiles at the predicted length
-and one granule above confirm where it stops fitting. The measured peak of
-the throughput run checks the analysis against the allocator.
+temporaries) against the device's allocator limit. The peak grows about
+linearly in S, so two compiles give a line and its root; secant and
+bisection steps then compile until a fitting length and a failing one a
+granule above it are both found. The measured peak of
+the throughput run checks the analysis against the allocator. Not in the
+analysis: cuDNN's workspace, which the FFI handlers take from XLA's
+allocator at run time, so near the limit "fits" is optimistic by that
+much (not measured yet).
 """
 
 from __future__ import annotations
@@ -68,7 +72,8 @@ class Run:
     import jax_ring.flax as jrf
     b = self.built
     tokens, seg = self.corpus.batch(step, self.args.seed, b["batch"], seq)
-    return jrf.prepare_lm_batch(tokens, seg if self.packed else None, mesh=b["mesh"], spec=b["spec"],
+    return jrf.prepare_lm_batch(tokens, seg if self.packed else None,
+                                mesh=b["mesh"], spec=b["spec"],
                                 context_parallel=b["cfg"].context_parallel)
 
   def compile(self, seq: int):
@@ -126,7 +131,8 @@ def longest(run: Run, limit: int, probe: tuple[int, int], granule: int,
       break
     a, b = sorted(peaks, key=lambda s: abs(peaks[s] - limit))[:2]
     slope = (peaks[b] - peaks[a]) / (b - a)
-    s = int((a + (limit - peaks[a]) / slope) // granule * granule)
+    s = (int((a + (limit - peaks[a]) / slope) // granule * granule)
+         if slope > 0 else fit + granule)
     if over is not None and len(rec) % 2:  # bisect every other step
       s = (fit + over) // 2 // granule * granule
     s = max(s, fit + granule)
