@@ -1,0 +1,51 @@
+"""The arithmetic inside the GPU benchmarks, checked where CI can run it:
+the longest-sequence search of ``benchmarks/lm_training.py`` and the
+kernel-interval sums of ``benchmarks/profile_ring.py``."""
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+import lm_training  # noqa: E402
+import profile_ring  # noqa: E402
+
+
+class FakeRun:
+  """Peak bytes = fixed + per_token * seq (+ a step, to be non-linear)."""
+
+  def __init__(self, fixed, per_token, jump_at=None, jump=0):
+    self.fixed, self.per_token = fixed, per_token
+    self.jump_at, self.jump = jump_at, jump
+    self.compiled = []
+
+  def compile_peak(self, seq):
+    self.compiled.append(seq)
+    extra = self.jump if self.jump_at and seq >= self.jump_at else 0
+    return self.fixed + self.per_token * seq + extra, 0.0
+
+
+@pytest.mark.parametrize("fixed, per_token, jump_at, jump", [
+    (10e9, 180e3, None, 0),      # linear: the line's root is the answer
+    (20e9, 1.3e6, None, 0),
+    (10e9, 180e3, 300_000, 8e9),  # a step in the curve: bisection finds it
+])
+def test_longest_finds_the_last_fitting_granule(fixed, per_token, jump_at,
+                                                jump):
+  limit, granule = 134e9, 16384
+  run = FakeRun(fixed, per_token, jump_at, jump)
+  best, _, rec = lm_training.longest(run, limit, (65536, 131072), granule)
+  fits = lambda s: run.compile_peak(s)[0] <= limit
+  assert best % granule == 0 and fits(best) and not fits(best + granule)
+  assert len(rec) <= 8
+
+
+def test_interval_sums():
+  per = {"gpu0": [(0, 10, "ncclSendRecv"), (5, 20, "sm90_fmha_fwd"),
+                  (25, 30, "loop_fusion"), (40, 50, "ncclKernel")]}
+  mean, detail = profile_ring.summarise(per, calls=1)
+  us = {k: round(v * 1e3, 6) for k, v in mean.items()}  # ms -> us
+  assert us == dict(wall_ms=50, busy_ms=35, attn_ms=15, comm_ms=20,
+                    comm_only_ms=15, other_ms=5, idle_ms=15)
+  assert detail[0] == (0.015, 1, "sm90_fmha_fwd")
