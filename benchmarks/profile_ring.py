@@ -127,6 +127,8 @@ def main():
   p.add_argument("--heads", type=int, default=32)
   p.add_argument("--head-dim", type=int, default=128)
   p.add_argument("--loop", default="unrolled")
+  p.add_argument("--kv-send", default="stacked",
+                 choices=["stacked", "separate"])
   p.add_argument("--path", choices=["shard_map", "auto"], default="shard_map",
                  help="ring_attention in shard_map, or dot_product_attention "
                  "with ContextParallel under jit")
@@ -149,11 +151,12 @@ def main():
         ring = jax.shard_map(
             lambda q, k, v: jax_ring.ring_attention(
                 q, k, v, axis_name="cp", is_causal=True,
-                load_balance="dual_chunk", loop=a.loop),
+                load_balance="dual_chunk", loop=a.loop, kv_send=a.kv_send),
             mesh=mesh, in_specs=(P(None, "cp"),) * 3, out_specs=P(None, "cp"))
       else:
         cpc = jax_ring.ContextParallel(axis="cp", strategy="ring",
-                                       load_balance="dual_chunk", loop=a.loop)
+                                       load_balance="dual_chunk", loop=a.loop,
+                                       kv_send=a.kv_send)
         ring = lambda q, k, v: jax_ring.dot_product_attention(
             q, k, v, is_causal=True, context_parallel=cpc)
       fns = {"fwd": (jax.jit(ring), args[:3]),
@@ -162,7 +165,7 @@ def main():
       for pas, (fn, xs) in fns.items():
         jax.block_until_ready(fn(*xs))
         jax.block_until_ready(fn(*xs))
-        name = f"{a.path}_{s}_{kh}_{pas}"
+        name = f"{a.path}_{a.kv_send}_{s}_{kh}_{pas}"
         d = os.path.join(a.out, f"trace_{name}")
         with jax.profiler.trace(d, create_perfetto_trace=True):
           for _ in range(a.calls):
@@ -189,6 +192,7 @@ def main():
   from common import environment
   pathlib.Path(a.out, f"profile_ring_{a.path}.json").write_text(json.dumps(
       dict(benchmark="profile_ring", **environment(), loop=a.loop,
+           kv_send=a.kv_send,
            heads=a.heads, head_dim=a.head_dim, dtype="bfloat16", batch=1,
            xla_flags=os.environ.get("XLA_FLAGS", ""), rows=table), indent=1))
 

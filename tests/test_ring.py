@@ -185,6 +185,42 @@ def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):
   assert jax_ring._src.config.loop_from_environment() == "unrolled"
 
 
+@pytest.mark.parametrize(
+    "kw", [dict(is_causal=True, load_balance="dual_chunk"),
+           dict(is_causal=True, load_balance="striped", loop="scan"),
+           dict(is_causal=True, load_balance="dual_chunk",
+                local_window_size=(9, 0)),
+           dict(load_balance=None, query_seq_lengths=jnp.asarray(Q_LENGTHS),
+                key_value_seq_lengths=jnp.asarray(KV_LENGTHS))],
+    ids=["dual_chunk", "striped_scan", "window", "contiguous_padding"])
+def test_separate_kv_send_matches_stacked_bitwise(kw):
+  """K and V as two permute operands compute exactly what the stacked
+  buffer does (and so match the reference, which the stacked ring does)."""
+  q, k, v, do = rank_coded_qkv(15, 4, load_balance=kw["load_balance"])
+  stacked = run_ring(q, k, v, do, 4, **kw)
+  separate = run_ring(q, k, v, do, 4, kv_send="separate", **kw)
+  for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(separate)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("loop", ["scan", "unrolled"])
+def test_separate_kv_send_permutes_k_and_v(loop):
+  cp, t = 4, S // 4
+  q, k, v, _ = rank_coded_qkv(13, cp)
+  spec = P(None, "cp")
+  f = jax.jit(jax.shard_map(
+      lambda q, k, v: jax_ring.ring_attention(
+          q, k, v, axis_name="cp", is_causal=True, load_balance="dual_chunk",
+          loop=loop, kv_send="separate", implementation="xla"),
+      mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec))
+  hlo = f.lower(q, k, v).compile().as_text()
+  permutes = re.findall(r"collective-permute(?:-start)?\(", hlo)
+  assert len(permutes) == 2 * (cp - 1 if loop == "unrolled" else 2), permutes
+  assert not re.search(rf"f32\[2,{B},{t},{K},{H}\][^\n]*collective-permute",
+                       hlo)
+  assert re.search(rf"f32\[{B},{t},{K},{H}\][^\n]*collective-permute", hlo)
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 def test_reorder_round_trips_and_places_chunks(cp):
   x = jnp.arange(2 * 4 * cp).reshape(2, 4 * cp)
@@ -269,6 +305,12 @@ def test_errors():
   with pytest.raises(ValueError, match=re.escape(
       "load_balance must be None, 'dual_chunk' or 'striped'; got 'zigzag'")):
     g(q)
+  g = jax.shard_map(lambda x: jax_ring.ring_attention(
+      x, x, x, axis_name="cp", kv_send="packed"),
+                    mesh=mesh(2), in_specs=spec, out_specs=spec)
+  with pytest.raises(ValueError, match=re.escape(
+      "kv_send must be one of ('stacked', 'separate'); got 'packed'")):
+    g(q)
   # Striped needs only S % cp == 0: S = 6 on cp = 2 runs.
   h = jax.jit(jax.shard_map(lambda x: jax_ring.ring_attention(
       x, x, x, axis_name="cp", is_causal=True, load_balance="striped",
@@ -312,18 +354,18 @@ def test_ring_packed_segments_cross_shard_boundaries(load_balance, loop):
 
 
 @pytest.mark.parametrize(
-    "segments, dp, loop, window_and_padding, load_balance", [
-        (False, 2, "scan", False, "dual_chunk"),
-        (True, 2, "unrolled", False, "dual_chunk"),
-        (False, 1, "unrolled", False, "dual_chunk"),
-        (True, 2, "scan", True, "dual_chunk"),
-        (True, 2, "unrolled", True, "striped")],
-    ids=["dp2_cp4_scan", "dp2_cp4_unrolled_packed", "dp1_cp4_unrolled",
-         "dp2_cp4_scan_packed_window_pad",
-         "dp2_cp4_unrolled_striped_packed_window_pad"])
+    "segments, dp, loop, window_and_padding, load_balance, kv_send", [
+        (False, 2, "scan", False, "dual_chunk", "stacked"),
+        (True, 2, "unrolled", False, "dual_chunk", "stacked"),
+        (False, 1, "unrolled", False, "dual_chunk", "separate"),
+        (True, 2, "scan", True, "dual_chunk", "stacked"),
+        (True, 2, "unrolled", True, "striped", "separate")],
+    ids=["dp2_cp4_scan", "dp2_cp4_unrolled_packed",
+         "dp1_cp4_unrolled_separate_kv", "dp2_cp4_scan_packed_window_pad",
+         "dp2_cp4_unrolled_striped_packed_window_pad_separate_kv"])
 def test_automatic_path_under_jit_matches_reference(segments, dp, loop,
                                                     window_and_padding,
-                                                    load_balance):
+                                                    load_balance, kv_send):
   """jit + NamedSharding (data x cp), no shard_map in user code."""
   cp = 4
   if len(jax.devices()) < dp * cp:
@@ -339,7 +381,7 @@ def test_automatic_path_under_jit_matches_reference(segments, dp, loop,
   args = [jax.device_put(re_(x), tok) for x in (q, k, v, do)]
   seg = jax.device_put(re_(ids), tok) if segments else None
   cpc = jax_ring.ContextParallel(axis="cp", load_balance=load_balance,
-                                 loop=loop)
+                                 loop=loop, kv_send=kv_send)
 
   extra = {}
   if window_and_padding:

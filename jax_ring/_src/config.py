@@ -64,6 +64,12 @@ LOAD_BALANCES: tuple[str, ...] = get_args(LoadBalance)
 Strategy = Literal["ring", "all_gather", "ulysses", "hybrid", "auto"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
+# How the ring sends K/V each step: one stacked (2, B, T, K, H) buffer (one
+# collective permute, TransformerEngine's layout), or K and V as two
+# operands sent together (no stacking copy; two NCCL sends in flight).
+KvSend = Literal["stacked", "separate"]
+KV_SENDS: tuple[str, ...] = get_args(KvSend)
+
 
 @dataclasses.dataclass(frozen=True)
 class ContextParallel:
@@ -83,6 +89,8 @@ class ContextParallel:
       environment).
     kv_chunk_heads: ``"all_gather"`` only: gather this many kv heads at a
       time, bounding the gathered KV held per device.
+    kv_send: the ring's per-step K/V send, ``"stacked"`` (one buffer) or
+      ``"separate"`` (K and V as two operands of the step's permute).
   """
 
   axis: str | tuple[str, str] = "cp"
@@ -90,6 +98,7 @@ class ContextParallel:
   load_balance: LoadBalance | None = "dual_chunk"
   loop: Literal["scan", "unrolled"] | None = None
   kv_chunk_heads: int | None = None
+  kv_send: KvSend = "stacked"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +112,7 @@ class ShardPlan:
     load_balance: the token layout of the shards (``None`` = contiguous).
     loop: the ring's loop form; other strategies ignore it.
     kv_chunk_heads: all-gather only: gather this many kv heads at a time.
+    kv_send: the ring's per-step K/V send (see ``ContextParallel``).
   """
 
   axis_name: str
@@ -110,6 +120,7 @@ class ShardPlan:
   load_balance: LoadBalance | None = None
   loop: Literal["scan", "unrolled"] = "unrolled"
   kv_chunk_heads: int | None = None
+  kv_send: KvSend = "stacked"
 
 
 # TransformerEngine's switch between its two ring loop forms; honoured for

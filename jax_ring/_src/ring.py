@@ -4,7 +4,9 @@ Shapes, per device: ``q (B, T, N, H)``, ``k, v (B, T, K, H)`` with
 ``T = S_total / cp`` local tokens; C = T / 2 under the dual-chunk layout.
 
 K and V are stacked into one ``(2, B, T, K, H)`` buffer and passed to the
-next device with one ``ppermute`` per step. The send for step i+1 is issued
+next device with one ``ppermute`` per step (``kv_send="separate"``: as two
+operands, K and V, which skips the stacking copy and keeps two NCCL sends
+in flight). The send for step i+1 is issued
 before step i's block compute (they do not depend on each other, so XLA can
 overlap them), and the last step is peeled so that no permute is wasted.
 Partial results merge through their softmax statistics in float32; the output
@@ -54,7 +56,7 @@ from jax import lax
 
 from jax_ring._src import ring_blocks as blocks
 from jax_ring._src import shard_call, validate
-from jax_ring._src.config import (AttentionConfig, ShardPlan,
+from jax_ring._src.config import (AttentionConfig, KvSend, ShardPlan,
                                   loop_from_environment)
 from jax_ring._src.layout import LoadBalance
 from jax_ring._src.mask import TokenMask
@@ -126,30 +128,31 @@ def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   """(out in q's dtype, lse f32) of this device's queries."""
   r = lax.axis_index(plan.axis_name)
   src_of = lambda step: (r - step) % plan.cp_size
-  kv0 = (jnp.stack([k, v]), tm.kv_ids())
+  kv0 = blocks.held_kv(k, v, tm, plan)
   if plan.load_balance == "striped":
-    first = lambda kv, _: blocks.striped_fwd(q, tm, kv, r, r, (0,), cfg, plan,
-                                       tm.same_ids)
+    first = lambda kv, _: blocks.striped_fwd(q, tm, kv, r, r, (0,), cfg,
+                                             plan, tm.same_ids)
 
     def later(step, kv, carry):
-      part = blocks.striped_fwd(q, tm, kv, r, src_of(step),
-                          blocks.distances(step, plan.cp_size), cfg, plan)
+      ds = blocks.distances(step, plan.cp_size)
+      part = blocks.striped_fwd(q, tm, kv, r, src_of(step), ds, cfg, plan)
       return blocks.merge(*carry, *part)
   elif cfg.local_window is not None:
     first = lambda kv, _: blocks.window_fwd(q, tm, kv, r, r, cfg, plan, None)
-    later = lambda step, kv, carry: blocks.window_fwd(q, tm, kv, r, src_of(step),
-                                                cfg, plan, carry)
+    later = lambda step, kv, carry: blocks.window_fwd(
+        q, tm, kv, r, src_of(step), cfg, plan, carry)
   else:
     cfgs = _cfgs(cfg)
     qc = blocks.chunk_ids(plan, r)
-    first = lambda kv, _: blocks.kind_fwd("diag" if cfg.is_causal else "full", q,
-                                    tm, kv, qc, qc, cfgs, tm.same_ids)
+    first = lambda kv, _: blocks.kind_fwd(
+        "diag" if cfg.is_causal else "full", q, tm, kv, qc, qc, cfgs,
+        tm.same_ids)
 
     def later(step, kv, carry):
       src = src_of(step)
       part = _step_call(
-          lambda kind, kv: blocks.kind_fwd(kind, q, tm, kv, qc,
-                                     blocks.chunk_ids(plan, src), cfgs),
+          lambda kind, kv: blocks.kind_fwd(
+              kind, q, tm, kv, qc, blocks.chunk_ids(plan, src), cfgs),
           plan, cfg.is_causal, r, src, kv)
       return blocks.merge(*carry, *part)
 
@@ -162,30 +165,31 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   """(dq, dk, dv) of this device's shards, given the global out and lse."""
   r = lax.axis_index(plan.axis_name)
   src_of = lambda step: (r - step) % plan.cp_size
+  grads = (out, lse, dout)
   if plan.load_balance == "striped":
-    first_bwd = lambda kv: blocks.striped_bwd(q, tm, kv, r, r, (0,), out, lse,
-                                        dout, cfg, plan, tm.same_ids)
+    first_bwd = lambda kv: blocks.striped_bwd(
+        q, tm, kv, r, r, (0,), *grads, cfg, plan, tm.same_ids)
     step_bwd = lambda step, kv: blocks.striped_bwd(
-        q, tm, kv, r, src_of(step), blocks.distances(step, plan.cp_size), out, lse,
-        dout, cfg, plan)
+        q, tm, kv, r, src_of(step), blocks.distances(step, plan.cp_size),
+        *grads, cfg, plan)
   elif cfg.local_window is not None:
-    step_bwd = lambda step, kv: blocks.window_bwd(q, tm, kv, r, src_of(step), out,
-                                            lse, dout, cfg, plan)
-    first_bwd = lambda kv: blocks.window_bwd(q, tm, kv, r, r, out, lse, dout, cfg,
-                                       plan)
+    step_bwd = lambda step, kv: blocks.window_bwd(
+        q, tm, kv, r, src_of(step), *grads, cfg, plan)
+    first_bwd = lambda kv: blocks.window_bwd(q, tm, kv, r, r, *grads, cfg,
+                                             plan)
   else:
     cfgs = _cfgs(cfg)
     qc = blocks.chunk_ids(plan, r)
-    first_bwd = lambda kv: blocks.kind_bwd("diag" if cfg.is_causal else "full", q,
-                                     tm, kv, qc, qc, out, lse, dout, cfgs,
-                                     tm.same_ids)
+    first_bwd = lambda kv: blocks.kind_bwd(
+        "diag" if cfg.is_causal else "full", q, tm, kv, qc, qc, *grads, cfgs,
+        tm.same_ids)
 
     def step_bwd(step, kv):
       src = src_of(step)
       return _step_call(
-          lambda kind, kv: blocks.kind_bwd(kind, q, tm, kv, qc,
-                                     blocks.chunk_ids(plan, src), out, lse, dout,
-                                     cfgs), plan, cfg.is_causal, r, src, kv)
+          lambda kind, kv: blocks.kind_bwd(
+              kind, q, tm, kv, qc, blocks.chunk_ids(plan, src), *grads, cfgs),
+          plan, cfg.is_causal, r, src, kv)
 
   # The carry is (dq, dkv): dkv belongs to the KV held at this step, so it
   # moves with it after the step's compute.
@@ -195,7 +199,7 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
     dq_i, dkv_i = step_bwd(step, kv)
     return dq + dq_i, dkv + dkv_i
 
-  kv0 = (jnp.stack([k, v]), tm.kv_ids())
+  kv0 = blocks.held_kv(k, v, tm, plan)
   dq, dkv = _ring_loop(plan, lambda kv, _: first_bwd(kv), later, kv0, None)
   if plan.cp_size > 1:
     dkv = _send_next(dkv, plan)  # back to the owner
@@ -211,7 +215,7 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
                    segment_ids=None, query_seq_lengths=None,
                    key_value_seq_lengths=None, local_window_size=None,
                    scale=None, logits_soft_cap=None, implementation=None,
-                   loop: Loop | None = None):
+                   loop: Loop | None = None, kv_send: KvSend = "stacked"):
   """Exact attention over a sequence sharded along mesh axis ``axis_name``.
 
   Call it inside ``shard_map`` on the local shards: ``query (B, T, N, H)``,
@@ -239,17 +243,20 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
     loop: ``"scan"`` or ``"unrolled"``; default from the environment
       variable ``NVTE_FUSED_RING_ATTENTION_USE_SCAN`` (1 = scan, 0 =
       unrolled, as in TransformerEngine), else ``"unrolled"``.
+    kv_send: ``"stacked"`` (K and V in one buffer, one permute per step) or
+      ``"separate"`` (two operands per step, no stacking copy).
 
   Returns:
     ``(B, T, N, H)`` in the input dtype: this device's rows of the output.
   """
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   cp = validate.mesh_axis(axis_name)
-  validate.ring_options(load_balance, loop, query.shape[1], cp)
+  validate.ring_options(load_balance, loop, query.shape[1], cp, kv_send)
   tm, cfg = shard_call.prepare(
       query, key, value, segment_ids=segment_ids,
       lengths=(query_seq_lengths, key_value_seq_lengths),
       local_window_size=local_window_size, is_causal=is_causal, scale=scale,
       logits_soft_cap=logits_soft_cap, implementation=implementation)
-  plan = ShardPlan(axis_name, cp, load_balance, loop or loop_from_environment())
+  plan = ShardPlan(axis_name, cp, load_balance,
+                   loop or loop_from_environment(), kv_send=kv_send)
   return ring(query, key, value, tm, cfg, plan)

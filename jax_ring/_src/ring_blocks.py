@@ -3,8 +3,9 @@ under which static mask, and the merge of partial results. The schedule
 that calls them is in :mod:`jax_ring._src.ring`.
 
 Shapes, per device: ``q (B, T, N, H)``; the held ``kv`` is what travels the
-ring: (stacked K/V ``(2, B, T, K, H)``, the kv segment ids ``(B, T)`` or
-None). C = T / 2 under the dual-chunk layout.
+ring: (K/V, stacked ``(2, B, T, K, H)`` or a ``(k, v)`` pair, and the kv
+segment ids ``(B, T)`` or None; see :func:`held_kv`). dK/dV are always
+stacked float32 ``(2, B, T, K, H)``. C = T / 2 under the dual-chunk layout.
 
 With a sliding window (contiguous and dual_chunk) the schedule works per
 (query chunk, kv chunk) pair: the pair's distance in chunks, ``k = q_chunk -
@@ -98,6 +99,22 @@ def chunk_ids(plan: ShardPlan, device):
   return [device]
 
 
+def held_kv(k, v, tm: TokenMask, plan: ShardPlan):
+  """What travels the ring: (K/V, the kv segment ids or None), with K/V one
+  stacked ``(2, B, T, K, H)`` buffer or a ``(k, v)`` pair (``plan.kv_send``).
+  Both index as ``kv[0][0]``, ``kv[0][1]``."""
+  pair = jnp.stack([k, v]) if plan.kv_send == "stacked" else (k, v)
+  return pair, tm.kv_ids()
+
+
+def _dkv_zeros(kv, rows=None):
+  """float32 zeros shaped like the stacked dK/dV of the held kv (``rows``
+  of its T), varying like it."""
+  k = kv[0][0]
+  shape = (2,) + k.shape[:1] + (rows or k.shape[1],) + k.shape[2:]
+  return jnp.zeros(shape, jnp.float32)
+
+
 def prefix(lengths, chunks, c):
   """Valid tokens of a block made of ``chunks`` (increasing global ids, c
   tokens each) under global ``lengths (B,)``: they form a prefix."""
@@ -108,8 +125,8 @@ def prefix(lengths, chunks, c):
 
 # --- what one block works on ------------------------------------------------
 #
-# ``kv`` is what travels the ring: (stacked K/V (2, B, T, K, H), the kv
-# segment ids (B, T) or None). A block is a set of query chunks of this
+# ``kv`` is what travels the ring: (K/V, the kv segment ids (B, T) or None),
+# see held_kv. A block is a set of query chunks of this
 # device against a set of kv chunks of the source device.
 
 @dataclasses.dataclass(frozen=True)
@@ -206,11 +223,11 @@ def _place(x, sl, size, axis):
 def kind_fwd(kind, q, tm, kv, qc, kc, cfgs, own=False):
   b, t, n, h = q.shape
   if kind == "skip":
-    return _masked(b, t, n, h, (q, kv[0]))
+    return _masked(b, t, n, h, (q, kv[0][0]))
   blk = _kind_block(kind, q, tm, kv, qc, kc, own)
   o, l = _fwd(blk, cfgs[kind == "diag"])
   if blk.rows != slice(None):  # half_q: the first chunk saw nothing
-    zo, zl = _masked(b, t - o.shape[1], n, h, (q, kv[0]))
+    zo, zl = _masked(b, t - o.shape[1], n, h, (q, kv[0][0]))
     o, l = jnp.concatenate([zo, o], 1), jnp.concatenate([zl, l], 1)
   return o, l
 
@@ -218,9 +235,8 @@ def kind_fwd(kind, q, tm, kv, qc, kc, cfgs, own=False):
 def kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs, own=False):
   t = q.shape[1]
   if kind == "skip":
-    return vma.like((jnp.zeros(q.shape, jnp.float32),
-                     jnp.zeros(kv[0].shape, jnp.float32)), q, kv[0], out,
-                    dout)
+    return vma.like((jnp.zeros(q.shape, jnp.float32), _dkv_zeros(kv)), q,
+                    kv[0][0], out, dout)
   blk = _kind_block(kind, q, tm, kv, qc, kc, own)
   dq, dkv = _bwd(blk, out, lse, dout, cfgs[kind == "diag"])
   return _place(dq, blk.rows, t, 1), _place(dkv, blk.cols, t, 2)
@@ -257,7 +273,7 @@ def window_fwd(q, tm, kv, r, src, cfg, plan, carry):
                                        carry[1][:, a * c:(a + 1) * c])
     for bb in range(m):
       f = _pair_switch(lambda blk: _fwd(blk, cfg),
-                       lambda: _masked(b, c, n, h, (q, kv[0])), plan, cfg, a,
+                       lambda: _masked(b, c, n, h, (q, kv[0][0])), plan, cfg, a,
                        bb, tm, kv, r, src, c)
       o = f(q, tm, kv)
       part = o if part is None else merge(*part, *o)
@@ -269,15 +285,14 @@ def window_bwd(q, tm, kv, r, src, out, lse, dout, cfg, plan):
   b, t, n, h = q.shape
   m = len(chunk_ids(plan, 0))
   c = t // m
-  kshape = kv[0].shape[:2] + (c,) + kv[0].shape[3:]
   dqs, dkvs = [0.0] * m, [0.0] * m
   for a in range(m):
     for bb in range(m):
       f = _pair_switch(
           lambda blk: _bwd(blk, out, lse, dout, cfg),
           lambda: vma.like((jnp.zeros((b, c, n, h), jnp.float32),
-                            jnp.zeros(kshape, jnp.float32)), q, kv[0], out,
-                           dout), plan, cfg, a, bb, tm, kv, r, src, c)
+                            _dkv_zeros(kv, c)), q, kv[0][0], out, dout),
+          plan, cfg, a, bb, tm, kv, r, src, c)
       dq, dkv = f(q, tm, kv)
       dqs[a], dkvs[bb] = dqs[a] + dq, dkvs[bb] + dkv
   return jnp.concatenate(dqs, 1), jnp.concatenate(dkvs, 2)
@@ -390,7 +405,7 @@ def striped_fwd(q, tm, kv, r, src, ds, cfg, plan, own=False):
     o, l = kernel.attention(q, kv[0][0], kv[0][1], None, mask, c)
     return o.astype(jnp.float32), l
 
-  return _striped_call(fwd, lambda: _masked(b, t, n, h, (q, kv[0])), q, tm,
+  return _striped_call(fwd, lambda: _masked(b, t, n, h, (q, kv[0][0])), q, tm,
                        kv, r, src, ds, cfg, plan, own)
 
 
@@ -404,7 +419,6 @@ def striped_bwd(q, tm, kv, r, src, ds, out, lse, dout, cfg, plan,
     f32 = lambda x: x.astype(jnp.float32)
     return f32(dq), jnp.stack([f32(dk), f32(dv)])
 
-  skip = lambda: vma.like((jnp.zeros(q.shape, jnp.float32),
-                           jnp.zeros(kv[0].shape, jnp.float32)), q, kv[0],
-                          out, dout)
+  skip = lambda: vma.like((jnp.zeros(q.shape, jnp.float32), _dkv_zeros(kv)),
+                          q, kv[0][0], out, dout)
   return _striped_call(bwd, skip, q, tm, kv, r, src, ds, cfg, plan, own)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ring._src.config import IMPLEMENTATIONS, LOAD_BALANCES
+from jax_ring._src.config import IMPLEMENTATIONS, KV_SENDS, LOAD_BALANCES
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                 jnp.dtype(jnp.float16))
@@ -153,12 +153,14 @@ def kv_chunk_heads(kv_chunk_heads, kv_heads: int) -> None:
         f"key/value heads ({kv_heads}); got {kv_chunk_heads!r}")
 
 
-def ring_choices(load_balance, loop) -> None:
+def ring_choices(load_balance, loop, kv_send="stacked") -> None:
   if load_balance is not None and load_balance not in LOAD_BALANCES:
     raise ValueError(f"load_balance must be None, 'dual_chunk' or 'striped'; "
                      f"got {load_balance!r}")
   if loop not in (None, "scan", "unrolled"):
     raise ValueError(f"loop must be None, 'scan' or 'unrolled'; got {loop!r}")
+  if kv_send not in KV_SENDS:
+    raise ValueError(f"kv_send must be one of {KV_SENDS}; got {kv_send!r}")
 
 
 def strategy_layout(strategy: str, load_balance) -> None:
@@ -169,11 +171,12 @@ def strategy_layout(strategy: str, load_balance) -> None:
         "device's calls are contiguous key ranges); use 'dual_chunk' or None")
 
 
-def ring_options(load_balance, loop, local_len, cp_size) -> None:
+def ring_options(load_balance, loop, local_len, cp_size,
+                 kv_send="stacked") -> None:
   """Layout and loop of local shards of ``local_len`` tokens on cp_size
   devices. ``"striped"`` needs only S % cp_size == 0, which local shards
   already are; ``"dual_chunk"`` also needs an even local length."""
-  ring_choices(load_balance, loop)
+  ring_choices(load_balance, loop, kv_send)
   if load_balance == "dual_chunk" and local_len % 2:
     raise ValueError(
         f"load_balance='dual_chunk' needs the global sequence length "
@@ -200,7 +203,7 @@ def context_parallel(cp, query, key, *, bias, mask, return_residual) -> None:
   if cp.strategy != "hybrid" and not isinstance(cp.axis, str):
     raise ValueError(f"context_parallel.axis must be one axis name for "
                      f"strategy {cp.strategy!r}; got {cp.axis!r}")
-  ring_choices(cp.load_balance, cp.loop)
+  ring_choices(cp.load_balance, cp.loop, cp.kv_send)
   kv_chunk_heads(cp.kv_chunk_heads, key.shape[2])
   unsupported = [name for name, value in (("bias", bias), ("mask", mask))
                  if value is not None]
