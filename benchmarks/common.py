@@ -8,11 +8,31 @@ import platform
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import jax_ring
 
 RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def shape_args(parser, seq):
+  """The attention benchmarks' shape flags: ``--seq`` (default ``seq``),
+  ``--kv-heads`` (32 8), ``--heads`` (32), ``--head-dim`` (128); B = 1."""
+  parser.add_argument("--seq", type=int, nargs="+", default=list(seq))
+  parser.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
+  parser.add_argument("--heads", type=int, default=32)
+  parser.add_argument("--head-dim", type=int, default=128)
+
+
+def random_qkv(seed, seq, heads, kv_heads, head_dim, dtype=jnp.bfloat16):
+  """Random ``q, k, v, dout`` of batch 1 (never zeros: see METHOD)."""
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q_shape, kv_shape = (1, seq, heads, head_dim), (1, seq, kv_heads, head_dim)
+  return (jax.random.normal(ks[0], q_shape, dtype),
+          jax.random.normal(ks[1], kv_shape, dtype),
+          jax.random.normal(ks[2], kv_shape, dtype),
+          jax.random.normal(ks[3], q_shape, dtype))
 
 
 def time_fn(fn, *args, repeats=5, min_batch_s=0.05):

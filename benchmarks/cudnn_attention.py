@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 
 import jax
-import jax.numpy as jnp
 
 import jax_ring
-from common import time_fn, write
+from common import random_qkv, shape_args, time_fn, write
 
 
 def step_fns(impl_fn):
@@ -31,23 +30,13 @@ def step_fns(impl_fn):
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--seq", type=int, nargs="+",
-                 default=[4096, 8192, 16384, 32768, 65536])
-  p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
-  p.add_argument("--heads", type=int, default=32)
-  p.add_argument("--head-dim", type=int, default=128)
+  shape_args(p, [4096, 8192, 16384, 32768, 65536])
   a = p.parse_args()
   rows = []
   for s in a.seq:
     for kh in a.kv_heads:
       for causal in (True, False):
-        ks = jax.random.split(jax.random.key(s + kh), 4)
-        shape_q = (1, s, a.heads, a.head_dim)
-        shape_kv = (1, s, kh, a.head_dim)
-        q = jax.random.normal(ks[0], shape_q, jnp.bfloat16)
-        k = jax.random.normal(ks[1], shape_kv, jnp.bfloat16)
-        v = jax.random.normal(ks[2], shape_kv, jnp.bfloat16)
-        do = jax.random.normal(ks[3], shape_q, jnp.bfloat16)
+        q, k, v, do = random_qkv(s + kh, s, a.heads, kh, a.head_dim)
         flops = 4 * s * s * a.heads * a.head_dim * (0.5 if causal else 1.0)
         row = dict(seq=s, heads=a.heads, kv_heads=kh, causal=causal)
         for name, mod in (("jax_ring", jax_ring), ("jax_nn", jax.nn)):

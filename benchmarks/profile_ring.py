@@ -33,11 +33,11 @@ import sys
 import tempfile
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_ring
+from common import environment, random_qkv
 
 ATTN = ("fmha", "flash", "sdpa", "cudnn", "attn")
 
@@ -141,11 +141,7 @@ def main():
   table = []
   for s in a.seq:
     for kh in a.kv_heads:
-      ks = jax.random.split(jax.random.key(s), 4)
-      q = jax.random.normal(ks[0], (1, s, a.heads, a.head_dim), jnp.bfloat16)
-      k = jax.random.normal(ks[1], (1, s, kh, a.head_dim), jnp.bfloat16)
-      v = jax.random.normal(ks[2], (1, s, kh, a.head_dim), jnp.bfloat16)
-      do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+      q, k, v, do = random_qkv(s, s, a.heads, kh, a.head_dim)
       args = [jax.device_put(x, sh) for x in (q, k, v, do)]
       if a.path == "shard_map":
         ring = jax.shard_map(
@@ -188,8 +184,6 @@ def main():
   for r in table:
     print(" ".join((f"{r[c]:.3f}" if isinstance(r[c], float) else
                     str(r[c])).rjust(9) for c in cols))
-  sys.path.insert(0, str(pathlib.Path(__file__).parent))
-  from common import environment
   pathlib.Path(a.out, f"profile_ring_{a.path}.json").write_text(json.dumps(
       dict(benchmark="profile_ring", **environment(), loop=a.loop,
            kv_send=a.kv_send,

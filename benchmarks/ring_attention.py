@@ -25,7 +25,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_ring  # noqa: E402
-from common import time_fn, write  # noqa: E402
+from common import (random_qkv, shape_args, time_fn,  # noqa: E402
+                    write)
 
 
 def report(rows, a):
@@ -41,11 +42,7 @@ def report(rows, a):
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--seq", type=int, nargs="+",
-                 default=[16384, 32768, 65536, 131072, 262144])
-  p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
-  p.add_argument("--heads", type=int, default=32)
-  p.add_argument("--head-dim", type=int, default=128)
+  shape_args(p, [16384, 32768, 65536, 131072, 262144])
   p.add_argument("--causal-only", action="store_true")
   p.add_argument("--implementation", default="cudnn")
   p.add_argument("--causal-layout", default="dual_chunk",
@@ -62,11 +59,7 @@ def main():
   for s in a.seq:
     for kh in a.kv_heads:
       for causal in (True,) if a.causal_only else (True, False):
-        ks = jax.random.split(jax.random.key(s + kh), 4)
-        q = jax.random.normal(ks[0], (1, s, a.heads, a.head_dim), jnp.bfloat16)
-        k = jax.random.normal(ks[1], (1, s, kh, a.head_dim), jnp.bfloat16)
-        v = jax.random.normal(ks[2], (1, s, kh, a.head_dim), jnp.bfloat16)
-        do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+        q, k, v, do = random_qkv(s + kh, s, a.heads, kh, a.head_dim)
         flops = 4 * s * s * a.heads * a.head_dim * (0.5 if causal else 1.0)
         row = dict(seq=s, cp=cp, heads=a.heads, kv_heads=kh, causal=causal)
 

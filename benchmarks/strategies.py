@@ -28,7 +28,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_ring  # noqa: E402
-from common import time_fn, write  # noqa: E402
+from common import (random_qkv, shape_args, time_fn,  # noqa: E402
+                    write)
 
 def default_strategies(cp: int) -> list[str]:
   hybrids = [f"hybrid_{u}x{cp // u}" for u in range(2, cp // 2 + 1)
@@ -92,11 +93,7 @@ def report(rows, a):
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--seq", type=int, nargs="+",
-                 default=[16384, 32768, 65536, 131072, 262144])
-  p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
-  p.add_argument("--heads", type=int, default=32)
-  p.add_argument("--head-dim", type=int, default=128)
+  shape_args(p, [16384, 32768, 65536, 131072, 262144])
   p.add_argument("--strategies", nargs="+", default=None,
                  help="names as above (default: see the module docstring)")
   p.add_argument("--tag", default="", help="suffix of the results file")
@@ -109,11 +106,7 @@ def main():
   rows = []
   for s in a.seq:
     for kh in a.kv_heads:
-      ks = jax.random.split(jax.random.key(s + kh), 4)
-      q = jax.random.normal(ks[0], (1, s, a.heads, a.head_dim), jnp.bfloat16)
-      k = jax.random.normal(ks[1], (1, s, kh, a.head_dim), jnp.bfloat16)
-      v = jax.random.normal(ks[2], (1, s, kh, a.head_dim), jnp.bfloat16)
-      do = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+      q, k, v, do = random_qkv(s + kh, s, a.heads, kh, a.head_dim)
       row = dict(seq=s, cp=cp, heads=a.heads, kv_heads=kh, causal=causal)
       single = lambda q, k, v: jax_ring.dot_product_attention(
           q, k, v, is_causal=causal, implementation=a.implementation)

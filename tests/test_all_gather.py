@@ -1,22 +1,19 @@
 """All-gather (Llama 3) attention on simulated CPU meshes against the float64
 reference."""
 
-import itertools
+import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
-import jax_ring
 import reference as ref
 from jax_ring._src import validate
 from jax_ring._src import all_gather as ag
-from jax_ring._src.config import ShardPlan
-from jax_ring._src.mask import TokenMask
-from test_ring import check, layout_vjp, mesh
+from test_ring import (check, collectives, layout_vjp, mesh,
+                       run_shard_map)
 from test_ulysses import B, H, S, SPEC, coded_qkv
 
 # coded_qkv: N = 8 query heads, S = 48 tokens, each of the 2 * cp chunks and
@@ -25,29 +22,7 @@ from test_ulysses import B, H, S, SPEC, coded_qkv
 # pass), so the feature tests below run at cp = 4 or less.
 
 
-def run(q, k, v, do, cp, **kw):
-  """Global natural-order inputs -> all_gather_attention on a 1-D cp mesh ->
-  global natural-order output and grads. Lengths in ``kw`` are closed over
-  (replicated)."""
-  f = jax.shard_map(
-      lambda q, k, v: ag.all_gather_attention(q, k, v, axis_name="cp",
-                                              implementation="xla", **kw),
-      mesh=mesh(cp), in_specs=(SPEC,) * 3, out_specs=SPEC)
-  return layout_vjp(f, cp, kw.get("load_balance"), q, k, v, do)
-
-
-case_id = lambda x: {None: "contiguous", True: "causal", False: "full"}.get(
-    x, str(x))
-
-
-@pytest.mark.parametrize(
-    "cp, causal, load_balance",
-    list(itertools.product([2, 4, 8], [True, False], [None, "dual_chunk"])),
-    ids=case_id)
-def test_all_gather_matches_reference(cp, causal, load_balance):
-  q, k, v, do = coded_qkv(cp, cp, 2)
-  got = run(q, k, v, do, cp, is_causal=causal, load_balance=load_balance)
-  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=causal))
+run = functools.partial(run_shard_map, ag.all_gather_attention)
 
 
 # MQA, with a soft cap and a scale. GQA (K = 2) is the grid above, K = 4 in
@@ -190,33 +165,11 @@ def test_kv_chunk_heads_is_bitwise_no_chunking():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_forward_lse_in_the_shards_layout():
-  """``_forward``'s lse (the backward's residual), per local row."""
-  cp = 2
-  q, k, v, _ = coded_qkv(60, cp, 2)
-  cfg = ref.config(ref.Case(H**-0.5, is_causal=True))
-  plan = ShardPlan("cp", cp, "dual_chunk")
-  f = jax.jit(jax.shard_map(
-      lambda q, k, v: ag._forward(q, k, v, TokenMask(), cfg, plan),
-      mesh=mesh(cp), in_specs=(SPEC,) * 3, out_specs=(SPEC, SPEC)))
-  to = lambda x: jax_ring.reorder_for_load_balance(x, cp)
-  out, lse = f(to(q), to(k), to(v))
-  r_out, r_lse = ref.attention(q, k, v, ref.Case(H**-0.5, is_causal=True))
-  ref.assert_close(out, to(r_out), q.dtype, "out")
-  ref.assert_close(lse, to(r_lse), q.dtype, "lse")
-
-
 def test_all_gather_16_bit():
   q, k, v, do = (x.astype(jnp.bfloat16) for x in coded_qkv(70, 2, 2))
   got = run(q, k, v, do, 2, is_causal=True)
   assert got[0].dtype == jnp.bfloat16 and got[1][1].dtype == jnp.bfloat16
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True))
-
-
-def _collectives(hlo):
-  ops = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute",
-         "all-to-all")
-  return {op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo)) for op in ops}
 
 
 # Collectives sit outside the per-device switch, so the mask does not change
@@ -239,9 +192,9 @@ def test_collectives_forward_gathers_backward_reduce_scatters(kv_chunk_heads,
   # Forward: one all-gather of the stacked (k, v) per head group, one of the
   # kv segment ids; nothing else.
   hlo = jax.jit(f).lower(q, k, v, seg).compile().as_text()
-  assert _collectives(hlo) == {
+  assert collectives(hlo) == {
       "all-gather": groups + 1, "reduce-scatter": 0, "all-reduce": 0,
-      "collective-permute": 0, "all-to-all": 0}, _collectives(hlo)
+      "collective-permute": 0, "all-to-all": 0}, collectives(hlo)
   gathered = re.findall(rf"f32\[2,{B},{S},{kh},{H}\][^\n]*all-gather\(", hlo)
   assert len(gathered) == groups, hlo
   # Backward: gathers again (k, v per group and the ids) and reduce-scatters
@@ -254,9 +207,9 @@ def test_collectives_forward_gathers_backward_reduce_scatters(kv_chunk_heads,
   assert len(re.findall(r"stablehlo\.all_gather", emitted)) == 2 * (groups + 1)
   assert len(re.findall(r"stablehlo\.reduce_scatter", emitted)) == groups
   hlo = g.lower(q, k, v, do, seg).compile().as_text()
-  assert _collectives(hlo) == {
+  assert collectives(hlo) == {
       "all-gather": groups + 1, "reduce-scatter": groups, "all-reduce": 0,
-      "collective-permute": 0, "all-to-all": 0}, _collectives(hlo)
+      "collective-permute": 0, "all-to-all": 0}, collectives(hlo)
   scattered = re.findall(rf"f32\[2,{B},{t},{kh},{H}\][^\n]*reduce-scatter\(",
                          hlo)
   assert len(scattered) == groups, hlo
@@ -302,23 +255,3 @@ def test_validate_kv_chunk_heads():
       "kv_chunk_heads must be None or a positive int dividing the key/value "
       "heads (6); got 4")):
     validate.kv_chunk_heads(4, 6)
-
-
-def test_2d_mesh_data_by_cp_packed():
-  """Batch on a data axis, sequence on cp: values vary over both axes."""
-  if len(jax.devices()) < 8:
-    pytest.skip("needs 8 devices")
-  dp, cp = 2, 4
-  m = jax.sharding.Mesh(np.array(jax.devices()[:dp * cp]).reshape(dp, cp),
-                        ("data", "cp"))
-  q, k, v, do = coded_qkv(90, cp, 2)
-  seg = ref.random_segments(91, B, S, 4)
-  spec = P("data", "cp")
-  f = jax.shard_map(
-      lambda q, k, v, seg: ag.all_gather_attention(
-          q, k, v, axis_name="cp", is_causal=True, segment_ids=seg,
-          implementation="xla"),
-      mesh=m, in_specs=(spec,) * 4, out_specs=spec)
-  got = layout_vjp(f, cp, None, q, k, v, do, jnp.asarray(seg))
-  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True, q_segment_ids=seg,
-                                   kv_segment_ids=seg))

@@ -1,6 +1,7 @@
 """Ring attention on simulated CPU meshes against the float64 reference."""
 
 import dataclasses
+import functools
 import itertools
 import re
 
@@ -61,15 +62,30 @@ def check(got, q, k, v, do, case):
     ref.assert_close(grad, g[name], q.dtype, "d" + name)
 
 
-def run_ring(q, k, v, do, cp, **kw):
-  """Global inputs in natural order -> ring on a 1-D mesh -> global results.
+def run_shard_map(attention, q, k, v, do, cp, **kw):
+  """Global inputs in natural order -> ``attention`` (a strategy's
+  ``*_attention``, xla blocks) on a 1-D cp mesh -> global output and grads.
   Padding lengths (global, replicated) are closed over."""
   spec = P(None, "cp")
   f = jax.shard_map(
-      lambda q, k, v: jax_ring.ring_attention(q, k, v, axis_name="cp",
-                                              implementation="xla", **kw),
+      lambda q, k, v: attention(q, k, v, axis_name="cp", implementation="xla",
+                                **kw),
       mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
   return layout_vjp(f, cp, kw.get("load_balance"), q, k, v, do)
+
+
+run_ring = functools.partial(run_shard_map, jax_ring.ring_attention)
+
+# Test ids of the (cp, causal, load_balance) matrices.
+case_id = lambda x: {None: "contiguous", True: "causal", False: "full"}.get(
+    x, str(x))
+
+
+def collectives(hlo):
+  """How many of each collective a compiled program runs."""
+  ops = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute",
+         "all-to-all")
+  return {op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo)) for op in ops}
 
 
 # Padding that leaves whole chunks (and, for the kv side, whole devices'
@@ -83,7 +99,7 @@ KV_LENGTHS = np.array([S - 3, 29], np.int32)
     list(itertools.product([2, 4, 8], [True, False],
                            [None, "dual_chunk", "striped"],
                            ["scan", "unrolled"])),
-    ids=lambda x: {None: "contiguous"}.get(x, str(x)))
+    ids=case_id)
 def test_ring_matches_reference(cp, causal, load_balance, loop):
   q, k, v, do = rank_coded_qkv(cp, cp, load_balance=load_balance)
   got = run_ring(q, k, v, do, cp, is_causal=causal,
@@ -299,18 +315,16 @@ def test_errors():
     f(q)
   with pytest.raises(ValueError, match="divisible by 2 \\* cp_size = 4"):
     jax_ring.reorder_for_load_balance(q, 2)
-  g = jax.shard_map(lambda x: jax_ring.ring_attention(
-      x, x, x, axis_name="cp", load_balance="zigzag"),
-                    mesh=mesh(2), in_specs=spec, out_specs=spec)
-  with pytest.raises(ValueError, match=re.escape(
-      "load_balance must be None, 'dual_chunk' or 'striped'; got 'zigzag'")):
-    g(q)
-  g = jax.shard_map(lambda x: jax_ring.ring_attention(
-      x, x, x, axis_name="cp", kv_send="packed"),
-                    mesh=mesh(2), in_specs=spec, out_specs=spec)
-  with pytest.raises(ValueError, match=re.escape(
-      "kv_send must be one of ('stacked', 'separate'); got 'packed'")):
-    g(q)
+  for kw, message in [
+      (dict(load_balance="zigzag"),
+       "load_balance must be None, 'dual_chunk' or 'striped'; got 'zigzag'"),
+      (dict(kv_send="packed"),
+       "kv_send must be one of ('stacked', 'separate'); got 'packed'")]:
+    g = jax.shard_map(lambda x, kw=kw: jax_ring.ring_attention(
+        x, x, x, axis_name="cp", **kw),
+                      mesh=mesh(2), in_specs=spec, out_specs=spec)
+    with pytest.raises(ValueError, match=re.escape(message)):
+      g(q)
   # Striped needs only S % cp == 0: S = 6 on cp = 2 runs.
   h = jax.jit(jax.shard_map(lambda x: jax_ring.ring_attention(
       x, x, x, axis_name="cp", is_causal=True, load_balance="striped",

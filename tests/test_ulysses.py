@@ -1,7 +1,7 @@
 """Ulysses (all-to-all) attention on simulated CPU meshes against the float64
 reference."""
 
-import itertools
+import functools
 import re
 
 import jax
@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import jax_ring
 import reference as ref
 from jax_ring._src import ulysses as uly
-from jax_ring._src.config import ShardPlan
-from test_ring import check, layout_vjp, mesh
+from test_ring import (check, collectives, layout_vjp, mesh,
+                       run_shard_map)
 
 # N = 8 query heads split over cp in 2, 4, 8; S divisible by 2 * cp.
 B, S, N, H = 2, 48, 8, 16
@@ -31,31 +30,7 @@ def coded_qkv(seed, cp, kv_heads, n=N):
   return q + chunk + head(n), k - chunk + head(kv_heads), v + chunk, do
 
 
-def run(q, k, v, do, cp, **kw):
-  """Global natural-order inputs -> ulysses_attention on a 1-D cp mesh ->
-  global natural-order output and grads. Lengths in ``kw`` are closed over
-  (replicated)."""
-  f = jax.shard_map(
-      lambda q, k, v: uly.ulysses_attention(q, k, v, axis_name="cp",
-                                            implementation="xla", **kw),
-      mesh=mesh(cp), in_specs=(SPEC,) * 3, out_specs=SPEC)
-  return layout_vjp(f, cp, kw.get("load_balance"), q, k, v, do)
-
-
-case_id = lambda x: {None: "contiguous", True: "causal", False: "full"}.get(
-    x, str(x))
-
-
-# K = 2 kv heads: cp = 2 splits them (rep 1), cp = 4 and 8 repeat them
-# (rep 2 and 4, one kv head per device).
-@pytest.mark.parametrize(
-    "cp, causal, load_balance",
-    list(itertools.product([2, 4, 8], [True, False], [None, "dual_chunk"])),
-    ids=case_id)
-def test_ulysses_matches_reference(cp, causal, load_balance):
-  q, k, v, do = coded_qkv(cp, cp, 2)
-  got = run(q, k, v, do, cp, is_causal=causal, load_balance=load_balance)
-  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=causal))
+run = functools.partial(run_shard_map, uly.ulysses_attention)
 
 
 # At cp = 4: K = 8 (two kv heads per device), K = 1 (MQA, repeated 4x), and
@@ -106,32 +81,11 @@ def test_ulysses_window_and_padding_lengths(causal, window):
                                    q_lengths=q_len, kv_lengths=kv_len))
 
 
-def test_forward_lse_comes_back_sequence_sharded():
-  """``_forward``'s lse (the backward's residual) in the shards' layout."""
-  cp = 4
-  q, k, v, _ = coded_qkv(50, cp, 2)
-  cfg = ref.config(ref.Case(H**-0.5, is_causal=True))
-  plan = ShardPlan("cp", cp, "dual_chunk")
-  f = jax.jit(jax.shard_map(
-      lambda q, k, v: uly._forward(q, k, v, uly.TokenMask(), cfg, plan),
-      mesh=mesh(cp), in_specs=(SPEC,) * 3, out_specs=(SPEC, SPEC)))
-  to = lambda x: jax_ring.reorder_for_load_balance(x, cp)
-  out, lse = f(to(q), to(k), to(v))
-  r_out, r_lse = ref.attention(q, k, v, ref.Case(H**-0.5, is_causal=True))
-  ref.assert_close(out, to(r_out), q.dtype, "out")
-  ref.assert_close(lse, to(r_lse), q.dtype, "lse")
-
-
 def test_ulysses_16_bit():
   q, k, v, do = (x.astype(jnp.bfloat16) for x in coded_qkv(60, 4, 2))
   got = run(q, k, v, do, 4, is_causal=True, load_balance="dual_chunk")
   assert got[0].dtype == jnp.bfloat16
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True))
-
-
-def _collectives(hlo):
-  return {op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo))
-          for op in ("all-to-all", "all-gather", "collective-permute")}
 
 
 def test_forward_is_all_to_all_only():
@@ -146,8 +100,9 @@ def test_forward_is_all_to_all_only():
   hlo = f.lower(q, k, v, seg).compile().as_text()
   # q; stacked (k, v); out (the lse's is dead without a backward). Segment
   # ids: one all-gather of the stacked (q ids, kv ids).
-  assert _collectives(hlo) == {"all-to-all": 3, "all-gather": 1,
-                               "collective-permute": 0}, _collectives(hlo)
+  assert collectives(hlo) == {
+      "all-to-all": 3, "all-gather": 1, "reduce-scatter": 0, "all-reduce": 0,
+      "collective-permute": 0}, collectives(hlo)
   # XLA:CPU splits each all-to-all into one piece per device: the stacked KV
   # (2 heads, each repeated cp / 2 times) sends (2, B, T, 1, H) to each.
   t = S // cp
@@ -171,7 +126,7 @@ def test_backward_all_to_alls():
   assert len(re.findall(r"stablehlo\.all_to_all", emitted)) == 9
   # Compiled, XLA may merge the backward's (k, v) all-to-all with the
   # forward's (same operands), as XLA:CPU does.
-  counts = _collectives(g.lower(q, k, v, do).compile().as_text())
+  counts = collectives(g.lower(q, k, v, do).compile().as_text())
   assert counts["all-to-all"] in (8, 9), counts
   assert counts["all-gather"] == counts["collective-permute"] == 0, counts
 
@@ -207,23 +162,3 @@ def test_errors():
 
 def test_kv_repeat():
   assert [uly.kv_repeat(k, 4) for k in (1, 2, 4, 8, 6, 3)] == [4, 2, 1, 1, 2, 4]
-
-
-def test_2d_mesh_data_by_cp_packed():
-  """Batch on a data axis, sequence on cp: values vary over both axes."""
-  if len(jax.devices()) < 8:
-    pytest.skip("needs 8 devices")
-  dp, cp = 2, 4
-  m = jax.sharding.Mesh(np.array(jax.devices()[:dp * cp]).reshape(dp, cp),
-                        ("data", "cp"))
-  q, k, v, do = coded_qkv(80, cp, 2)
-  seg = ref.random_segments(81, B, S, 4)
-  spec = P("data", "cp")
-  f = jax.shard_map(
-      lambda q, k, v, seg: uly.ulysses_attention(
-          q, k, v, axis_name="cp", is_causal=True, load_balance="dual_chunk",
-          segment_ids=seg, implementation="xla"),
-      mesh=m, in_specs=(spec,) * 4, out_specs=spec)
-  got = layout_vjp(f, cp, "dual_chunk", q, k, v, do, jnp.asarray(seg))
-  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True, q_segment_ids=seg,
-                                   kv_segment_ids=seg))

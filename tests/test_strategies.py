@@ -1,0 +1,80 @@
+"""What every head- or gather-based strategy (Ulysses, all-gather) must do
+the same way, parametrized over them: the 2/4/8-device matrix against the
+float64 reference, the forward's lse residual in the shards' layout, and a
+data x cp mesh with packed documents. (The ring's versions sit with its
+other tests.)"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ring
+import reference as ref
+from jax_ring._src import all_gather as ag
+from jax_ring._src import ulysses as uly
+from jax_ring._src.config import ShardPlan
+from jax_ring._src.mask import TokenMask
+from test_ring import case_id, check, layout_vjp, mesh, run_shard_map
+from test_ulysses import B, H, S, SPEC, coded_qkv
+
+# (module, its shard_map entry, cp of the lse test, seed, load balance of
+# the 2-D test): all-gather compiles cp branches, so its lse test runs at 2.
+STRATEGIES = {"ulysses": (uly, uly.ulysses_attention, 4, 50, "dual_chunk"),
+              "all_gather": (ag, ag.all_gather_attention, 2, 60, None)}
+
+
+# K = 2 kv heads: Ulysses at cp = 2 splits them (rep 1), at cp = 4 and 8
+# repeats them (rep 2 and 4, one kv head per device).
+@pytest.mark.parametrize(
+    "name, cp, causal, load_balance",
+    list(itertools.product(STRATEGIES, [2, 4, 8], [True, False],
+                           [None, "dual_chunk"])),
+    ids=case_id)
+def test_matches_reference(name, cp, causal, load_balance):
+  q, k, v, do = coded_qkv(cp, cp, 2)
+  got = run_shard_map(STRATEGIES[name][1], q, k, v, do, cp, is_causal=causal,
+                      load_balance=load_balance)
+  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=causal))
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_forward_lse_in_the_shards_layout(name):
+  """``_forward``'s lse (the backward's residual), per local row."""
+  module, _, cp, seed, _ = STRATEGIES[name]
+  q, k, v, _ = coded_qkv(seed, cp, 2)
+  case = ref.Case(H**-0.5, is_causal=True)
+  plan = ShardPlan("cp", cp, "dual_chunk")
+  f = jax.jit(jax.shard_map(
+      lambda q, k, v: module._forward(q, k, v, TokenMask(), ref.config(case),
+                                      plan),
+      mesh=mesh(cp), in_specs=(SPEC,) * 3, out_specs=(SPEC, SPEC)))
+  to = lambda x: jax_ring.reorder_for_load_balance(x, cp)
+  out, lse = f(to(q), to(k), to(v))
+  r_out, r_lse = ref.attention(q, k, v, case)
+  ref.assert_close(out, to(r_out), q.dtype, "out")
+  ref.assert_close(lse, to(r_lse), q.dtype, "lse")
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_2d_mesh_data_by_cp_packed(name):
+  """Batch on a data axis, sequence on cp: values vary over both axes."""
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 devices")
+  _, attention, _, seed, load_balance = STRATEGIES[name]
+  dp, cp = 2, 4
+  m = jax.sharding.Mesh(np.array(jax.devices()[:dp * cp]).reshape(dp, cp),
+                        ("data", "cp"))
+  q, k, v, do = coded_qkv(seed + 30, cp, 2)
+  seg = ref.random_segments(seed + 31, B, S, 4)
+  spec = jax.sharding.PartitionSpec("data", "cp")
+  f = jax.shard_map(
+      lambda q, k, v, seg: attention(
+          q, k, v, axis_name="cp", is_causal=True, load_balance=load_balance,
+          segment_ids=seg, implementation="xla"),
+      mesh=m, in_specs=(spec,) * 4, out_specs=spec)
+  got = layout_vjp(f, cp, load_balance, q, k, v, do, jnp.asarray(seg))
+  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True, q_segment_ids=seg,
+                                   kv_segment_ids=seg))
