@@ -54,6 +54,7 @@ class ModelConfig:
   implementation: str | None = None
   context_parallel: jax_ring.ContextParallel | None = None
   rules: tuple = ()
+  param_rules: tuple | None = None  # the weights' (FSDP); None: rules
   remat: bool = False
 
   def attention(self) -> jrf.AttentionLayerConfig:
@@ -64,7 +65,8 @@ class ModelConfig:
         logits_soft_cap=self.logits_soft_cap,
         rope_max_wavelength=self.rope_max_wavelength, dtype=self.dtype,
         param_dtype=self.param_dtype, implementation=self.implementation,
-        context_parallel=self.context_parallel, rules=self.rules)
+        context_parallel=self.context_parallel, rules=self.rules,
+        param_rules=self.param_rules)
 
   def num_params(self) -> int:
     e, m, v = self.embed_dim, self.mlp_dim, self.vocab_size
@@ -76,7 +78,8 @@ def _param(rngs, init, shape, axes, cfg: ModelConfig):
   value = init(rngs.params(), shape, cfg.param_dtype)
   if not cfg.rules:
     return nnx.Param(value)
-  return nnx.Param(value, out_sharding=axes, sharding_rules=cfg.rules)
+  rules = cfg.rules if cfg.param_rules is None else cfg.param_rules
+  return nnx.Param(value, out_sharding=axes, sharding_rules=rules)
 
 
 class RMSNorm(nnx.Module):

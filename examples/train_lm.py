@@ -101,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--soft-cap", type=float, default=None)
   p.add_argument("--remat", action=argparse.BooleanOptionalAction,
                  default=None, help="rematerialise each block")
+  p.add_argument("--shard-weights", action="store_true",
+                 help="FSDP: split weights and optimizer state over the data "
+                 "and context axes (default: replicated on each)")
   p.add_argument("--run-dir", default=os.path.join(tempfile.gettempdir(),
                                                    "jax_ring_train_lm"),
                  help="checkpoints/, losses.json and loss_curve.png go here "
@@ -211,6 +214,7 @@ def build(args, devices=None):
   from flax import nnx
 
   import jax_ring
+  from jax_ring import flax as jrf
   from lm_model import ModelConfig, Transformer, loss_fn, model_rules
 
   devices = jax.devices() if devices is None else devices
@@ -237,13 +241,16 @@ def build(args, devices=None):
   model_kw = dict(preset["model"])
   if args.remat is not None:
     model_kw["remat"] = args.remat
+  rules = model_rules(data="data" if "data" in shape else None, context=seq,
+                      tensor="tensor" if "tensor" in shape else None)
+  # FSDP: weights (and Adam's moments) split over the data and context axes.
+  fsdp = tuple(a for a in ("data",) + seq_axes if shape.get(a, 1) > 1)
   cfg = ModelConfig(
       **model_kw, dtype=dtype, sliding_window=args.sliding_window,
       logits_soft_cap=args.soft_cap, implementation=args.implementation,
-      context_parallel=cpc,
-      rules=model_rules(data="data" if "data" in shape else None,
-                        context=seq,
-                        tensor="tensor" if "tensor" in shape else None))
+      context_parallel=cpc, rules=rules,
+      param_rules=(jrf.fsdp_rules(rules, fsdp) if args.shard_weights and fsdp
+                   else None))
   batch = args.batch or preset["batch_per_data"] * shape.get("data", 1)
   if batch % shape.get("data", 1):
     raise SystemExit(f"--batch {batch} must be divisible by the data axis "

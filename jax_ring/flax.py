@@ -4,7 +4,7 @@
   attention layer (projections, RoPE, GQA, causal/packed/sliding masks, soft
   cap) that calls :func:`jax_ring.dot_product_attention`, context-parallel
   when configured, sharded through MaxText-style logical axis rules
-  (:func:`logical_rules`).
+  (:func:`logical_rules`; weights FSDP-sharded with :func:`fsdp_rules`).
 * Language-model batches for context parallelism: :func:`make_lm_batch`,
   :func:`reorder_batch`, :func:`shard_batch`, :func:`prepare_lm_batch`,
   :func:`reorder_size`.
@@ -15,7 +15,8 @@ from jax_ring._src.data import (LMBatch, document_positions, make_lm_batch,
                                 shard_batch)
 from jax_ring._src.flax_attention import (LOGICAL_AXES, Attention,
                                           AttentionLayerConfig, apply_rope,
-                                          constrain, logical_rules)
+                                          constrain, fsdp_rules,
+                                          logical_rules)
 
 __all__ = [
     "Attention",
@@ -25,6 +26,7 @@ __all__ = [
     "apply_rope",
     "constrain",
     "document_positions",
+    "fsdp_rules",
     "logical_rules",
     "make_lm_batch",
     "prepare_lm_batch",

@@ -262,6 +262,10 @@ def test_prepared_batch_is_one_permutation_sharded_on_the_mesh():
     (dict(rules=jrf.logical_rules(length="seq"),
           context_parallel=jax_ring.ContextParallel(axis="context")),
      "rules map 'length' to 'seq' but context_parallel.axis is 'context'"),
+    (dict(param_rules=jrf.logical_rules()),
+     "param_rules needs rules (the activations' sharding)"),
+    (dict(rules=jrf.logical_rules(), param_rules=(("embed", "data"),)),
+     "param_rules must map every logical axis of the layer"),
 ])
 def test_config_errors(kw, message):
   with pytest.raises(ValueError, match=re.escape(message)):

@@ -1,5 +1,6 @@
 """The LM example: context parallelism trains like one device (loss and
-gradients at step 0, losses over 5 optimizer steps), and --resume continues
+gradients at step 0, losses over 5 optimizer steps), with the weights
+replicated or FSDP-sharded, and --resume continues
 the uninterrupted run's loss trajectory exactly."""
 
 import pathlib
@@ -47,13 +48,17 @@ def rel_err(got, want):
   return np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
 
 
-def test_context_parallel_training_matches_single_device():
+@pytest.mark.parametrize("shard_weights", [False, True],
+                         ids=["replicated", "fsdp"])
+def test_context_parallel_training_matches_single_device(shard_weights):
   mesh = make_mesh()
   cpc = jax_ring.ContextParallel(axis="context", strategy="ring",
                                  load_balance="dual_chunk", loop="scan")
-  cp_cfg = lm_model.ModelConfig(**SHAPE, implementation="xla",
-                                context_parallel=cpc,
-                                rules=lm_model.model_rules())
+  rules = lm_model.model_rules()
+  fsdp = ("data", "context")
+  cp_cfg = lm_model.ModelConfig(
+      **SHAPE, implementation="xla", context_parallel=cpc, rules=rules,
+      param_rules=jrf.fsdp_rules(rules, fsdp) if shard_weights else None)
   one_cfg = lm_model.ModelConfig(**SHAPE, implementation="xla")
   with jax.set_mesh(mesh):
     cp_model = lm_model.Transformer(cp_cfg, rngs=nnx.Rngs(0))
@@ -61,6 +66,9 @@ def test_context_parallel_training_matches_single_device():
   # The same parameters: copy the context-parallel model's into the other.
   cp_gdef, cp_params = nnx.split(cp_model)
   one_gdef, one_params = nnx.split(one_model)
+  split = [x for x in jax.tree.leaves(cp_params) if fsdp in x.sharding.spec]
+  # wq, wk, wv, wo, 3 MLP weights per block; embed, unembed.
+  assert len(split) == (2 * 7 + 2 if shard_weights else 0)
   nnx.replace_by_pure_dict(
       one_params, jax.device_get(nnx.to_pure_dict(cp_params)))
 

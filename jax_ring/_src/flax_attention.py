@@ -10,7 +10,8 @@ Shapes::
 Sharding is written with MaxText-style *logical* axis names; one table of
 rules maps them onto mesh axes, and the same rules serve parameters (as
 flax ``out_sharding``/``sharding_rules`` metadata) and activations (as
-sharding constraints):
+sharding constraints), unless ``param_rules`` gives the weights their own
+(FSDP, below):
 
 ===========  ==========================  =========================
 logical      on                          typical mesh axis
@@ -20,8 +21,16 @@ length       activations                 the context axis (axes)
 heads        wq, wo, q, out              ``"tensor"`` or None
 kv_heads     wk, wv, k, v                ``"tensor"`` or None
 head_dim     everything with H           None
-embed        wq, wk, wv, wo, x, y        None
+embed        wq, wk, wv, wo, x, y        None (weights: see below)
 ===========  ==========================  =========================
+
+FSDP (ZeRO-3), as MaxText shards weights over its data and context axes:
+``param_rules=fsdp_rules(rules, ("data", "context"))`` maps the weights'
+``embed`` dimension onto those axes, so each device keeps 1/(data x
+context) of every weight, and of its optimizer state; XLA all-gathers a
+layer's weights where they are used and reduce-scatters their gradients.
+Context parallelism alone replicates the weights on every device of the
+context axis, and for a 1B model with Adam that is 11.7 GB per device.
 
 Why positions are an input, not ``arange(S)``: under load balancing the
 array's token order is not the sequence order, so each token's position
@@ -94,6 +103,8 @@ class AttentionLayerConfig:
       no sharding annotations (a single-device layer that needs no mesh).
       Otherwise every logical axis of the layer must be named, and the
       layer must be built and called under ``jax.set_mesh(mesh)``.
+    param_rules: the weights' own rules (see :func:`fsdp_rules`); ``None``:
+      ``rules``.
   """
 
   embed_dim: int
@@ -110,6 +121,7 @@ class AttentionLayerConfig:
   implementation: Literal["xla", "cudnn"] | None = None
   context_parallel: ContextParallel | None = None
   rules: LogicalRules = ()
+  param_rules: LogicalRules | None = None
 
   def __post_init__(self):
     for name in ("embed_dim", "num_heads", "num_kv_heads", "head_dim"):
@@ -126,13 +138,16 @@ class AttentionLayerConfig:
         not isinstance(self.sliding_window, int) or self.sliding_window < 1):
       raise ValueError(f"sliding_window must be None or an int >= 1; got "
                        f"{self.sliding_window!r}")
-    if self.rules:
-      named = {name for name, _ in self.rules}
+    if self.param_rules is not None and not self.rules:
+      raise ValueError("param_rules needs rules (the activations' sharding)")
+    for field in ("rules", "param_rules"):
+      named = {name for name, _ in getattr(self, field) or ()}
       missing = [a for a in LOGICAL_AXES if a not in named]
-      if missing:
+      if named and missing:
         raise ValueError(
-            f"rules must map every logical axis of the layer "
+            f"{field} must map every logical axis of the layer "
             f"{LOGICAL_AXES}; missing {missing}")
+    if self.rules:
       cp = self.context_parallel
       length = dict(self.rules)[LENGTH]
       if cp is not None and _axis_set(length) != _axis_set(cp.axis):
@@ -148,6 +163,15 @@ class AttentionLayerConfig:
       return None
     w = self.sliding_window - 1
     return (w, 0) if self.is_causal else (w, w)
+
+
+def fsdp_rules(rules: LogicalRules, axes) -> LogicalRules:
+  """``rules`` for weights, with ``embed`` sharded over ``axes`` (a mesh
+  axis or a tuple of them, usually the batch and context axes): FSDP, for
+  ``param_rules``. The activations keep ``rules``: there ``embed`` stays
+  whole, since ``batch`` and ``length`` already use those axes."""
+  return tuple((name, axes if name == EMBED else mesh)
+               for name, mesh in rules)
 
 
 def _axis_set(axes) -> frozenset:
@@ -191,7 +215,8 @@ def _param(rngs, init, shape, axes, config):
   value = init(rngs.params(), shape, config.param_dtype)
   if not config.rules:
     return nnx.Param(value)
-  return nnx.Param(value, out_sharding=axes, sharding_rules=config.rules)
+  rules = config.rules if config.param_rules is None else config.param_rules
+  return nnx.Param(value, out_sharding=axes, sharding_rules=rules)
 
 
 class Attention(nnx.Module):
