@@ -126,6 +126,7 @@ def longest(run: Run, limit: int, probe: tuple[int, int], granule: int,
     if s not in peaks:
       peaks[s], c = run.compile_peak(s)
       rec.append(dict(seq=s, peak=peaks[s], compile_s=c))
+      print("  compiled", rec[-1], "limit", limit, flush=True)
     return peaks[s]
 
   for s in probe:

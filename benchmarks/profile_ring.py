@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_ring
-from common import environment, random_qkv
+from common import environment, random_qkv, ring_args, ring_kwargs
 
 ATTN = ("fmha", "flash", "sdpa", "cudnn", "attn")
 
@@ -127,8 +127,7 @@ def main():
   p.add_argument("--heads", type=int, default=32)
   p.add_argument("--head-dim", type=int, default=128)
   p.add_argument("--loop", default="unrolled")
-  p.add_argument("--kv-send", default="stacked",
-                 choices=["stacked", "separate"])
+  ring_args(p)
   p.add_argument("--path", choices=["shard_map", "auto"], default="shard_map",
                  help="ring_attention in shard_map, or dot_product_attention "
                  "with ContextParallel under jit")
@@ -147,12 +146,12 @@ def main():
         ring = jax.shard_map(
             lambda q, k, v: jax_ring.ring_attention(
                 q, k, v, axis_name="cp", is_causal=True,
-                load_balance="dual_chunk", loop=a.loop, kv_send=a.kv_send),
+                load_balance="dual_chunk", loop=a.loop, **ring_kwargs(a)),
             mesh=mesh, in_specs=(P(None, "cp"),) * 3, out_specs=P(None, "cp"))
       else:
         cpc = jax_ring.ContextParallel(axis="cp", strategy="ring",
                                        load_balance="dual_chunk", loop=a.loop,
-                                       kv_send=a.kv_send)
+                                       **ring_kwargs(a))
         ring = lambda q, k, v: jax_ring.dot_product_attention(
             q, k, v, is_causal=True, context_parallel=cpc)
       fns = {"fwd": (jax.jit(ring), args[:3]),
@@ -161,7 +160,7 @@ def main():
       for pas, (fn, xs) in fns.items():
         jax.block_until_ready(fn(*xs))
         jax.block_until_ready(fn(*xs))
-        name = f"{a.path}_{a.kv_send}_{s}_{kh}_{pas}"
+        name = f"{a.path}_{a.kv_send}_{a.causal_step}_{s}_{kh}_{pas}"
         d = os.path.join(a.out, f"trace_{name}")
         with jax.profiler.trace(d, create_perfetto_trace=True):
           for _ in range(a.calls):
@@ -186,7 +185,7 @@ def main():
                     str(r[c])).rjust(9) for c in cols))
   pathlib.Path(a.out, f"profile_ring_{a.path}.json").write_text(json.dumps(
       dict(benchmark="profile_ring", **environment(), loop=a.loop,
-           kv_send=a.kv_send,
+           **ring_kwargs(a),
            heads=a.heads, head_dim=a.head_dim, dtype="bfloat16", batch=1,
            xla_flags=os.environ.get("XLA_FLAGS", ""), rows=table), indent=1))
 

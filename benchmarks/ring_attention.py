@@ -25,8 +25,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_ring  # noqa: E402
-from common import (random_qkv, shape_args, time_fn,  # noqa: E402
-                    write)
+from common import (random_qkv, ring_args, ring_kwargs,  # noqa: E402
+                    shape_args, time_fn, write)
 
 
 def report(rows, a):
@@ -35,7 +35,7 @@ def report(rows, a):
          "unrolled_fwdbwd_eff", "scan_fwd_eff", "scan_fwdbwd_eff",
          "unrolled_max_rel_err"],
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
-                   kv_send=a.kv_send,
+                   **ring_kwargs(a),
                    xla_flags=os.environ.get("XLA_FLAGS", ""),
                    efficiency="(single-GPU cuDNN time / cp) / ring time"))
 
@@ -48,9 +48,7 @@ def main():
   p.add_argument("--causal-layout", default="dual_chunk",
                  help="load balance of the causal rows: dual_chunk or striped")
   p.add_argument("--tag", default="", help="suffix of the results file")
-  p.add_argument("--kv-send", default="stacked",
-                 choices=["stacked", "separate"],
-                 help="the ring's per-step K/V send")
+  ring_args(p)
   a = p.parse_args()
   cp = jax.device_count()
   mesh = Mesh(np.array(jax.devices()), ("cp",))
@@ -85,7 +83,7 @@ def main():
               lambda q, k, v, loop=loop: jax_ring.ring_attention(
                   q, k, v, axis_name="cp", is_causal=causal, load_balance=lb,
                   loop=loop, implementation=a.implementation,
-                  kv_send=a.kv_send),
+                  **ring_kwargs(a)),
               mesh=mesh, in_specs=(P(None, "cp"),) * 3,
               out_specs=P(None, "cp"))
           fr = jax.jit(ring)

@@ -237,6 +237,67 @@ def test_separate_kv_send_permutes_k_and_v(loop):
   assert re.search(rf"f32\[{B},{t},{K},{H}\][^\n]*collective-permute", hlo)
 
 
+@pytest.mark.parametrize("cp, loop, kv_heads, extra", [
+    (2, "scan", K, {}),
+    (4, "unrolled", K, {}),
+    (8, "unrolled", K, {}),
+    (4, "scan", 1, dict(logits_soft_cap=3.0)),
+    (4, "unrolled", K, dict(query_seq_lengths=jnp.asarray(Q_LENGTHS),
+                            key_value_seq_lengths=jnp.asarray(KV_LENGTHS))),
+    (4, "scan", K, dict(segments=True)),
+], ids=["n2_scan", "n4", "n8", "n4_mqa_softcap_scan", "n4_padding",
+        "n4_packed_scan"])
+def test_paired_causal_step_matches_reference(cp, loop, kv_heads, extra):
+  """causal_step="paired" (dual-chunk causal steps without a lax.cond)."""
+  q, k, v, do = rank_coded_qkv(30 + cp, cp, kv_heads, "dual_chunk")
+  extra = dict(extra)
+  case = ref.Case(H**-0.5, is_causal=True,
+                  soft_cap=extra.get("logits_soft_cap"))
+  if "query_seq_lengths" in extra:
+    case = dataclasses.replace(case, q_lengths=Q_LENGTHS,
+                               kv_lengths=KV_LENGTHS)
+  if not extra.pop("segments", False):
+    got = run_ring(q, k, v, do, cp, is_causal=True, load_balance="dual_chunk",
+                   loop=loop, causal_step="paired", **extra)
+    return check(got, q, k, v, do, case)
+  ids = ref.random_segments(31, B, S, 5)
+  spec = P(None, "cp")
+  f = jax.shard_map(
+      lambda q, k, v, ids: jax_ring.ring_attention(
+          q, k, v, axis_name="cp", is_causal=True, load_balance="dual_chunk",
+          segment_ids=ids, loop=loop, causal_step="paired",
+          implementation="xla"),
+      mesh=mesh(cp), in_specs=(spec,) * 4, out_specs=spec)
+  got = layout_vjp(f, cp, "dual_chunk", q, k, v, do, jnp.asarray(ids))
+  check(got, q, k, v, do, dataclasses.replace(
+      case, q_segment_ids=ids, kv_segment_ids=ids))
+
+
+@pytest.mark.parametrize("loop", ["scan", "unrolled"])
+def test_paired_causal_step_runs_no_conditional(loop):
+  """The forward and backward of a paired ring compile without a
+  conditional (on GPU each one copies its predicate to the host); the
+  cond form has one per step after the first, in each pass."""
+  cp = 4
+  q, k, v, do = rank_coded_qkv(32, cp)
+  spec = P(None, "cp")
+
+  def conditionals(causal_step):
+    f = jax.shard_map(
+        lambda q, k, v: jax_ring.ring_attention(
+            q, k, v, axis_name="cp", is_causal=True,
+            load_balance="dual_chunk", loop=loop, causal_step=causal_step,
+            implementation="xla"),
+        mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
+    g = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1](do))
+    return len(re.findall(r"\bconditional\(", g.lower(q, k, v).compile()
+                          .as_text()))
+
+  assert conditionals("paired") == 0
+  # Unrolled: cp - 1 steps; scan: the body's step and the peeled last one.
+  assert conditionals("cond") == 2 * (cp - 1 if loop == "unrolled" else 2)
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 def test_reorder_round_trips_and_places_chunks(cp):
   x = jnp.arange(2 * 4 * cp).reshape(2, 4 * cp)
@@ -319,7 +380,9 @@ def test_errors():
       (dict(load_balance="zigzag"),
        "load_balance must be None, 'dual_chunk' or 'striped'; got 'zigzag'"),
       (dict(kv_send="packed"),
-       "kv_send must be one of ('stacked', 'separate'); got 'packed'")]:
+       "kv_send must be one of ('stacked', 'separate'); got 'packed'"),
+      (dict(causal_step="select"),
+       "causal_step must be one of ('cond', 'paired'); got 'select'")]:
     g = jax.shard_map(lambda x, kw=kw: jax_ring.ring_attention(
         x, x, x, axis_name="cp", **kw),
                       mesh=mesh(2), in_specs=spec, out_specs=spec)
@@ -368,18 +431,21 @@ def test_ring_packed_segments_cross_shard_boundaries(load_balance, loop):
 
 
 @pytest.mark.parametrize(
-    "segments, dp, loop, window_and_padding, load_balance, kv_send", [
-        (False, 2, "scan", False, "dual_chunk", "stacked"),
-        (True, 2, "unrolled", False, "dual_chunk", "stacked"),
-        (False, 1, "unrolled", False, "dual_chunk", "separate"),
-        (True, 2, "scan", True, "dual_chunk", "stacked"),
-        (True, 2, "unrolled", True, "striped", "separate")],
+    "segments, dp, loop, window_and_padding, load_balance, ring_options", [
+        (False, 2, "scan", False, "dual_chunk", {}),
+        (True, 2, "unrolled", False, "dual_chunk", {}),
+        (True, 1, "unrolled", False, "dual_chunk",
+         dict(kv_send="separate", causal_step="paired")),
+        (True, 2, "scan", True, "dual_chunk", {}),
+        (True, 2, "unrolled", True, "striped", dict(kv_send="separate"))],
     ids=["dp2_cp4_scan", "dp2_cp4_unrolled_packed",
-         "dp1_cp4_unrolled_separate_kv", "dp2_cp4_scan_packed_window_pad",
+         "dp1_cp4_unrolled_packed_separate_kv_paired",
+         "dp2_cp4_scan_packed_window_pad",
          "dp2_cp4_unrolled_striped_packed_window_pad_separate_kv"])
 def test_automatic_path_under_jit_matches_reference(segments, dp, loop,
                                                     window_and_padding,
-                                                    load_balance, kv_send):
+                                                    load_balance,
+                                                    ring_options):
   """jit + NamedSharding (data x cp), no shard_map in user code."""
   cp = 4
   if len(jax.devices()) < dp * cp:
@@ -395,7 +461,7 @@ def test_automatic_path_under_jit_matches_reference(segments, dp, loop,
   args = [jax.device_put(re_(x), tok) for x in (q, k, v, do)]
   seg = jax.device_put(re_(ids), tok) if segments else None
   cpc = jax_ring.ContextParallel(axis="cp", load_balance=load_balance,
-                                 loop=loop, kv_send=kv_send)
+                                 loop=loop, **ring_options)
 
   extra = {}
   if window_and_padding:

@@ -70,6 +70,13 @@ STRATEGIES: tuple[str, ...] = get_args(Strategy)
 KvSend = Literal["stacked", "separate"]
 KV_SENDS: tuple[str, ...] = get_args(KvSend)
 
+# How a dual-chunk causal ring step after the first picks its block: a
+# lax.cond between half-KV and half-Q (on GPU its predicate is copied to the
+# host), or "paired": no branch, the two C x C pairs of either block, one
+# of them shared, as one batch-stacked call (see ring_blocks).
+CausalStep = Literal["cond", "paired"]
+CAUSAL_STEPS: tuple[str, ...] = get_args(CausalStep)
+
 
 @dataclasses.dataclass(frozen=True)
 class ContextParallel:
@@ -91,6 +98,9 @@ class ContextParallel:
       time, bounding the gathered KV held per device.
     kv_send: the ring's per-step K/V send, ``"stacked"`` (one buffer) or
       ``"separate"`` (K and V as two operands of the step's permute).
+    causal_step: the ring's dual-chunk causal steps, ``"cond"`` (a
+      ``lax.cond`` between half-KV and half-Q) or ``"paired"`` (no branch;
+      see ``jax_ring._src.ring_blocks``).
   """
 
   axis: str | tuple[str, str] = "cp"
@@ -99,6 +109,7 @@ class ContextParallel:
   loop: Literal["scan", "unrolled"] | None = None
   kv_chunk_heads: int | None = None
   kv_send: KvSend = "stacked"
+  causal_step: CausalStep = "cond"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +124,7 @@ class ShardPlan:
     loop: the ring's loop form; other strategies ignore it.
     kv_chunk_heads: all-gather only: gather this many kv heads at a time.
     kv_send: the ring's per-step K/V send (see ``ContextParallel``).
+    causal_step: the ring's dual-chunk causal steps (``ContextParallel``).
   """
 
   axis_name: str
@@ -121,6 +133,7 @@ class ShardPlan:
   loop: Literal["scan", "unrolled"] = "unrolled"
   kv_chunk_heads: int | None = None
   kv_send: KvSend = "stacked"
+  causal_step: CausalStep = "cond"
 
 
 # TransformerEngine's switch between its two ring loop forms; honoured for

@@ -28,7 +28,12 @@ contiguous  i > 0, src > r         skip (above the diagonal)
 
 Under dual_chunk every step after the first costs the same C x 2C block on
 every device. The local order [chunk r, chunk 2N-1-r] is increasing in global
-position, so the diagonal step is exactly a local causal mask.
+position, so the diagonal step is exactly a local causal mask. With
+``causal_step="paired"`` the half-KV/half-Q choice is not a branch: both
+blocks are the pair (second q chunk, first kv chunk) plus (q chunk i, kv
+chunk i), i = [src > r], run as one call of two C x C pairs stacked on the
+batch axis (``ring_blocks.paired_fwd``): on GPU a ``lax.cond`` copies its
+predicate to the host and waits for it, which this avoids.
 
 Padding lengths are global positions; because every block's chunks are in
 increasing global order, the valid tokens of a block are a prefix of it, so
@@ -56,8 +61,8 @@ from jax import lax
 
 from jax_ring._src import ring_blocks as blocks
 from jax_ring._src import shard_call, validate
-from jax_ring._src.config import (AttentionConfig, KvSend, ShardPlan,
-                                  loop_from_environment)
+from jax_ring._src.config import (AttentionConfig, CausalStep, KvSend,
+                                  ShardPlan, loop_from_environment)
 from jax_ring._src.layout import LoadBalance
 from jax_ring._src.mask import TokenMask
 
@@ -119,6 +124,12 @@ def _step_call(fn, plan, causal, r, src, *args):
                   functools.partial(fn, after), *args)
 
 
+def _paired(plan: ShardPlan, cfg: AttentionConfig) -> bool:
+  """Dual-chunk causal steps run branch-free (``causal_step="paired"``)."""
+  return (plan.causal_step == "paired" and cfg.is_causal and
+          plan.load_balance == "dual_chunk")
+
+
 def _cfgs(cfg: AttentionConfig):
   """(off-diagonal, diagonal) block configs: index with ``kind == "diag"``."""
   return cfg.replace(is_causal=False), cfg
@@ -150,10 +161,12 @@ def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
 
     def later(step, kv, carry):
       src = src_of(step)
-      part = _step_call(
-          lambda kind, kv: blocks.kind_fwd(
-              kind, q, tm, kv, qc, blocks.chunk_ids(plan, src), cfgs),
-          plan, cfg.is_causal, r, src, kv)
+      kc = blocks.chunk_ids(plan, src)
+      if _paired(plan, cfg):
+        part = blocks.paired_fwd(q, tm, kv, qc, kc, src > r, cfgs[0])
+      else:
+        part = _step_call(lambda kind, kv: blocks.kind_fwd(
+            kind, q, tm, kv, qc, kc, cfgs), plan, cfg.is_causal, r, src, kv)
       return blocks.merge(*carry, *part)
 
   out, lse = _ring_loop(plan, first, later, kv0, None)
@@ -186,10 +199,12 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
 
     def step_bwd(step, kv):
       src = src_of(step)
-      return _step_call(
-          lambda kind, kv: blocks.kind_bwd(
-              kind, q, tm, kv, qc, blocks.chunk_ids(plan, src), *grads, cfgs),
-          plan, cfg.is_causal, r, src, kv)
+      kc = blocks.chunk_ids(plan, src)
+      if _paired(plan, cfg):
+        return blocks.paired_bwd(q, tm, kv, qc, kc, src > r, *grads, cfgs[0])
+      return _step_call(lambda kind, kv: blocks.kind_bwd(
+          kind, q, tm, kv, qc, kc, *grads, cfgs), plan, cfg.is_causal, r,
+                        src, kv)
 
   # The carry is (dq, dkv): dkv belongs to the KV held at this step, so it
   # moves with it after the step's compute.
@@ -215,7 +230,8 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
                    segment_ids=None, query_seq_lengths=None,
                    key_value_seq_lengths=None, local_window_size=None,
                    scale=None, logits_soft_cap=None, implementation=None,
-                   loop: Loop | None = None, kv_send: KvSend = "stacked"):
+                   loop: Loop | None = None, kv_send: KvSend = "stacked",
+                   causal_step: CausalStep = "cond"):
   """Exact attention over a sequence sharded along mesh axis ``axis_name``.
 
   Call it inside ``shard_map`` on the local shards: ``query (B, T, N, H)``,
@@ -245,18 +261,23 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
       unrolled, as in TransformerEngine), else ``"unrolled"``.
     kv_send: ``"stacked"`` (K and V in one buffer, one permute per step) or
       ``"separate"`` (two operands per step, no stacking copy).
+    causal_step: dual-chunk causal steps after the first: ``"cond"`` (a
+      ``lax.cond`` between the half-KV and half-Q blocks) or ``"paired"``
+      (no branch: their two C x C pairs as one batch-stacked block call).
 
   Returns:
     ``(B, T, N, H)`` in the input dtype: this device's rows of the output.
   """
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   cp = validate.mesh_axis(axis_name)
-  validate.ring_options(load_balance, loop, query.shape[1], cp, kv_send)
+  validate.ring_options(load_balance, loop, query.shape[1], cp, kv_send,
+                        causal_step)
   tm, cfg = shard_call.prepare(
       query, key, value, segment_ids=segment_ids,
       lengths=(query_seq_lengths, key_value_seq_lengths),
       local_window_size=local_window_size, is_causal=is_causal, scale=scale,
       logits_soft_cap=logits_soft_cap, implementation=implementation)
   plan = ShardPlan(axis_name, cp, load_balance,
-                   loop or loop_from_environment(), kv_send=kv_send)
+                   loop or loop_from_environment(), kv_send=kv_send,
+                   causal_step=causal_step)
   return ring(query, key, value, tm, cfg, plan)

@@ -242,6 +242,74 @@ def kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs, own=False):
   return _place(dq, blk.rows, t, 1), _place(dkv, blk.cols, t, 2)
 
 
+# --- a dual-chunk causal step without a branch ("paired") ----------------
+#
+# With q chunks (q0, q1) and held kv chunks (k0, k1) of C tokens, half-KV
+# (src < r) is the pairs (q0, k0) + (q1, k0) and half-Q (src > r) is
+# (q1, k0) + (q1, k1): both are (q1, k0) plus (q_i, k_i), i = [src > r].
+# The two unmasked C x C pairs run as one block call, stacked on the batch
+# axis (2B rows of C), with i a traced index: no lax.cond, so no predicate
+# copied to the host, the same kernel on every device at every step, and
+# selects (not branches) place the results.
+
+def _pair_rows(x, i, c):
+  """Rows [c, 2c) and [i c, (i + 1) c) of axis 1, stacked on axis 0."""
+  if x is None:
+    return None
+  return jnp.concatenate([x[:, c:], lax.dynamic_slice_in_dim(x, i * c, c, 1)])
+
+
+def _paired_block(q, tm, kv, qc, kc, i):
+  """The batch-stacked block of the pairs (q1, k0) and (q_i, k_i)."""
+  c = q.shape[1] // 2
+  (k, v), kv_seg = (kv[0][0], kv[0][1]), kv[1]
+  first = lambda x: None if x is None else jnp.concatenate(
+      [x[:, :c], lax.dynamic_slice_in_dim(x, i * c, c, 1)])
+  pick = lambda ids: jnp.where(i == 0, ids[0], ids[1])
+  lengths = lambda n, ids: None if n is None else jnp.concatenate(
+      [prefix(n, [ids[0]], c), prefix(n, [ids[1]], c)])
+  mask = BlockMask(
+      q_segment_ids=_pair_rows(tm.q_segment_ids, i, c),
+      kv_segment_ids=first(kv_seg),
+      q_lengths=lengths(tm.q_lengths, (qc[1], pick(qc))),
+      kv_lengths=lengths(tm.kv_lengths, (kc[0], pick(kc))))
+  return _pair_rows(q, i, c), (first(k), first(v)), mask
+
+
+def paired_fwd(q, tm, kv, qc, kc, later, cfg):
+  """(out f32, lse) over the local q of a dual-chunk causal step after the
+  first; ``later``: traced ``src > r``. ``cfg`` is the unmasked config."""
+  b, t = q.shape[:2]
+  c, i = t // 2, later.astype(jnp.int32)
+  q2, kv2, mask = _paired_block(q, tm, kv, qc, kc, i)
+  o, l = kernel.attention(q2, *kv2, None, mask, cfg)
+  o = o.astype(jnp.float32)
+  shared, own = (o[:b], l[:b]), (o[b:], l[b:])
+  keep = lambda x, on: (jnp.where(on, x[0], 0),
+                        jnp.where(on, x[1], MASK_VALUE))
+  second = merge(*shared, *keep(own, i == 1))
+  first = keep(own, i == 0)
+  return tuple(jnp.concatenate(x, 1) for x in zip(first, second))
+
+
+def paired_bwd(q, tm, kv, qc, kc, later, out, lse, dout, cfg):
+  """(dq f32 of the local q, stacked f32 dK/dV of the held kv)."""
+  b, t = q.shape[:2]
+  c, i = t // 2, later.astype(jnp.int32)
+  q2, kv2, mask = _paired_block(q, tm, kv, qc, kc, i)
+  dq, dk, dv, _ = kernel.attention_backward(
+      q2, *kv2, None, mask, _pair_rows(out, i, c), _pair_rows(lse, i, c),
+      _pair_rows(dout, i, c), None, cfg)
+  dq = dq.astype(jnp.float32)
+  dkv = jnp.stack([dk, dv]).astype(jnp.float32)  # (2, 2B, C, K, H)
+  shared, own = dkv[:, :b], dkv[:, b:]
+  dq = jnp.concatenate([jnp.where(i == 0, dq[b:], 0),
+                        dq[:b] + jnp.where(i == 1, dq[b:], 0)], 1)
+  dkv = jnp.concatenate([shared + jnp.where(i == 0, own, 0),
+                         jnp.where(i == 1, own, 0)], 2)
+  return dq, dkv
+
+
 def _pair_switch(fn, skip, plan, cfg, a, b, tm, kv, r, src, c):
   """``fn(block)`` for query chunk a of device r and kv chunk b of device
   src, switched on their chunk distance; ``skip()`` outside the window."""
