@@ -5,6 +5,7 @@
 // number of virtual batches: B, or B * slots with packed documents. Failures come back
 // as ffi::Error with a message; nothing here aborts the process.
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 
@@ -297,4 +298,30 @@ NB_MODULE(_cudnn, m) {
     return d;
   });
   m.def("cudnn_version", []() { return static_cast<int64_t>(cudnnGetVersion()); });
+  // The workspace a call's graph needs (the graph is built and cached as
+  // for a run). The handlers take it from XLA's allocator at run time, so a
+  // compiled program's memory analysis leaves it out.
+  m.def(
+      "workspace_bytes",
+      [](bool backward, bool bf16, int32_t device, int64_t b, int64_t t,
+         int64_t s, int64_t n, int64_t k, int64_t h, int64_t slots,
+         int64_t row_start, int64_t col_start, int64_t right_bound,
+         int64_t left_bound, bool padding, float scale, float softcap) {
+        jax_ring::SdpaKey key{
+            backward, bf16 ? jax_ring::Dtype::kBF16 : jax_ring::Dtype::kF16,
+            device, b, t, s, n, k, h, slots, row_start, col_start,
+            right_bound, left_bound, padding, scale, softcap};
+        std::string error;
+        cudnnHandle_t handle = jax_ring::HandleFor(device, &error);
+        if (handle == nullptr) throw std::runtime_error(error);
+        auto lock = jax_ring::LockHandle(device);
+        auto plan = jax_ring::GetPlan(key, handle, &error);
+        if (!plan) throw std::runtime_error("jax_ring cuDNN attention: " + error);
+        return jax_ring::WorkspaceSize(*plan);
+      },
+      nb::arg("backward"), nb::arg("bf16"), nb::arg("device"), nb::arg("b"),
+      nb::arg("t"), nb::arg("s"), nb::arg("n"), nb::arg("k"), nb::arg("h"),
+      nb::arg("slots"), nb::arg("row_start"), nb::arg("col_start"),
+      nb::arg("right_bound"), nb::arg("left_bound"), nb::arg("padding"),
+      nb::arg("scale"), nb::arg("softcap"));
 }

@@ -23,7 +23,8 @@ class FakeRun:
   def compile_peak(self, seq):
     self.compiled.append(seq)
     extra = self.jump if self.jump_at and seq >= self.jump_at else 0
-    return self.fixed + self.per_token * seq + extra, 0.0
+    return dict(seq=seq, peak=self.fixed + self.per_token * seq + extra,
+                workspace=0, compile_s=0.0)
 
 
 @pytest.mark.parametrize("fixed, per_token, jump_at, jump", [
@@ -36,7 +37,7 @@ def test_longest_finds_the_last_fitting_granule(fixed, per_token, jump_at,
   limit, granule = 134e9, 16384
   run = FakeRun(fixed, per_token, jump_at, jump)
   best, _, rec = lm_training.longest(run, limit, (65536, 131072), granule)
-  fits = lambda s: run.compile_peak(s)[0] <= limit
+  fits = lambda s: run.compile_peak(s)["peak"] <= limit
   assert best % granule == 0 and fits(best) and not fits(best + granule)
   assert len(rec) <= 8
 

@@ -139,6 +139,20 @@ def test_default_implementation_lowers_to_the_ffi_call():
   assert "jax_ring_sdpa_fwd" in hlo and "jax_ring_sdpa_bwd" in hlo
 
 
+def test_workspace_of_the_recorded_calls():
+  """The traced forward and backward calls are recorded, and each one's
+  graph reports its workspace (built as for a run)."""
+  q, k, v, _ = ref.random_qkv(6, 1, 1024, 1024, 4, 2, 64, jnp.bfloat16)
+  loss = lambda q, k, v: jax_ring.dot_product_attention(
+      q, k, v, is_causal=True).astype(jnp.float32).sum()
+  jax.clear_caches()
+  with cudnn.recording() as calls:
+    jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v)
+  assert [c["backward"] for c in calls] == [False, True]
+  sizes = [cudnn.workspace_bytes(c) for c in calls]
+  assert all(isinstance(x, int) and x >= 0 for x in sizes), sizes
+
+
 def test_soft_cap_with_padding_falls_back_with_a_reason():
   q, k, v, _ = ref.random_qkv(7, 2, 64, 64, 4, 4, 64, jnp.bfloat16)
   with pytest.raises(ValueError, match="logits_soft_cap with padding"):

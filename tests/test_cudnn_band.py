@@ -104,3 +104,34 @@ def test_packed_documents_that_do_not_fit_are_flagged():
                         (np.ones((1, t), np.int32), split)):
     assert not bool(cudnn._documents(jnp.asarray(q_ids),
                                      jnp.asarray(kv_ids)).fits)
+
+
+def test_recording_notes_each_traced_call_with_its_graph_key(monkeypatch):
+  """``recording()`` collects every cuDNN call traced inside, with what
+  ``workspace_bytes`` needs to rebuild its graph: a causal block's forward
+  and backward, and a packed block (slots); nothing outside the block."""
+  import jax
+  import jax_ring
+  from jax_ring._src.mask import BlockMask
+
+  monkeypatch.setattr(cudnn, "unsupported", lambda *_: None)  # as on a GPU
+  b, t, n, k, h = 2, 8, 4, 2, 16
+  q = jnp.ones((b, t, n, h), jnp.bfloat16)
+  kv = jnp.ones((b, t, k, h), jnp.bfloat16)
+  lse = jnp.zeros((b, t, n), jnp.float32)
+  cfg = jax_ring.AttentionConfig(0.25, is_causal=True)
+  ids = jnp.asarray(ref.random_segments(3, b, t, 2))
+  with cudnn.recording() as calls:
+    jax.make_jaxpr(lambda q, kv: cudnn.forward(q, kv, kv, None, BlockMask(),
+                                               cfg))(q, kv)
+    jax.make_jaxpr(lambda q, kv: cudnn.backward(
+        q, kv, kv, None, BlockMask(), q, lse, q, None, cfg))(q, kv)
+    jax.make_jaxpr(lambda q, kv: cudnn.forward(
+        q, kv, kv, None, BlockMask(q_segment_ids=ids), cfg))(q, kv)
+  assert cudnn._RECORD is None
+  assert [(c["backward"], c["slots"]) for c in calls] == [
+      (False, 0), (True, 0), (False, cudnn.SLOTS)]
+  assert calls[0] == dict(backward=False, q=(b, t, n, h), k=(b, t, k, h),
+                          dtype="bfloat16", scale=0.25, row_start=0,
+                          col_start=0, right_bound=0, left_bound=0,
+                          padding=False, softcap=0.0, slots=0)

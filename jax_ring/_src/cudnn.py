@@ -57,6 +57,7 @@ for it; that call alone runs on ``xla``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 
@@ -168,6 +169,50 @@ def _attrs(config, bnd: Band, padding: bool, slots: int = 0):
               softcap=np.float32(config.logits_soft_cap or 0.0), slots=slots)
 
 
+# The cuDNN calls traced inside ``recording()`` (else None): each one's
+# handler, q/k shapes, dtype and attributes, enough to rebuild its graph.
+_RECORD: list | None = None
+
+
+def _sdpa(name, results, q, k, *operands, **attrs):
+  """``jax.ffi.ffi_call`` of handler ``name`` (q and k lead the operands),
+  noted in the active recording."""
+  if _RECORD is not None:
+    _RECORD.append(dict(backward=name == "jax_ring_sdpa_bwd",
+                        q=q.shape, k=k.shape, dtype=jnp.dtype(q.dtype).name,
+                        **{a: x.item() if hasattr(x, "item") else x
+                           for a, x in attrs.items()}))
+  return jax.ffi.ffi_call(name, results)(q, k, *operands, **attrs)
+
+
+@contextlib.contextmanager
+def recording():
+  """Collect the cuDNN calls traced inside (a list of dicts, for
+  :func:`workspace_bytes`). Tracing happens once per input shapes: call
+  ``jax.clear_caches()`` first to see a function traced before."""
+  global _RECORD
+  outer, _RECORD = _RECORD, []
+  try:
+    yield _RECORD
+  finally:
+    _RECORD = outer
+
+
+def workspace_bytes(call: dict, device: int = 0) -> int:
+  """cuDNN's workspace for one recorded call, from its graph (built and
+  cached as at run time; needs the GPU). The handlers take it from XLA's
+  allocator while they run, so a compiled program's memory analysis does
+  not count it."""
+  if _cudnn is None:
+    raise RuntimeError(f"the cuDNN extension is not loaded: {LOAD_ERROR}")
+  (b, t, n, h), (_, s, k, _) = call["q"], call["k"]
+  return _cudnn.workspace_bytes(
+      call["backward"], call["dtype"] == "bfloat16", device, b, t, s, n, k,
+      h, call["slots"], call["row_start"], call["col_start"],
+      call["right_bound"], call["left_bound"], call["padding"],
+      call["scale"], call["softcap"])
+
+
 def _no_ragged():
   """Placeholder ragged-offset operands of an unpacked call (built at trace
   time: creating arrays at import would start jax's backends)."""
@@ -256,11 +301,11 @@ def _doc_col_valid(docs: _Docs, s):
 
 def _packed_forward(q, k, v, docs: _Docs, config, bnd: Band):
   b, t, n, _ = q.shape
-  out, stats = jax.ffi.ffi_call(
+  out, stats = _sdpa(
       "jax_ring_sdpa_fwd",
       (jax.ShapeDtypeStruct(q.shape, q.dtype),
        jax.ShapeDtypeStruct((b * SLOTS, n, t), jnp.float32)),
-  )(q, k, v, *_doc_rows(docs, q, k), **_attrs(config, bnd, False, SLOTS))
+      q, k, v, *_doc_rows(docs, q, k), **_attrs(config, bnd, False, SLOTS))
   bi, slot, row = _doc_index(docs, t)
   lse = stats.reshape(b, SLOTS, n, t)[bi, slot, :, row]  # (B, T, N)
   valid = _doc_row_valid(docs)
@@ -273,13 +318,13 @@ def _packed_backward(q, k, v, docs: _Docs, out, lse, dout, config, bnd: Band):
   bi, slot, row = _doc_index(docs, t)
   stats = jnp.zeros((b, SLOTS, n, t), jnp.float32).at[bi, slot, :, row].set(
       lse.astype(jnp.float32)).reshape(b * SLOTS, n, t)
-  dq, dk, dv = jax.ffi.ffi_call(
+  dq, dk, dv = _sdpa(
       "jax_ring_sdpa_bwd",
       (jax.ShapeDtypeStruct(q.shape, q.dtype),
        jax.ShapeDtypeStruct(k.shape, k.dtype),
        jax.ShapeDtypeStruct(v.shape, v.dtype)),
-  )(q, k, v, out, stats, dout, *_doc_rows(docs, q, k),
-    **_attrs(config, bnd, False, SLOTS))
+      q, k, v, out, stats, dout, *_doc_rows(docs, q, k),
+      **_attrs(config, bnd, False, SLOTS))
   rows = _doc_row_valid(docs)[:, :, None, None]
   cols = _doc_col_valid(docs, k.shape[1])[:, :, None, None]
   return (jnp.where(rows, dq, 0), jnp.where(cols, dk, 0),
@@ -303,11 +348,11 @@ def forward(q, k, v, bias, mask, config):
         lambda: xla_backend.forward(q, k, v, None, mask, config))
   seq_q, seq_kv, padding = _window_lengths(mask, bnd, b, t, s)
   rows = t - bnd.row_start
-  out, stats = jax.ffi.ffi_call(
+  out, stats = _sdpa(
       "jax_ring_sdpa_fwd",
       (jax.ShapeDtypeStruct(q.shape, q.dtype),
        jax.ShapeDtypeStruct((b, n, rows), jnp.float32)),
-  )(q, k, v, seq_q, seq_kv, *_no_ragged(), **_attrs(config, bnd, padding))
+      q, k, v, seq_q, seq_kv, *_no_ragged(), **_attrs(config, bnd, padding))
   lse = jnp.pad(jnp.swapaxes(stats, 1, 2), ((0, 0), (bnd.row_start, 0), (0, 0)))
   if _rows_may_be_empty(bnd, padding, t, s):
     valid = _row_valid(bnd, seq_q, seq_kv, t)
@@ -335,13 +380,13 @@ def backward(q, k, v, bias, mask, out, lse, dout, dlse, config):
                                      None, config)[:3]) + (None,)
   seq_q, seq_kv, padding = _window_lengths(mask, bnd, b, t, s)
   stats = jnp.swapaxes(lse[:, bnd.row_start:], 1, 2).astype(jnp.float32)
-  dq, dk, dv = jax.ffi.ffi_call(
+  dq, dk, dv = _sdpa(
       "jax_ring_sdpa_bwd",
       (jax.ShapeDtypeStruct(q.shape, q.dtype),
        jax.ShapeDtypeStruct(k.shape, k.dtype),
        jax.ShapeDtypeStruct(v.shape, v.dtype)),
-  )(q, k, v, out, stats, dout, seq_q, seq_kv, *_no_ragged(),
-    **_attrs(config, bnd, padding))
+      q, k, v, out, stats, dout, seq_q, seq_kv, *_no_ragged(),
+      **_attrs(config, bnd, padding))
   if _rows_may_be_empty(bnd, padding, t, s):
     dq = jnp.where(_row_valid(bnd, seq_q, seq_kv, t)[:, :, None, None], dq, 0)
   if padding or bnd.col_start:
