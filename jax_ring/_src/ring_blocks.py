@@ -252,28 +252,29 @@ def kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs, own=False):
 # copied to the host, the same kernel on every device at every step, and
 # selects (not branches) place the results.
 
-def _pair_rows(x, i, c):
-  """Rows [c, 2c) and [i c, (i + 1) c) of axis 1, stacked on axis 0."""
+def _chunks(x, fixed, i, c):
+  """Chunks ``fixed`` (static) and ``i`` (traced) of C tokens along axis 1,
+  stacked on the batch axis: ``(2B, C, ...)``; None stays None."""
   if x is None:
     return None
-  return jnp.concatenate([x[:, c:], lax.dynamic_slice_in_dim(x, i * c, c, 1)])
+  return jnp.concatenate([x[:, fixed * c:(fixed + 1) * c],
+                          lax.dynamic_slice_in_dim(x, i * c, c, 1)])
 
 
 def _paired_block(q, tm, kv, qc, kc, i):
   """The batch-stacked block of the pairs (q1, k0) and (q_i, k_i)."""
   c = q.shape[1] // 2
   (k, v), kv_seg = (kv[0][0], kv[0][1]), kv[1]
-  first = lambda x: None if x is None else jnp.concatenate(
-      [x[:, :c], lax.dynamic_slice_in_dim(x, i * c, c, 1)])
   pick = lambda ids: jnp.where(i == 0, ids[0], ids[1])
   lengths = lambda n, ids: None if n is None else jnp.concatenate(
       [prefix(n, [ids[0]], c), prefix(n, [ids[1]], c)])
   mask = BlockMask(
-      q_segment_ids=_pair_rows(tm.q_segment_ids, i, c),
-      kv_segment_ids=first(kv_seg),
+      q_segment_ids=_chunks(tm.q_segment_ids, 1, i, c),
+      kv_segment_ids=_chunks(kv_seg, 0, i, c),
       q_lengths=lengths(tm.q_lengths, (qc[1], pick(qc))),
       kv_lengths=lengths(tm.kv_lengths, (kc[0], pick(kc))))
-  return _pair_rows(q, i, c), (first(k), first(v)), mask
+  return (_chunks(q, 1, i, c),
+          (_chunks(k, 0, i, c), _chunks(v, 0, i, c)), mask)
 
 
 def paired_fwd(q, tm, kv, qc, kc, later, cfg):
@@ -298,8 +299,8 @@ def paired_bwd(q, tm, kv, qc, kc, later, out, lse, dout, cfg):
   c, i = t // 2, later.astype(jnp.int32)
   q2, kv2, mask = _paired_block(q, tm, kv, qc, kc, i)
   dq, dk, dv, _ = kernel.attention_backward(
-      q2, *kv2, None, mask, _pair_rows(out, i, c), _pair_rows(lse, i, c),
-      _pair_rows(dout, i, c), None, cfg)
+      q2, *kv2, None, mask, _chunks(out, 1, i, c), _chunks(lse, 1, i, c),
+      _chunks(dout, 1, i, c), None, cfg)
   dq = dq.astype(jnp.float32)
   dkv = jnp.stack([dk, dv]).astype(jnp.float32)  # (2, 2B, C, K, H)
   shared, own = dkv[:, :b], dkv[:, b:]
