@@ -20,6 +20,7 @@ tuple lowers to one collective-permute per leaf, so "parts" is that.
 from __future__ import annotations
 
 import argparse
+import os
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,8 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--mib", type=int, nargs="+", default=[64, 128, 256])
   p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 4, 8])
+  p.add_argument("--tag", default="", help="suffix of the results file "
+                 "(e.g. per NCCL_* setting, which the JSON records)")
   a = p.parse_args()
   cp = jax.device_count()
   mesh = Mesh(np.array(jax.devices()), ("cp",))
@@ -76,8 +79,10 @@ def main():
                    gb_per_s=mib * 2**20 / t / 1e9)
         rows.append(row)
         print(row, flush=True)
-  write("permute_bandwidth", rows, ["mib", "mode", "parts", "ms", "gb_per_s"],
-        extra=dict(cp=cp, dtype="bfloat16"))
+  nccl = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
+  write("permute_bandwidth" + a.tag, rows,
+        ["mib", "mode", "parts", "ms", "gb_per_s"],
+        extra=dict(cp=cp, dtype="bfloat16", nccl_env=nccl))
 
 
 if __name__ == "__main__":
