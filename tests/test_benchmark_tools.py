@@ -23,14 +23,15 @@ class FakeRun:
   def compile_peak(self, seq):
     self.compiled.append(seq)
     extra = self.jump if self.jump_at and seq >= self.jump_at else 0
-    return dict(seq=seq, peak=self.fixed + self.per_token * seq + extra,
-                workspace=0, compile_s=0.0)
+    peak = self.fixed + self.per_token * seq + extra
+    return dict(seq=seq, xla_peak=peak, workspace=0, peak=peak, compile_s=0.0)
 
 
 @pytest.mark.parametrize("fixed, per_token, jump_at, jump", [
     (10e9, 180e3, None, 0),      # linear: the line's root is the answer
     (20e9, 1.3e6, None, 0),
     (10e9, 180e3, 300_000, 8e9),  # a step in the curve: bisection finds it
+    (10e9, 180e3, 400_000, float("inf")),  # no cuDNN graph from 400k on
 ])
 def test_longest_finds_the_last_fitting_granule(fixed, per_token, jump_at,
                                                 jump):

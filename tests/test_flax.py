@@ -266,6 +266,8 @@ def test_prepared_batch_is_one_permutation_sharded_on_the_mesh():
      "param_rules needs rules (the activations' sharding)"),
     (dict(rules=jrf.logical_rules(), param_rules=(("embed", "data"),)),
      "param_rules must map every logical axis of the layer"),
+    (dict(rules=jrf.logical_rules(), param_rules=()),
+     "param_rules must map every logical axis of the layer"),
 ])
 def test_config_errors(kw, message):
   with pytest.raises(ValueError, match=re.escape(message)):

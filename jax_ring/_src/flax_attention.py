@@ -140,10 +140,12 @@ class AttentionLayerConfig:
                        f"{self.sliding_window!r}")
     if self.param_rules is not None and not self.rules:
       raise ValueError("param_rules needs rules (the activations' sharding)")
-    for field in ("rules", "param_rules"):
+    # Empty rules mean "unsharded"; param_rules, once given, must be whole.
+    for field, given in (("rules", bool(self.rules)),
+                         ("param_rules", self.param_rules is not None)):
       named = {name for name, _ in getattr(self, field) or ()}
       missing = [a for a in LOGICAL_AXES if a not in named]
-      if named and missing:
+      if given and missing:
         raise ValueError(
             f"{field} must map every logical axis of the layer "
             f"{LOGICAL_AXES}; missing {missing}")
