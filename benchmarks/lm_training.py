@@ -128,11 +128,12 @@ class Run:
 
 
 def longest(run: Run, limit: int, probe: tuple[int, int], granule: int,
-            max_compiles: int = 8):
+            max_compiles: int = 8, on_compile=lambda rec: None):
   """(longest fitting length, bytes per token, compile records): secant
   steps on the peak-vs-length line, alternating with bisection once the
   answer is bracketed, rounded to ``granule``, until a fitting
-  length and a failing one a granule above it are both compiled."""
+  length and a failing one a granule above it are both compiled.
+  ``on_compile(records)`` runs after each compile (to save progress)."""
   peaks, rec = {}, []
 
   def at(s):
@@ -140,6 +141,7 @@ def longest(run: Run, limit: int, probe: tuple[int, int], granule: int,
       rec.append(run.compile_peak(s))
       peaks[s] = rec[-1]["peak"]
       print("  compiled", rec[-1], "limit", limit, flush=True)
+      on_compile(rec)
     return peaks[s]
 
   for s in probe:
@@ -179,6 +181,8 @@ def main():
   p.add_argument("--probe", type=int, nargs=2, default=[65536, 131072])
   p.add_argument("--peak-tflops", type=float, default=989.0)
   p.add_argument("--skip-longest", action="store_true")
+  p.add_argument("--skip-throughput", action="store_true",
+                 help="only the longest-length search")
   p.add_argument("--example-args", default="",
                  help="more flags for examples/train_lm.py, e.g. "
                  "--example-args=--no-remat")
@@ -258,7 +262,8 @@ def main():
     run = runs[devices] = Run(common_argv + mesh_argv,
                               jax.devices()[:devices], not a.no_packing)
     cfg = run.built["cfg"]
-    for i, seq in enumerate(a.seq[:1] if devices == 1 else a.seq):
+    seqs = [] if a.skip_throughput else a.seq[:1] if devices == 1 else a.seq
+    for i, seq in enumerate(seqs):
       before = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use")
       r = run.throughput(seq, a.steps)
       r.update(devices=devices, params=cfg.num_params(), bytes_in_use_before=
@@ -275,11 +280,17 @@ def main():
       limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
       if not limit:
         break
-      best, slope, rec = longest(run, limit, tuple(a.probe), a.granule)
-      longest_rows.append(dict(devices=devices, longest_seq=best,
-                               bytes_limit=limit, bytes_per_token=slope,
-                               compiles=rec))
-      print(longest_rows[-1], flush=True)
+      row = dict(devices=devices, longest_seq=None, bytes_limit=limit)
+      longest_rows.append(row)
+
+      def save(rec, row=row):  # a run cut short keeps its compiles
+        row["compiles"] = list(rec)
+        report()
+
+      best, slope, _ = longest(run, limit, tuple(a.probe), a.granule,
+                               on_compile=save)
+      row.update(longest_seq=best, bytes_per_token=slope)
+      print(row, flush=True)
       extra = report()
     if "longest_ratio" in extra:
       print(f"longest sequence: {longest_rows[0]['longest_seq']} on 1 device,"

@@ -37,7 +37,10 @@ def test_longest_finds_the_last_fitting_granule(fixed, per_token, jump_at,
                                                 jump):
   limit, granule = 134e9, 16384
   run = FakeRun(fixed, per_token, jump_at, jump)
-  best, _, rec = lm_training.longest(run, limit, (65536, 131072), granule)
+  saved = []
+  best, _, rec = lm_training.longest(run, limit, (65536, 131072), granule,
+                                     on_compile=lambda r: saved.append(len(r)))
+  assert saved == list(range(1, len(rec) + 1))  # progress after each compile
   fits = lambda s: run.compile_peak(s)["peak"] <= limit
   assert best % granule == 0 and fits(best) and not fits(best + granule)
   assert len(rec) <= 8
