@@ -4,7 +4,6 @@ import dataclasses
 
 import hypothesis.strategies as st
 import jax.numpy as jnp
-import numpy as np
 from hypothesis import HealthCheck, given, settings
 
 import reference as ref

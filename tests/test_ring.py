@@ -334,7 +334,7 @@ def test_striped_reorder_round_trips_and_places_tokens(cp):
 def test_striped_bands_match_global_positions(n):
   """Each striped block's static band, read with BlockMask semantics, keeps
   exactly the (query, key) pairs the global mask keeps, for every d."""
-  from jax_ring._src import ring_blocks
+  from jax_ring._src import ring_striped
 
   for t, causal, window in itertools.product(
       [1, 2, 5], [True, False], [None, (0, 0), (5, 0), (3, 7), (1, 12)]):
@@ -347,7 +347,7 @@ def test_striped_bands_match_global_positions(n):
         want &= dist >= 0
       if window is not None:
         want &= (-window[1] <= dist) & (dist <= window[0])
-      band = ring_blocks.striped_band(cfg, n, t, d)
+      band = ring_striped.striped_band(cfg, n, t, d)
       got = np.zeros_like(want)
       if band is not None:
         local = m + band.q_offset - band.kv_offset  # local p_q - p_k

@@ -40,7 +40,8 @@ increasing global order, the valid tokens of a block are a prefix of it, so
 each block gets a local prefix length (a runtime operand, which cuDNN takes
 as its sequence lengths) and static offsets.
 
-Windows and the striped layout: see :mod:`jax_ring._src.ring_blocks`.
+Windows: see :mod:`jax_ring._src.ring_blocks`; the striped layout:
+:mod:`jax_ring._src.ring_striped`.
 
 Backward (custom VJP): dq accumulates locally; (K, V) and their dK/dV
 accumulators travel the ring together, each block's backward is given the
@@ -60,6 +61,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ring._src import ring_blocks as blocks
+from jax_ring._src import ring_striped as striped
 from jax_ring._src import shard_call, validate
 from jax_ring._src.config import (AttentionConfig, CausalStep, KvSend,
                                   ShardPlan, loop_from_environment)
@@ -141,12 +143,12 @@ def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   src_of = lambda step: (r - step) % plan.cp_size
   kv0 = blocks.held_kv(k, v, tm, plan)
   if plan.load_balance == "striped":
-    first = lambda kv, _: blocks.striped_fwd(q, tm, kv, r, r, (0,), cfg,
+    first = lambda kv, _: striped.striped_fwd(q, tm, kv, r, r, (0,), cfg,
                                              plan, tm.same_ids)
 
     def later(step, kv, carry):
-      ds = blocks.distances(step, plan.cp_size)
-      part = blocks.striped_fwd(q, tm, kv, r, src_of(step), ds, cfg, plan)
+      ds = striped.distances(step, plan.cp_size)
+      part = striped.striped_fwd(q, tm, kv, r, src_of(step), ds, cfg, plan)
       return blocks.merge(*carry, *part)
   elif cfg.local_window is not None:
     first = lambda kv, _: blocks.window_fwd(q, tm, kv, r, r, cfg, plan, None)
@@ -180,10 +182,10 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   src_of = lambda step: (r - step) % plan.cp_size
   grads = (out, lse, dout)
   if plan.load_balance == "striped":
-    first_bwd = lambda kv: blocks.striped_bwd(
+    first_bwd = lambda kv: striped.striped_bwd(
         q, tm, kv, r, r, (0,), *grads, cfg, plan, tm.same_ids)
-    step_bwd = lambda step, kv: blocks.striped_bwd(
-        q, tm, kv, r, src_of(step), blocks.distances(step, plan.cp_size),
+    step_bwd = lambda step, kv: striped.striped_bwd(
+        q, tm, kv, r, src_of(step), striped.distances(step, plan.cp_size),
         *grads, cfg, plan)
   elif cfg.local_window is not None:
     step_bwd = lambda step, kv: blocks.window_bwd(

@@ -14,45 +14,7 @@ kv_chunk``, is traced, but only a few values of k can touch the window, so a
 the window) and sends every other distance to a skip branch: work outside
 the window is never done, and the cuDNN band stays a compile-time constant.
 
-Striped layout (token i on device i mod N, as local token i // N). Every
-step is one block of all T queries against all T held keys. Local query a
-of device r is global ``a N + r``, held key b of device src is ``b N + src``,
-so with ``d = r - src`` (traced, in (-N, N)) the global distance is
-``p_q - p_k = (a - b) N + d``. A mask that keeps ``-right <= p_q - p_k <=
-left`` (causal: right = 0; no window: left = inf) keeps ``lo <= a - b <=
-hi`` with ``lo = ceil((-right - d) / N)``, ``hi = floor((left - d) / N)``: a
-static ``BlockMask`` with ``kv_offset - q_offset = lo`` under a local causal
-mask and window ``(hi - lo, 0)`` (none when hi is infinite; skipped when
-hi < lo). Only a few distinct bands arise from the 2N - 1 values of d, so a
-``lax.switch`` on a small table indexed by d picks one (the band stays a
-compile-time constant for cuDNN). Causal, no window, step i (src = r - i
-mod N):
-
-=======================  ===========  ====================================
-step                     d = r - src  band (``lax.switch`` on d)
-=======================  ===========  ====================================
-0 (own KV)               0            inclusive: ``b <= a``, kv_offset 0
-i > 0, i <= r (src < r)  i            inclusive: ``b <= a``, kv_offset 0
-i > 0, i > r (src > r)   i - N        strict: ``b < a``, kv_offset 1
-=======================  ===========  ====================================
-
-Without a causal mask or window every block is full; with a window a few
-more bands appear (e.g. causal (5, 0) on N = 4: ``[0, 1]`` for d in {0, 1},
-``[0, 0]`` for d in {2, 3}, ``[1, 1]`` for d in {-1, -2}, ``[1, 2]`` for
-d = -3). The unrolled loop knows the step, so its switch holds only the
-bands of d in {i, i - N}. Padding: device r's valid tokens under a global
-length L are a prefix of ``ceil((L - r) / N)``, given as local prefix
-lengths shifted by the block's offsets.
-
-Why striped balances causal work: an inclusive block has ``T (T + 1) / 2``
-visible pairs and a strict one ``T (T - 1) / 2``, so every device's block
-at every step is half full to within one diagonal. dual_chunk reaches the
-same balance with unmasked C x 2C blocks, which a tiled kernel runs with no
-wasted tile; a striped block is triangular, so the partly masked tiles along
-its diagonal are computed too (about T x block / 2 extra per step). Striped
-needs only S % N == 0 (dual_chunk: S % 2N). With packed documents its
-blocks after step 0 put a band between different id arrays, which cuDNN's
-ragged path does not serve: those run on the xla backend.
+The striped layout's blocks are in :mod:`jax_ring._src.ring_striped`.
 """
 
 from __future__ import annotations
@@ -62,7 +24,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jax_ring._src import kernel, vma
@@ -107,7 +68,7 @@ def held_kv(k, v, tm: TokenMask, plan: ShardPlan):
   return pair, tm.kv_ids()
 
 
-def _dkv_zeros(kv, rows=None):
+def dkv_zeros(kv, rows=None):
   """float32 zeros shaped like the stacked dK/dV of the held kv (``rows``
   of its T), varying like it."""
   k = kv[0][0]
@@ -189,7 +150,7 @@ def _window_pairs(plan: ShardPlan, cfg: AttentionConfig, c: int):
 
 # --- forward and backward of one block, zero-filled to the full local q ----
 
-def _masked(b, rows, n, h, like):
+def masked(b, rows, n, h, like):
   return vma.like((jnp.zeros((b, rows, n, h), jnp.float32),
                    jnp.full((b, rows, n), MASK_VALUE, jnp.float32)), *like)
 
@@ -223,11 +184,11 @@ def _place(x, sl, size, axis):
 def kind_fwd(kind, q, tm, kv, qc, kc, cfgs, own=False):
   b, t, n, h = q.shape
   if kind == "skip":
-    return _masked(b, t, n, h, (q, kv[0][0]))
+    return masked(b, t, n, h, (q, kv[0][0]))
   blk = _kind_block(kind, q, tm, kv, qc, kc, own)
   o, l = _fwd(blk, cfgs[kind == "diag"])
   if blk.rows != slice(None):  # half_q: the first chunk saw nothing
-    zo, zl = _masked(b, t - o.shape[1], n, h, (q, kv[0][0]))
+    zo, zl = masked(b, t - o.shape[1], n, h, (q, kv[0][0]))
     o, l = jnp.concatenate([zo, o], 1), jnp.concatenate([zl, l], 1)
   return o, l
 
@@ -235,7 +196,7 @@ def kind_fwd(kind, q, tm, kv, qc, kc, cfgs, own=False):
 def kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs, own=False):
   t = q.shape[1]
   if kind == "skip":
-    return vma.like((jnp.zeros(q.shape, jnp.float32), _dkv_zeros(kv)), q,
+    return vma.like((jnp.zeros(q.shape, jnp.float32), dkv_zeros(kv)), q,
                     kv[0][0], out, dout)
   blk = _kind_block(kind, q, tm, kv, qc, kc, own)
   dq, dkv = _bwd(blk, out, lse, dout, cfgs[kind == "diag"])
@@ -280,8 +241,7 @@ def _paired_block(q, tm, kv, qc, kc, i):
 def paired_fwd(q, tm, kv, qc, kc, later, cfg):
   """(out f32, lse) over the local q of a dual-chunk causal step after the
   first; ``later``: traced ``src > r``. ``cfg`` is the unmasked config."""
-  b, t = q.shape[:2]
-  c, i = t // 2, later.astype(jnp.int32)
+  b, i = q.shape[0], later.astype(jnp.int32)
   q2, kv2, mask = _paired_block(q, tm, kv, qc, kc, i)
   o, l = kernel.attention(q2, *kv2, None, mask, cfg)
   o = o.astype(jnp.float32)
@@ -342,7 +302,7 @@ def window_fwd(q, tm, kv, r, src, cfg, plan, carry):
                                        carry[1][:, a * c:(a + 1) * c])
     for bb in range(m):
       f = _pair_switch(lambda blk: _fwd(blk, cfg),
-                       lambda: _masked(b, c, n, h, (q, kv[0][0])), plan, cfg, a,
+                       lambda: masked(b, c, n, h, (q, kv[0][0])), plan, cfg, a,
                        bb, tm, kv, r, src, c)
       o = f(q, tm, kv)
       part = o if part is None else merge(*part, *o)
@@ -360,134 +320,8 @@ def window_bwd(q, tm, kv, r, src, out, lse, dout, cfg, plan):
       f = _pair_switch(
           lambda blk: _bwd(blk, out, lse, dout, cfg),
           lambda: vma.like((jnp.zeros((b, c, n, h), jnp.float32),
-                            _dkv_zeros(kv, c)), q, kv[0][0], out, dout),
+                            dkv_zeros(kv, c)), q, kv[0][0], out, dout),
           plan, cfg, a, bb, tm, kv, r, src, c)
       dq, dkv = f(q, tm, kv)
       dqs[a], dkvs[bb] = dqs[a] + dq, dkvs[bb] + dkv
   return jnp.concatenate(dqs, 1), jnp.concatenate(dkvs, 2)
-
-
-# --- the striped layout -----------------------------------------------------
-#
-# Every step runs one block of all T local queries against all T held keys,
-# under a static band picked by d = r - src (module doc).
-
-@dataclasses.dataclass(frozen=True)
-class _Band:
-  """Static mask of a striped block: offsets, and the causal flag and
-  window of its local band (the default is the unmasked, full block)."""
-
-  q_offset: int = 0
-  kv_offset: int = 0
-  is_causal: bool = False
-  window: tuple[int, int] | None = None
-
-
-def striped_band(cfg: AttentionConfig, n: int, t: int, d: int):
-  """The ``_Band`` of a striped block whose KV comes from device src =
-  r - d, or None if no (query, key) pair of it is visible.
-
-  Local query a is global a n + r and held key b is b n + src, so
-  ``p_q - p_k = (a - b) n + d``, and the global band ``-right <= p_q - p_k
-  <= left`` is the band ``lo <= a - b <= hi`` below. With offsets whose
-  difference is -lo, ``p_q - p_k`` of the block is ``a - b - lo``: a local
-  causal mask with window ``(hi - lo, 0)``.
-  """
-  if not cfg.is_causal and cfg.local_window is None:
-    return _Band()
-  left, right = cfg.local_window or (None, 0)
-  if cfg.is_causal:
-    right = 0  # p_k <= p_q: tighter than any window's right (>= 0)
-  lo = -((right + d) // n)  # ceil((-right - d) / n)
-  hi = None if left is None else (left - d) // n  # floor((left - d) / n)
-  # a - b lies in [1 - t, t - 1]: a bound at or past that is no bound.
-  lo = max(lo, 1 - t)
-  if hi is not None and hi >= t - 1:
-    hi = None
-  if lo > t - 1 or (hi is not None and hi < lo):
-    return None
-  if lo == 1 - t and hi is None:
-    return _Band()
-  # Non-negative offsets (q_offset = -lo when lo < 0) keep the shifted
-  # lengths below non-negative too.
-  return _Band(q_offset=max(0, -lo), kv_offset=max(0, lo), is_causal=True,
-               window=None if hi is None else (hi - lo, 0))
-
-
-def distances(step, n: int):
-  """The values d = r - src can take at ``step`` (a Python int when the
-  loop is unrolled: src = r - step or r - step + n; traced in a scan)."""
-  if isinstance(step, int):
-    return (0,) if step == 0 else (step, step - n)
-  return tuple(d for d in range(1 - n, n) if d)
-
-
-def _striped_prefix(lengths, device, n: int, t: int):
-  """Valid tokens of ``device``'s striped shard under global ``lengths
-  (B,)``: local a is valid iff a n + device < L, a prefix of
-  ceil((L - device) / n) tokens."""
-  if lengths is None:
-    return None
-  return jnp.clip((lengths - device + n - 1) // n, 0, t)
-
-
-def _striped_call(fn, skip, q, tm: TokenMask, kv, r, src, ds, cfg, plan,
-                  own=False):
-  """``fn(kv, mask, config)`` for all local queries against the held KV of
-  device ``src``: a ``lax.switch`` over the distinct bands of the
-  distances ``ds`` it may be at (none when there is one), ``skip()`` where
-  nothing is visible. ``own``: step 0 with one id array."""
-  n, t = plan.cp_size, q.shape[1]
-  bands = {d: striped_band(cfg, n, t, d) for d in ds}
-  distinct = list(dict.fromkeys(bands.values()))
-  q_len = _striped_prefix(tm.q_lengths, r, n, t)
-  kv_len = _striped_prefix(tm.kv_lengths, src, n, t)
-  q_seg = tm.q_segment_ids
-  shift = lambda x, offset: None if x is None else x + offset
-
-  def branch(band, kv):
-    if band is None:
-      return skip()
-    mask = BlockMask(
-        q_offset=band.q_offset, kv_offset=band.kv_offset,
-        q_segment_ids=q_seg, kv_segment_ids=q_seg if own else kv[1],
-        q_lengths=shift(q_len, band.q_offset),
-        kv_lengths=shift(kv_len, band.kv_offset))
-    return fn(kv, mask, cfg.replace(is_causal=band.is_causal,
-                                    local_window=band.window))
-
-  if len(distinct) == 1:
-    return branch(distinct[0], kv)
-  table = np.zeros(2 * n - 1, np.int32)
-  for d, band in bands.items():
-    table[d + n - 1] = distinct.index(band)
-  index = jnp.asarray(table)[r - src + n - 1]
-  return lax.switch(index, [functools.partial(branch, b) for b in distinct],
-                    kv)
-
-
-def striped_fwd(q, tm, kv, r, src, ds, cfg, plan, own=False):
-  """(out f32, lse) of one striped step."""
-  b, t, n, h = q.shape
-
-  def fwd(kv, mask, c):
-    o, l = kernel.attention(q, kv[0][0], kv[0][1], None, mask, c)
-    return o.astype(jnp.float32), l
-
-  return _striped_call(fwd, lambda: _masked(b, t, n, h, (q, kv[0][0])), q, tm,
-                       kv, r, src, ds, cfg, plan, own)
-
-
-def striped_bwd(q, tm, kv, r, src, ds, out, lse, dout, cfg, plan,
-                 own=False):
-  """(dq, dK/dV (2, B, T, K, H)) of one striped step, float32."""
-
-  def bwd(kv, mask, c):
-    dq, dk, dv, _ = kernel.attention_backward(
-        q, kv[0][0], kv[0][1], None, mask, out, lse, dout, None, c)
-    f32 = lambda x: x.astype(jnp.float32)
-    return f32(dq), jnp.stack([f32(dk), f32(dv)])
-
-  skip = lambda: vma.like((jnp.zeros(q.shape, jnp.float32), _dkv_zeros(kv)),
-                          q, kv[0][0], out, dout)
-  return _striped_call(bwd, skip, q, tm, kv, r, src, ds, cfg, plan, own)
