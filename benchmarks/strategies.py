@@ -28,8 +28,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_ring  # noqa: E402
-from common import (random_qkv, shape_args, time_fn,  # noqa: E402
-                    write)
+from common import (random_qkv, ring_args, ring_kwargs,  # noqa: E402
+                    shape_args, time_fn, write)
 
 def default_strategies(cp: int) -> list[str]:
   hybrids = [f"hybrid_{u}x{cp // u}" for u in range(2, cp // 2 + 1)
@@ -37,9 +37,10 @@ def default_strategies(cp: int) -> list[str]:
   return ["ring", "all_gather", "ulysses"] + hybrids
 
 
-def setup(name, cp, lb):
+def setup(name, cp, lb, **ring):
   """(ContextParallel, token sharding, reorder, inverse) for a strategy
-  name (see the module docstring) under load balance ``lb``."""
+  name (see the module docstring) under load balance ``lb``; ``ring``: the
+  ring's tuning (``kv_send``, ``causal_step``), for ring and hybrid."""
   if name.startswith("hybrid"):
     u, r = ((cp // 2, 2) if name == "hybrid" else
             map(int, name.split("_")[1].split("x")))
@@ -48,14 +49,14 @@ def setup(name, cp, lb):
     mesh = Mesh(np.array(jax.devices()).reshape(r, u), ("ring", "ulysses"))
     spec, ring_size = P(None, ("ring", "ulysses")), r
     cpc = jax_ring.ContextParallel(axis=("ulysses", "ring"),
-                                   strategy="hybrid", load_balance=lb)
+                                   strategy="hybrid", load_balance=lb, **ring)
   else:
     mesh = Mesh(np.array(jax.devices()), ("cp",))
     spec, ring_size = P(None, "cp"), cp
     strategy, scan, _ = name.partition("_scan")
     cpc = jax_ring.ContextParallel(axis="cp", strategy=strategy,
                                    load_balance=lb,
-                                   loop="scan" if scan else "unrolled")
+                                   loop="scan" if scan else "unrolled", **ring)
   to = lambda x: (jax_ring.reorder_for_load_balance(x, ring_size, layout=lb)
                   if lb else x)
   back = lambda x: (jax_ring.reorder_from_load_balance(x, ring_size, layout=lb)
@@ -63,9 +64,10 @@ def setup(name, cp, lb):
   return cpc, NamedSharding(mesh, spec), to, back
 
 
-def measure(row, name, cp, causal, q, k, v, do, want, t1, tb1):
+def measure(row, name, cp, causal, q, k, v, do, want, t1, tb1, ring):
   """Time one strategy's forward and forward+backward into ``row``."""
-  cpc, sh, to, back = setup(name, cp, "dual_chunk" if causal else None)
+  cpc, sh, to, back = setup(name, cp, "dual_chunk" if causal else None,
+                            **ring)
   args = [jax.device_put(to(x), sh) for x in (q, k, v, do)]
   attn = lambda q, k, v: jax_ring.dot_product_attention(
       q, k, v, is_causal=causal, context_parallel=cpc)
@@ -84,9 +86,10 @@ def report(rows, a):
   cols = ["seq", "kv_heads"]
   for n in a.strategies:
     cols += [f"{n}_fwd_eff", f"{n}_fwdbwd_eff"]
-  write("strategies" + a.tag, rows, cols + ["best", "auto_pick", "auto_vs_best"],
+  write("strategies" + a.tag, rows,
+        cols + ["best", "auto_pick", "auto_vs_best"],
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
-                   xla_flags=os.environ.get("XLA_FLAGS", ""),
+                   **ring_kwargs(a), xla_flags=os.environ.get("XLA_FLAGS", ""),
                    efficiency="(single-GPU cuDNN time / cp) / strategy time",
                    path="automatic (jit + NamedSharding + ContextParallel)"))
 
@@ -97,6 +100,7 @@ def main():
   p.add_argument("--strategies", nargs="+", default=None,
                  help="names as above (default: see the module docstring)")
   p.add_argument("--tag", default="", help="suffix of the results file")
+  ring_args(p)
   p.add_argument("--implementation", default="cudnn",
                  help="single-GPU baseline backend (xla for a CPU dry run)")
   a = p.parse_args()
@@ -117,7 +121,8 @@ def main():
       row["single_fwd_ms"], row["single_fwdbwd_ms"] = t1 * 1e3, tb1 * 1e3
       for name in a.strategies:
         try:
-          measure(row, name, cp, causal, q, k, v, do, want, t1, tb1)
+          measure(row, name, cp, causal, q, k, v, do, want, t1, tb1,
+                  ring_kwargs(a))
         except Exception as e:  # a strategy that fails is reported, not hidden
           row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
       measured = [n for n in a.strategies if f"{n}_fwdbwd_ms" in row]
