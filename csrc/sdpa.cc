@@ -185,6 +185,14 @@ std::shared_ptr<SdpaPlan> Build(const SdpaKey& key, cudnnHandle_t handle,
                      .set_name("jax_ring_sdpa_bwd")
                      .set_attn_scale(key.scale);
     SetMask(attrs, key, *g);
+    if (key.slots > 0) {
+      // The documents of a row lie inside it: key.b * t rows in all, not
+      // b * slots * t. Without this bound cuDNN sizes its float32 dQ
+      // accumulator for every virtual batch at full length, slots x the
+      // dense workspace (207 GB at 786k tokens, 16 heads, 16 slots).
+      attrs.set_max_total_seq_len_q(key.b * t)
+          .set_max_total_seq_len_kv(key.b * s);
+    }
     auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, attrs);
     SetBshd(dq, kDQ, b, key.n, t, key.full_t, key.h, rq);
     SetBshd(dk, kDK, b, key.k, s, key.full_s, key.h, rkv);

@@ -153,6 +153,26 @@ def test_workspace_of_the_recorded_calls():
   assert all(isinstance(x, int) and x >= 0 for x in sizes), sizes
 
 
+def test_packed_backward_workspace_is_bounded_by_the_rows():
+  """Packed documents run as SLOTS ragged virtual batches; the backward's
+  workspace stays that of the dense call (the rows' tokens), not SLOTS x."""
+  q, k, v, _ = ref.random_qkv(8, 1, 8192, 8192, 4, 4, 128, jnp.bfloat16)
+  ids = jnp.repeat(jnp.arange(3, dtype=jnp.int32), jnp.array([3000, 4000, 1192]),
+                   total_repeat_length=8192)[None]
+
+  def backward_workspace(**kw):
+    loss = lambda q, k, v: jax_ring.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn",
+        **kw).astype(jnp.float32).sum()
+    jax.clear_caches()
+    with cudnn.recording() as calls:
+      jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v)
+    return max(cudnn.workspace_bytes(c) for c in calls if c["backward"])
+
+  dense, packed = backward_workspace(), backward_workspace(segment_ids=ids)
+  assert packed <= 2 * dense + (64 << 20), (packed, dense)
+
+
 def test_soft_cap_with_padding_falls_back_with_a_reason():
   q, k, v, _ = ref.random_qkv(7, 2, 64, 64, 4, 4, 64, jnp.bfloat16)
   with pytest.raises(ValueError, match="logits_soft_cap with padding"):

@@ -503,3 +503,45 @@ def test_automatic_path_rejects_a_length_the_layout_cannot_split():
       "load_balance='dual_chunk' needs the global sequence length (20) "
       "divisible by 2 * cp_size = 8")):
     f(q)
+
+
+def test_automatic_path_picks_the_backend_on_shard_shapes(monkeypatch):
+  """A backend whose limit is per call (cuDNN's ragged buffers under
+  2**31 elements, say) serves the shards of a sequence longer than it
+  takes whole: the choice is made on each shard, not on the global array."""
+  from jax_ring._src import backends, xla_backend
+  cp, traced = 4, []
+  limit = S // cp  # takes one shard's length, not the whole sequence
+
+  def forward(q, *args):
+    traced.append(q.shape[1])
+    return xla_backend.forward(q, *args)
+
+  def backward(q, *args):
+    traced.append(q.shape[1])
+    return xla_backend.backward(q, *args)
+
+  monkeypatch.setitem(backends._REGISTRY, "bounded", backends.Backend(
+      "bounded", forward, backward,
+      lambda cfg, q, k, *_: None if q.shape[1] <= limit else "too long"))
+  m = mesh(cp)
+  q, k, v, do = rank_coded_qkv(21, cp, load_balance="dual_chunk")
+  ids = jnp.asarray(ref.random_segments(22, B, S, 3))
+  re_ = lambda x: jax_ring.reorder_for_load_balance(x, cp)
+  tok = jax.sharding.NamedSharding(m, P(None, "cp"))
+  args = [jax.device_put(re_(x), tok) for x in (q, k, v, do, ids)]
+  cpc = jax_ring.ContextParallel(axis="cp", load_balance="dual_chunk")
+
+  @jax.jit
+  def go(q, k, v, do, seg):
+    attn = lambda q, k, v: jax_ring.dot_product_attention(
+        q, k, v, is_causal=True, segment_ids=seg, context_parallel=cpc)
+    out, vjp = jax.vjp(attn, q, k, v)
+    return out, vjp(do)
+
+  out, grads = go(*args)
+  assert traced and max(traced) <= limit, traced
+  un_ = lambda x: jax_ring.reorder_from_load_balance(x, cp)
+  case = ref.Case(H**-0.5, is_causal=True, q_segment_ids=np.asarray(ids),
+                  kv_segment_ids=np.asarray(ids))
+  check((un_(out), tuple(un_(g) for g in grads)), q, k, v, do, case)

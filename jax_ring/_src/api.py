@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 
 from jax_ring._src import backends, kernel, partition, validate
@@ -112,8 +113,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
                    kv_segment_ids=None if kv_ids is q_ids else i32(kv_ids),
                    q_lengths=i32(query_seq_lengths),
                    kv_lengths=i32(key_value_seq_lengths))
-    config = config.replace(implementation=backends.resolve(
-        implementation, config, query, key, None, block_mask))
+    # The backend is resolved on each shard (partition.py): its limits are
+    # per call. A request is checked here, on a one-token block, so that
+    # what does not depend on the length fails at trace time.
+    if implementation is not None:
+      one = lambda x: jax.ShapeDtypeStruct(x.shape[:1] + (1,) + x.shape[2:],
+                                           x.dtype)
+      backends.resolve(implementation, config, one(query), one(key), None,
+                       block_mask)
+    config = config.replace(implementation=implementation)
     out = partition.attention(query, key, value, tm, config, context_parallel)
     return out[0] if unbatched else out
   config = config.replace(implementation=backends.resolve(

@@ -39,7 +39,9 @@ class AttentionConfig:
       the same meaning as ``jax.nn.dot_product_attention(local_window_size=)``.
     logits_soft_cap: if set, logits become ``cap * tanh(logits / cap)``
       (Gemma-2), applied after scaling and before bias and masking.
-    implementation: the resolved backend; ``None`` only before dispatch.
+    implementation: the resolved backend; before dispatch (and, in the
+      automatic path, until the partition rule sees the shards), the
+      requested one, ``None`` for the best available.
     block_q: query rows per block in the blockwise backend.
     block_kv: key rows per block in the blockwise backend.
   """

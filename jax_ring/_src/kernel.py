@@ -108,7 +108,8 @@ def _bwd_impl(*args, config, mask_tree, mask_static, has_bias, has_dlse,
 
 
 def _platform_lowering(impl, platform):
-  """Lower with the configured backend if it lowers on ``platform``."""
+  """Lower with the configured backend if it lowers on ``platform``
+  (``None``: the default rule, for backends that lower everywhere)."""
 
   def rule(ctx, *args, config, **params):
     backend = backends.get(config.implementation)
@@ -141,7 +142,9 @@ for _p, _impl, _abstract, _static in (
      ("config", "mask_tree", "mask_static", "has_bias", "has_dlse"))):
   _p.def_impl(jax.jit(_impl, static_argnames=_static))
   _p.def_abstract_eval(_abstract)
-  mlir.register_lowering(_p, mlir.lower_fun(_impl, multiple_results=True))
+  # Every platform: a backend registered for all of them (platform None),
+  # else xla; on CUDA, also the CUDA backends (cuDNN).
+  mlir.register_lowering(_p, _platform_lowering(_impl, None))
   mlir.register_lowering(_p, _platform_lowering(_impl, "cuda"),
                          platform="cuda")
 

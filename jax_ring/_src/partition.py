@@ -34,7 +34,7 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ring._src import auto, kernel, validate
+from jax_ring._src import auto, kernel, shard_call, validate
 from jax_ring._src.config import ContextParallel, ShardPlan
 from jax_ring._src.mask import BlockMask, TokenMask
 
@@ -118,6 +118,11 @@ def _functions(present: tuple[str, ...]):
     body, rest = args[:len(args) - n], args[len(args) - n:]
     return body, TokenMask(**dict(zip(present, rest)))
 
+  def local(cfg, q, k, tm: TokenMask):
+    """``cfg`` with the backend resolved on these arrays: the shards in a
+    partition rule (a backend's limits are per call), else the whole."""
+    return shard_call.resolve(cfg.implementation, cfg, q, k, tm)
+
   def whole(tm: TokenMask):
     """The unpartitioned (one device) mask: global positions, offsets 0
     (kv ids None = the query's, in both)."""
@@ -127,7 +132,7 @@ def _functions(present: tuple[str, ...]):
   @functools.partial(custom_partitioning, static_argnums=(0, 1))
   def fwd(cfg, cpc, *args):
     (q, k, v), tm = split(args)
-    return kernel.attention(q, k, v, None, whole(tm), cfg)
+    return kernel.attention(q, k, v, None, whole(tm), local(cfg, q, k, tm))
 
   def fwd_partition(cfg, cpc, mesh, arg_shapes, result_shape):
     batch, heads, seq, strategy, plan = _axes(mesh, arg_shapes, cpc, cfg)
@@ -135,7 +140,7 @@ def _functions(present: tuple[str, ...]):
 
     def lowered(*args):
       (q, k, v), tm = split(args)
-      return strategy._forward(q, k, v, tm, cfg, plan)
+      return strategy._forward(q, k, v, tm, local(cfg, q, k, tm), plan)
 
     return mesh, lowered, (tok, stat), (tok, tok, tok) + masks
 
@@ -153,7 +158,7 @@ def _functions(present: tuple[str, ...]):
   def bwd(cfg, cpc, *args):
     (q, k, v, out, lse, dout), tm = split(args)
     return kernel.attention_backward(q, k, v, None, whole(tm), out, lse, dout,
-                                     None, cfg)[:3]
+                                     None, local(cfg, q, k, tm))[:3]
 
   def bwd_partition(cfg, cpc, mesh, arg_shapes, result_shape):
     batch, heads, seq, strategy, plan = _axes(mesh, arg_shapes, cpc, cfg)
@@ -161,7 +166,8 @@ def _functions(present: tuple[str, ...]):
 
     def lowered(*args):
       (q, k, v, out, lse, dout), tm = split(args)
-      return strategy._backward(q, k, v, tm, out, lse, dout, cfg, plan)
+      return strategy._backward(q, k, v, tm, out, lse, dout,
+                                local(cfg, q, k, tm), plan)
 
     return (mesh, lowered, (tok, tok, tok),
             (tok, tok, tok, tok, stat, tok) + masks)

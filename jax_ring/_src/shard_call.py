@@ -57,10 +57,19 @@ def prepare(query, key, value, *, segment_ids, lengths, local_window_size,
       is_causal=bool(is_causal), local_window=window,
       logits_soft_cap=None if logits_soft_cap is None else float(
           logits_soft_cap))
-  # A representative block: static offsets, the same operand kinds.
-  block = BlockMask(q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+  return tm, resolve(implementation, cfg, query, key, tm)
+
+
+def resolve(implementation, cfg: AttentionConfig, query, key,
+            tm: TokenMask) -> AttentionConfig:
+  """``cfg`` with the backend that serves blocks of these local shards
+  (``implementation`` requested, or ``None`` for the best available),
+  judged on a representative block: static offsets, the same operand
+  kinds. Shard shapes, not global ones: a backend's limits are per call."""
+  block = BlockMask(q_segment_ids=tm.q_segment_ids,
+                    kv_segment_ids=tm.kv_segment_ids,
                     q_lengths=tm.q_lengths, kv_lengths=tm.kv_lengths)
-  return tm, cfg.replace(implementation=backends.resolve(
+  return cfg.replace(implementation=backends.resolve(
       implementation, cfg, query, key, None, block))
 
 
