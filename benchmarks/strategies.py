@@ -8,10 +8,11 @@ convention).
 B=1, N=32, D=128, bf16, causal, dual-chunk layout. Each strategy runs
 through the automatic path (jit + NamedSharding + ContextParallel), the way
 a model calls it. Names: ``ring`` (unrolled), ``ring_scan``, ``all_gather``,
-``ulysses``, ``hybrid_UxR`` (U ulysses x R ring devices); the default is
-ring, all_gather, ulysses and every hybrid with U, R >= 2 (2x2 on 4 GPUs;
-2x4 and 4x2 on 8). Also records what ``strategy="auto"`` picks and how far
-that is from the fastest. Writes benchmarks/results/strategies<tag>_<gpu>.json.
+``ulysses``, ``hybrid_UxR`` (U ulysses x R ring devices), ``auto``; the
+default is ring, all_gather, ulysses, every hybrid with U, R >= 2 (2x2 on 4
+GPUs; 2x4 and 4x2 on 8) and auto, timed like the others; the row records
+auto's forward/backward picks and its time over the fastest other
+strategy's, for the forward and for forward+backward. Writes benchmarks/results/strategies<tag>_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from common import (random_qkv, ring_args, ring_kwargs,  # noqa: E402
 def default_strategies(cp: int) -> list[str]:
   hybrids = [f"hybrid_{u}x{cp // u}" for u in range(2, cp // 2 + 1)
              if cp % u == 0]
-  return ["ring", "all_gather", "ulysses"] + hybrids
+  return ["ring", "all_gather", "ulysses"] + hybrids + ["auto"]
 
 
 def setup(name, cp, lb, **ring):
@@ -87,7 +88,8 @@ def report(rows, a):
   for n in a.strategies:
     cols += [f"{n}_fwd_eff", f"{n}_fwdbwd_eff"]
   write("strategies" + a.tag, rows,
-        cols + ["best", "auto_pick", "auto_vs_best"],
+        cols + ["auto_pick", "best_fwd", "auto_vs_best_fwd", "best_fwdbwd",
+                "auto_vs_best_fwdbwd"],
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
                    **ring_kwargs(a), xla_flags=os.environ.get("XLA_FLAGS", ""),
                    efficiency="(single-GPU cuDNN time / cp) / strategy time",
@@ -125,14 +127,17 @@ def main():
                   ring_kwargs(a))
         except Exception as e:  # a strategy that fails is reported, not hidden
           row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
-      measured = [n for n in a.strategies if f"{n}_fwdbwd_ms" in row]
-      best = min(measured, key=lambda n: row[f"{n}_fwdbwd_ms"])
-      pick = jax_ring.explain(q.shape, k.shape, cp_size=cp,
-                              is_causal=causal).strategy
-      row["best"], row["auto_pick"] = best, pick
-      if f"{pick}_fwdbwd_ms" in row:
-        row["auto_vs_best"] = row[f"{pick}_fwdbwd_ms"] / row[
-            f"{best}_fwdbwd_ms"]
+      choice = jax_ring.explain(q.shape, k.shape, cp_size=cp,
+                                is_causal=causal)
+      row["auto_pick"] = f"{choice.forward}/{choice.backward}"
+      measured = [n for n in a.strategies
+                  if f"{n}_fwdbwd_ms" in row and n != "auto"]
+      for t in ("fwd", "fwdbwd"):
+        best = min(measured, key=lambda n: row[f"{n}_{t}_ms"])
+        row[f"best_{t}"] = best
+        if f"auto_{t}_ms" in row:  # auto itself, timed like the others
+          row[f"auto_vs_best_{t}"] = row[f"auto_{t}_ms"] / row[
+              f"{best}_{t}_ms"]
       rows.append(row)
       print(row, flush=True)
       report(rows, a)  # after every row: a run cut short keeps its rows

@@ -1,41 +1,56 @@
 """``strategy="auto"``: pick a context-parallel strategy from a cost model.
 
 The model is deliberately simple and written down here, so a user can check
-a decision by hand (``jax_ring.explain`` prints it). Per device, for one
-training step of one attention layer (forward + backward):
+a decision by hand (``jax_ring.explain`` prints it). The forward and the
+backward are separate programs (two partition rules) that share one token
+layout and one residual (the local q, k, v and the global out and lse), so
+each pass picks its own strategy: a forward-only run gets the fastest
+forward, a training step the fastest forward plus the fastest backward.
+Per device, for one layer:
 
-* compute: ``F = 4 B S^2 N H / cp`` FLOPs per forward (halved when causal,
-  scaled by the window's share of keys), times 3.5 for forward + backward,
-  at a throughput that grows with the length ``L`` of each kernel call:
-  ``peak * L / (L + L_HALF)`` (fit to cuDNN on an H200: 271 TFLOP/s at 4k
-  tokens, 580 at 32k, causal). The ring and all-gather make calls of the
-  local length T = S / cp; Ulysses one call of the whole S.
+* compute: ``F = 4 B S^2 N H / cp`` FLOPs in the forward (halved when
+  causal, scaled by the window's share of keys), ``2.5 F`` in the backward,
+  at a throughput that depends on the length ``L`` of each kernel call,
+  fit to single-GPU cuDNN on an H200 (causal, 4k-256k tokens):
+
+  ========  ==========================================  ====================
+  pass      TFLOP/s at call length L                    measured (4k/64k/256k)
+  ========  ==========================================  ====================
+  forward   610 L / (L + 750) / (1 + L / 1.5M)           519 / 593 / 522
+  backward  540 L / (L + 1250)                           402 / 524 / 535
+  ========  ==========================================  ====================
+
+  The ring and all-gather make calls of the local length T = S / cp;
+  Ulysses one call of the whole S (so it loses the forward's long-call
+  slowdown the ring avoids).
 * communication, in bytes ``e`` per element of K/V (2 for 16-bit), G = the
-  gathered KV bytes ``2 B S K H e``:
+  gathered KV bytes ``2 B S K H e``, K' = the kv heads Ulysses sends:
 
-  ==========  ===========================================  =============
-  strategy    bytes per device (forward + backward)         hidden?
-  ==========  ===========================================  =============
-  ring        (cp - 1)/cp * G * (1 + 3): KV, then KV and   yes, behind
-              float32 dK/dV, one neighbour at a time        each step
-  all_gather  (cp - 1)/cp * G * (2 + 2): two gathers and   no
-              a float32 reduce-scatter
-  ulysses     (cp - 1)/cp^2 * 2 B S H e * (4N + 6K'):      no
-              q, kv, out there and back, twice
-  ==========  ===========================================  =============
+  ==========  ======================  ======================  ============
+  strategy    forward bytes/device    backward bytes/device   hidden?
+  ==========  ======================  ======================  ============
+  ring        (cp-1)/cp G: KV, one    3 (cp-1)/cp G: KV and   yes, behind
+              neighbour per step      float32 dK/dV           each step
+  all_gather  (cp-1)/cp G             3 (cp-1)/cp G: gather,  no
+                                      float32 reduce-scatter
+  ulysses     (cp-1)/cp^2 B S H e     (cp-1)/cp^2 B S H e     no
+              (2N + 2K')              (4N + 4K')
+  ==========  ======================  ======================  ============
 
   over ``P2P_GBS`` for a neighbour permute and ``COLLECTIVE_GBS`` for the
-  all-to-all and all-gather (all links at once). The ring also pays
-  ``STEP_US`` of launch/branch/merge overhead per step and direction, and
-  its per-step time is ``max(compute, comm)``; the others add their
+  all-to-all and all-gather. The ring also pays ``STEP_US`` per step and
+  pass (launches, its ``lax.cond`` predicate copies, merges), and its
+  per-step time is ``max(compute, comm)``; the others add their
   communication to their compute.
 
 Ulysses is a candidate only when the local query heads divide by cp, and
-all-gather only without the striped layout. The
-smallest modelled time wins; ties keep the order ring, all_gather, ulysses.
-A pair of axes means ``hybrid``. The constants come from the measurements in
-``benchmarks/results`` (4x H200, NVLink); on other machines the model keeps
-its shape but the crossover points move.
+all-gather only without the striped layout. The smallest modelled time wins
+each pass; ties keep the order ring, all_gather, ulysses. A pair of axes
+means ``hybrid``. The three communication constants were fit to the 4x H200
+strategies run (``benchmarks/results/strategies_NVIDIA_H200.json``): with
+them every pass's pick there, forward, backward and their sum, is within
+4.7% of the fastest measured. On other machines the model keeps its shape
+but the crossover points move.
 """
 
 from __future__ import annotations
@@ -44,65 +59,86 @@ import dataclasses
 
 from jax_ring._src.config import ContextParallel
 
-PEAK_TFLOPS = 640.0
-L_HALF = 5000.0
-P2P_GBS = 150.0
-COLLECTIVE_GBS = 300.0
-STEP_US = 40.0
+FWD_TFLOPS, FWD_L_HALF, FWD_L_SLOW = 610.0, 750.0, 1.5e6
+BWD_TFLOPS, BWD_L_HALF = 540.0, 1250.0
+P2P_GBS = 100.0
+COLLECTIVE_GBS = 400.0
+STEP_US = 250.0
+PASSES = ("forward", "backward")
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-  """The strategy ``auto`` picks, the modelled milliseconds of each
-  candidate, and a one-line reason."""
+  """What ``auto`` picks for each pass, the modelled milliseconds of every
+  candidate (``{strategy: {"forward": ms, "backward": ms}}``) and a
+  one-line reason."""
 
-  strategy: str
+  forward: str
+  backward: str
   times_ms: dict
   reason: str
 
 
-def _tflops(length):
-  return PEAK_TFLOPS * length / (length + L_HALF)
+def _tflops(length, backward):
+  if backward:
+    return BWD_TFLOPS * length / (length + BWD_L_HALF)
+  return FWD_TFLOPS * length / (length + FWD_L_HALF) / (1 + length /
+                                                          FWD_L_SLOW)
+
+
+def _pass_ms(backward, *, batch, seq, heads, kv_heads, head_dim, cp, share,
+             dtype_bytes, load_balance) -> dict:
+  """Modelled milliseconds of each candidate for one pass."""
+  work, sends = (2.5, 3) if backward else (1.0, 1)
+  flops = work * 4 * batch * seq * seq * heads * head_dim * share / cp
+  gathered = 2 * batch * seq * kv_heads * head_dim * dtype_bytes
+  frac = (cp - 1) / cp
+  compute = flops / (_tflops(seq / cp, backward) * 1e12)
+  per_step = max(compute / cp, sends * gathered / cp / (P2P_GBS * 1e9))
+  times = {"ring": (compute / cp + (cp - 1) * per_step +
+                    cp * STEP_US * 1e-6)}
+  if load_balance != "striped":  # all-gather computes contiguous ranges
+    times["all_gather"] = compute + frac * sends * gathered / (
+        COLLECTIVE_GBS * 1e9)
+  if heads % cp == 0:
+    k_sent = max(kv_heads, cp)
+    elements = (4 * heads + 4 * k_sent) if backward else (2 * heads +
+                                                          2 * k_sent)
+    a2a = frac / cp * batch * seq * head_dim * dtype_bytes * elements
+    times["ulysses"] = (flops / (_tflops(seq, backward) * 1e12) +
+                        a2a / (COLLECTIVE_GBS * 1e9))
+  return {k: v * 1e3 for k, v in times.items()}
 
 
 def estimate(*, batch, seq, heads, kv_heads, head_dim, cp, is_causal=True,
              window=None, dtype_bytes=2, load_balance=None) -> Choice:
-  """Model the candidates for one layer's forward + backward, per device."""
+  """Model the candidates for one layer's forward and backward, per
+  device."""
   share = 0.5 if is_causal else 1.0
   if window is not None:
     share = min(share, (sum(window) + 1) / seq)
-  flops = 3.5 * 4 * batch * seq * seq * heads * head_dim * share / cp
-  t_local = seq / cp
-  gathered = 2 * batch * seq * kv_heads * head_dim * dtype_bytes
-  frac = (cp - 1) / cp
-  times = {}
-  steps = max(cp - 1, 0)
-  compute = flops / (_tflops(t_local) * 1e12)
-  per_step_comm = gathered / cp * 4 / (P2P_GBS * 1e9)  # fwd + bwd bytes
-  per_step = max(compute / cp, per_step_comm)
-  times["ring"] = compute / cp + steps * per_step + 2 * cp * STEP_US * 1e-6
-  if load_balance != "striped":  # all-gather computes contiguous ranges
-    times["all_gather"] = compute + frac * gathered * 4 / (
-        COLLECTIVE_GBS * 1e9)
-  if heads % cp == 0:
-    kv_rep = max(kv_heads, cp)
-    a2a = (frac / cp * 2 * batch * seq * head_dim * dtype_bytes *
-           (4 * heads + 6 * kv_rep))
-    times["ulysses"] = (flops / (_tflops(seq) * 1e12) +
-                        a2a / (COLLECTIVE_GBS * 1e9))
-  times = {k: v * 1e3 for k, v in times.items()}
-  best = min(times, key=times.get)
-  order = sorted(times, key=times.get)
-  runner = order[1] if len(order) > 1 else best
-  reason = (f"{best} is modelled fastest: {times[best]:.3f} ms vs {runner} "
-            f"{times[runner]:.3f} ms (cp={cp}, S={seq}, N={heads}, "
-            f"K={kv_heads}, causal={is_causal})")
-  return Choice(best, times, reason)
+  kw = dict(batch=batch, seq=seq, heads=heads, kv_heads=kv_heads,
+            head_dim=head_dim, cp=cp, share=share, dtype_bytes=dtype_bytes,
+            load_balance=load_balance)
+  by_pass = {p: _pass_ms(p == "backward", **kw) for p in PASSES}
+  picks, why = {}, []
+  for p, times in by_pass.items():
+    order = sorted(times, key=times.get)  # stable: ties keep the order
+    picks[p] = order[0]
+    runner = order[1] if len(order) > 1 else order[0]
+    why.append(f"{p} {order[0]} {times[order[0]]:.3f} ms (next {runner} "
+               f"{times[runner]:.3f})")
+  times_ms = {s: {p: by_pass[p][s] for p in PASSES} for s in by_pass[
+      "forward"]}
+  reason = "; ".join(why) + (f" (cp={cp}, S={seq}, N={heads}, K={kv_heads}, "
+                             f"causal={is_causal})")
+  return Choice(picks["forward"], picks["backward"], times_ms, reason)
 
 
 def resolve(cpc: ContextParallel, mesh, q_shape, local_heads, kv_heads=None,
-            **mask) -> ContextParallel:
-  """``cpc`` with ``auto`` replaced by the modelled choice."""
+            *, backward: bool = False, **mask) -> ContextParallel:
+  """``cpc`` with ``auto`` replaced by the modelled choice for the forward
+  pass, or for the backward one."""
   if cpc.strategy != "auto":
     return cpc
   if isinstance(cpc.axis, tuple):
@@ -112,14 +148,16 @@ def resolve(cpc: ContextParallel, mesh, q_shape, local_heads, kv_heads=None,
                     kv_heads=kv_heads or local_heads, head_dim=h,
                     cp=mesh.shape[cpc.axis],
                     load_balance=cpc.load_balance, **mask)
-  return dataclasses.replace(cpc, strategy=choice.strategy)
+  return dataclasses.replace(
+      cpc, strategy=choice.backward if backward else choice.forward)
 
 
 def explain(query_shape, key_shape, *, cp_size, is_causal=False,
             local_window_size=None, dtype_bytes=2) -> Choice:
-  """What ``ContextParallel(strategy="auto")`` picks for global shapes
-  ``query (B, S, N, H)`` and ``key (B, S, K, H)`` on ``cp_size`` devices,
-  and the modelled time of each candidate (see the module docstring)."""
+  """What ``ContextParallel(strategy="auto")`` picks, for the forward and
+  for the backward pass, for global shapes ``query (B, S, N, H)`` and
+  ``key (B, S, K, H)`` on ``cp_size`` devices, and the modelled time of
+  each candidate (see the module docstring)."""
   from jax_ring._src import validate
   window = validate.window(local_window_size)
   b, s, n, h = query_shape

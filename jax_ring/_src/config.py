@@ -89,8 +89,8 @@ class ContextParallel:
       ``"hybrid"`` a pair ``(ulysses_axis, ring_axis)``, with the sequence
       sharded ring-major: ``P(None, (ring_axis, ulysses_axis))``.
     strategy: ``"ring"``, ``"all_gather"``, ``"ulysses"``, ``"hybrid"`` or
-      ``"auto"`` (chosen per call from the shapes and the mesh; see
-      ``jax_ring.explain``).
+      ``"auto"`` (chosen per call and per pass, forward and backward, from
+      the shapes and the mesh; see ``jax_ring.explain``).
     load_balance: ``"dual_chunk"`` or ``"striped"`` (inputs must be in
       that layout, see ``reorder_for_load_balance``; for ``"hybrid"`` with
       cp_size = the ring axis size) or ``None`` (contiguous shards).

@@ -4,7 +4,7 @@
 binds two ``custom_partitioning`` functions, a strategy's forward and its
 backward, tied by a custom VJP. Their partition rules run the strategy
 (ring, all-gather, Ulysses, hybrid; ``auto`` is decided here, where the mesh
-is first known) on each shard: the sequence dimension sharded over the
+is first known, for each pass on its own) on each shard: the sequence dimension sharded over the
 context axis (or axes), the batch over whatever axes it already has (data,
 fsdp), the heads over theirs (tensor), head_dim never. A Shardy sharding rule names the
 factors for propagation; ``infer_sharding_from_operands`` serves GSPMD.
@@ -48,10 +48,11 @@ def _strategy(name: str):
   return importlib.import_module(f"jax_ring._src.{name}")
 
 
-def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg):
+def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
   """(batch axes, head axes, sequence axes) of q's sharding, the strategy
-  module and its plan. The mesh is first known here, so the shape checks
-  that need its sizes, and the ``auto`` choice, are made here."""
+  module and its plan, for the forward pass or the backward one. The mesh is
+  first known here, so the shape checks that need its sizes, and the
+  ``auto`` choice (made per pass), are made here."""
   q_shape = arg_shapes[0]
   sharding = q_shape.sharding
   spec = tuple(sharding.spec) + (None,) * 4 if sharding is not None else ()
@@ -62,7 +63,8 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg):
   local_heads = n // tp
   cpc = auto.resolve(cpc, mesh, q_shape.shape, local_heads,
                      kv_heads=max(1, arg_shapes[1].shape[2] // tp),
-                     is_causal=cfg.is_causal, window=cfg.local_window)
+                     backward=backward, is_causal=cfg.is_causal,
+                     window=cfg.local_window)
   validate.strategy_layout(cpc.strategy, cpc.load_balance)
   axes = cpc.axis if isinstance(cpc.axis, tuple) else (cpc.axis,)
   cp = math.prod(mesh.shape[a] for a in axes)
@@ -135,7 +137,8 @@ def _functions(present: tuple[str, ...]):
     return kernel.attention(q, k, v, None, whole(tm), local(cfg, q, k, tm))
 
   def fwd_partition(cfg, cpc, mesh, arg_shapes, result_shape):
-    batch, heads, seq, strategy, plan = _axes(mesh, arg_shapes, cpc, cfg)
+    batch, heads, seq, strategy, plan = _axes(mesh, arg_shapes, cpc, cfg,
+                                              False)
     tok, stat, masks = _shardings(mesh, batch, heads, seq, present)
 
     def lowered(*args):
@@ -145,7 +148,7 @@ def _functions(present: tuple[str, ...]):
     return mesh, lowered, (tok, stat), (tok, tok, tok) + masks
 
   def fwd_infer(cfg, cpc, mesh, arg_shapes, result_shape):
-    batch, heads, seq, _, _ = _axes(mesh, arg_shapes, cpc, cfg)
+    batch, heads, seq, _, _ = _axes(mesh, arg_shapes, cpc, cfg, False)
     tok, stat, _ = _shardings(mesh, batch, heads, seq, present)
     return tok, stat
 
@@ -161,7 +164,8 @@ def _functions(present: tuple[str, ...]):
                                      None, local(cfg, q, k, tm))[:3]
 
   def bwd_partition(cfg, cpc, mesh, arg_shapes, result_shape):
-    batch, heads, seq, strategy, plan = _axes(mesh, arg_shapes, cpc, cfg)
+    batch, heads, seq, strategy, plan = _axes(mesh, arg_shapes, cpc, cfg,
+                                              True)
     tok, stat, masks = _shardings(mesh, batch, heads, seq, present)
 
     def lowered(*args):
@@ -173,7 +177,7 @@ def _functions(present: tuple[str, ...]):
             (tok, tok, tok, tok, stat, tok) + masks)
 
   def bwd_infer(cfg, cpc, mesh, arg_shapes, result_shape):
-    batch, heads, seq, _, _ = _axes(mesh, arg_shapes, cpc, cfg)
+    batch, heads, seq, _, _ = _axes(mesh, arg_shapes, cpc, cfg, True)
     tok, _, _ = _shardings(mesh, batch, heads, seq, present)
     return tok, tok, tok
 
