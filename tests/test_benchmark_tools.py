@@ -54,3 +54,14 @@ def test_interval_sums():
   assert us == dict(wall_ms=50, busy_ms=35, attn_ms=15, comm_ms=20,
                     comm_only_ms=15, other_ms=5, idle_ms=15)
   assert detail[0] == (0.015, 1, "sm90_fmha_fwd")
+
+
+def test_compile_peak_of_the_example_step_on_cpu():
+  """The real step (micro preset, ring on 4 devices): XLA's peak, no cuDNN
+  call compiled, so no workspace."""
+  import jax
+  run = lm_training.Run(["--preset", "micro", "--quiet", "--mesh",
+                         "data=1,context=4"], jax.devices()[:4])
+  row = run.compile_peak(256)
+  assert row["cudnn_calls"] == 0 and row["workspace"] == 0
+  assert row["peak"] == row["xla_peak"] > 0
