@@ -4,10 +4,12 @@
 binds two ``custom_partitioning`` functions, a strategy's forward and its
 backward, tied by a custom VJP. Their partition rules run the strategy
 (ring, all-gather, Ulysses, hybrid; ``auto`` is decided here, where the mesh
-is first known, for each pass on its own) on each shard: the sequence dimension sharded over the
-context axis (or axes), the batch over whatever axes it already has (data,
-fsdp), the heads over theirs (tensor), head_dim never. A Shardy sharding rule names the
-factors for propagation; ``infer_sharding_from_operands`` serves GSPMD.
+is first known, for each pass on its own) on each shard: the sequence
+dimension sharded over the context axis (or axes), the batch over whatever
+axes it already has (data, fsdp), the heads over theirs (tensor), head_dim
+never. The block backend is chosen here too, on the shards' shapes. A
+Shardy sharding rule names the factors for propagation;
+``infer_sharding_from_operands`` serves GSPMD.
 
 ==========  =========================  ==========================
 operand     shape                      sharding on each shard
