@@ -102,13 +102,13 @@ class Run:
       compiled = self.compile(seq)
     row = dict(seq=seq, xla_peak=peak_bytes(compiled))
     # Which backend ran is decided per shard at compile time; the count
-    # shows it, and a program with cuDNN calls that were not recorded
-    # would leave their workspace out.
+    # shows it. Compiled calls that were not recorded leave their workspace
+    # out: flagged in the row (and printed), not hidden.
     row["cudnn_calls"] = compiled.as_text().count(
         'custom_call_target="jax_ring_sdpa_')
     if row["cudnn_calls"] and not calls:
-      raise RuntimeError(f"{row['cudnn_calls']} cuDNN calls compiled at "
-                         f"{seq} tokens, none recorded: workspace unknown")
+      row["error"] = (f"{row['cudnn_calls']} cuDNN calls compiled, none "
+                      "recorded: workspace unknown, not counted")
     try:
       row["workspace"] = max(map(cudnn.workspace_bytes, calls), default=0)
       row["peak"] = row["xla_peak"] + row["workspace"]
