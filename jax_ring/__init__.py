@@ -9,7 +9,7 @@ Public API (everything else lives in ``jax_ring._src``):
   :func:`ulysses_attention`, :func:`hybrid_attention`; and the load-balance reorder helpers
   :func:`reorder_for_load_balance`, :func:`reorder_from_load_balance`.
 * :class:`ContextParallel` for the automatic path, and :func:`explain`:
-  what ``strategy="auto"`` picks, and why.
+  what ``strategy="auto"`` picks for the forward and the backward, and why.
 * :class:`AttentionConfig`, :class:`BlockMask`, :func:`attention` and
   :func:`attention_backward`: the block-kernel contract that the
   context-parallel strategies build on.
