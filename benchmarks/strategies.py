@@ -12,7 +12,8 @@ a model calls it. Names: ``ring`` (unrolled), ``ring_scan``, ``all_gather``,
 default is ring, all_gather, ulysses, every hybrid with U, R >= 2 (2x2 on 4
 GPUs; 2x4 and 4x2 on 8) and auto, timed like the others; the row records
 auto's forward/backward picks and its time over the fastest other
-strategy's, for the forward and for forward+backward. Writes benchmarks/results/strategies<tag>_<gpu>.json.
+strategy's, for the forward and for forward+backward. Writes
+benchmarks/results/strategies<tag>_<gpu>.json.
 """
 
 from __future__ import annotations

@@ -157,8 +157,8 @@ def test_packed_backward_workspace_is_bounded_by_the_rows():
   """Packed documents run as SLOTS ragged virtual batches; the backward's
   workspace stays that of the dense call (the rows' tokens), not SLOTS x."""
   q, k, v, _ = ref.random_qkv(8, 1, 8192, 8192, 4, 4, 128, jnp.bfloat16)
-  ids = jnp.repeat(jnp.arange(3, dtype=jnp.int32), jnp.array([3000, 4000, 1192]),
-                   total_repeat_length=8192)[None]
+  ids = jnp.repeat(jnp.arange(3, dtype=jnp.int32),
+                   jnp.array([3000, 4000, 1192]), total_repeat_length=8192)[None]
 
   def backward_workspace(**kw):
     loss = lambda q, k, v: jax_ring.dot_product_attention(
