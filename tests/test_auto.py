@@ -72,26 +72,38 @@ def test_auto_is_within_5_percent_of_the_fastest_measured():
             1.05 * min(both.values())), where
 
 
-def test_auto_through_the_automatic_path_matches_reference():
+def _auto_on_4_devices(seed):
+  """Causal auto attention through the automatic path on a 4-device mesh:
+  (the inputs q, k, v, do; them placed in the dual-chunk layout; the
+  attention function; the inverse reorder)."""
   cp = 4
   m = Mesh(np.array(jax.devices()[:cp]), ("cp",))
-  q, k, v, do = rank_coded_qkv(60, cp)
+  q, k, v, do = rank_coded_qkv(seed, cp)
   to = lambda x: jax_ring.reorder_for_load_balance(x, cp)
   back = lambda x: jax_ring.reorder_from_load_balance(x, cp)
   tok = NamedSharding(m, P(None, "cp"))
   args = [jax.device_put(to(x), tok) for x in (q, k, v, do)]
   cpc = jax_ring.ContextParallel(axis="cp", strategy="auto", loop="scan")
+  attn = lambda q, k, v: jax_ring.dot_product_attention(
+      q, k, v, is_causal=True, context_parallel=cpc, implementation="xla")
 
   @jax.jit
-  def go(q, k, v, do):
-    f = lambda q, k, v: jax_ring.dot_product_attention(
-        q, k, v, is_causal=True, context_parallel=cpc, implementation="xla")
-    out, vjp = jax.vjp(f, q, k, v)
+  def fwd_bwd(q, k, v, do):
+    out, vjp = jax.vjp(attn, q, k, v)
     return out, vjp(do)
 
-  out, grads = go(*args)
-  check((back(out), tuple(back(g) for g in grads)), q, k, v, do,
+  return (q, k, v, do), args, attn, fwd_bwd, back
+
+
+def _check_auto(inputs, fwd_bwd, args, back):
+  out, grads = fwd_bwd(*args)
+  check((back(out), tuple(back(g) for g in grads)), *inputs,
         ref.Case(H**-0.5, is_causal=True))
+
+
+def test_auto_through_the_automatic_path_matches_reference():
+  inputs, args, _, fwd_bwd, back = _auto_on_4_devices(60)
+  _check_auto(inputs, fwd_bwd, args, back)
 
 
 @pytest.mark.parametrize("cpc, message", [
@@ -126,26 +138,9 @@ def test_auto_may_run_different_strategies_per_pass(monkeypatch):
   real = auto.estimate
   monkeypatch.setattr(auto, "estimate", lambda **kw: dataclasses.replace(
       real(**kw), forward="ulysses", backward="ring"))
-  cp = 4
-  m = Mesh(np.array(jax.devices()[:cp]), ("cp",))
-  q, k, v, do = rank_coded_qkv(61, cp)
-  to = lambda x: jax_ring.reorder_for_load_balance(x, cp)
-  back = lambda x: jax_ring.reorder_from_load_balance(x, cp)
-  tok = NamedSharding(m, P(None, "cp"))
-  args = [jax.device_put(to(x), tok) for x in (q, k, v, do)]
-  cpc = jax_ring.ContextParallel(axis="cp", strategy="auto", loop="scan")
-  attn = lambda q, k, v: jax_ring.dot_product_attention(
-      q, k, v, is_causal=True, context_parallel=cpc, implementation="xla")
+  inputs, args, attn, fwd_bwd, back = _auto_on_4_devices(61)
   fwd_hlo = jax.jit(attn).lower(*args[:3]).compile().as_text()
   assert "all-to-all" in fwd_hlo and "collective-permute" not in fwd_hlo
-
-  @jax.jit
-  def go(q, k, v, do):
-    out, vjp = jax.vjp(attn, q, k, v)
-    return out, vjp(do)
-
-  hlo = go.lower(*args).compile().as_text()
+  hlo = fwd_bwd.lower(*args).compile().as_text()
   assert "all-to-all" in hlo and "collective-permute" in hlo
-  out, grads = go(*args)
-  check((back(out), tuple(back(g) for g in grads)), q, k, v, do,
-        ref.Case(H**-0.5, is_causal=True))
+  _check_auto(inputs, fwd_bwd, args, back)

@@ -81,8 +81,7 @@ from jax import lax
 
 from jax_ring._src import ring, shard_call, ulysses, validate
 from jax_ring._src.config import (AttentionConfig, CausalStep, KvSend,
-                                  ShardPlan,
-                                  loop_from_environment)
+                                  ShardPlan, loop_from_environment)
 from jax_ring._src.layout import LoadBalance
 from jax_ring._src.mask import TokenMask
 

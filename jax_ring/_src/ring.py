@@ -144,7 +144,7 @@ def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   kv0 = blocks.held_kv(k, v, tm, plan)
   if plan.load_balance == "striped":
     first = lambda kv, _: striped.striped_fwd(q, tm, kv, r, r, (0,), cfg,
-                                             plan, tm.same_ids)
+                                              plan, tm.same_ids)
 
     def later(step, kv, carry):
       ds = striped.distances(step, plan.cp_size)
@@ -205,8 +205,8 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
       if _paired(plan, cfg):
         return blocks.paired_bwd(q, tm, kv, qc, kc, src > r, *grads, cfgs[0])
       return _step_call(lambda kind, kv: blocks.kind_bwd(
-          kind, q, tm, kv, qc, kc, *grads, cfgs), plan, cfg.is_causal, r,
-                        src, kv)
+          kind, q, tm, kv, qc, kc, *grads, cfgs), plan, cfg.is_causal, r, src,
+                        kv)
 
   # The carry is (dq, dkv): dkv belongs to the KV held at this step, so it
   # moves with it after the step's compute.
