@@ -26,15 +26,14 @@ def shape_args(parser, seq):
 
 
 def ring_args(parser):
-  """The ring's tuning flags, ``--kv-send`` and ``--causal-step``; read
-  them back as ``ring_attention`` keywords with :func:`ring_kwargs`."""
-  from jax_ring._src.config import CAUSAL_STEPS, KV_SENDS
-  parser.add_argument("--kv-send", default="stacked", choices=KV_SENDS)
+  """The ring's tuning flag ``--causal-step``; read it back as
+  ``ring_attention`` keywords with :func:`ring_kwargs`."""
+  from jax_ring._src.config import CAUSAL_STEPS
   parser.add_argument("--causal-step", default="cond", choices=CAUSAL_STEPS)
 
 
 def ring_kwargs(args) -> dict:
-  return dict(kv_send=args.kv_send, causal_step=args.causal_step)
+  return dict(causal_step=args.causal_step)
 
 
 def random_qkv(seed, seq, heads, kv_heads, head_dim, dtype=jnp.bfloat16):

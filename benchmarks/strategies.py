@@ -42,7 +42,7 @@ def default_strategies(cp: int) -> list[str]:
 def setup(name, cp, lb, **ring):
   """(ContextParallel, token sharding, reorder, inverse) for a strategy
   name (see the module docstring) under load balance ``lb``; ``ring``: the
-  ring's tuning (``kv_send``, ``causal_step``), for ring and hybrid."""
+  ring's tuning (``causal_step``), for ring and hybrid."""
   if name.startswith("hybrid"):
     u, r = ((cp // 2, 2) if name == "hybrid" else
             map(int, name.split("_")[1].split("x")))

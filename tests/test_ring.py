@@ -201,42 +201,6 @@ def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):
   assert jax_ring._src.config.loop_from_environment() == "unrolled"
 
 
-@pytest.mark.parametrize(
-    "kw", [dict(is_causal=True, load_balance="dual_chunk"),
-           dict(is_causal=True, load_balance="striped", loop="scan"),
-           dict(is_causal=True, load_balance="dual_chunk",
-                local_window_size=(9, 0)),
-           dict(load_balance=None, query_seq_lengths=jnp.asarray(Q_LENGTHS),
-                key_value_seq_lengths=jnp.asarray(KV_LENGTHS))],
-    ids=["dual_chunk", "striped_scan", "window", "contiguous_padding"])
-def test_separate_kv_send_matches_stacked_bitwise(kw):
-  """K and V as two permute operands compute exactly what the stacked
-  buffer does (and so match the reference, which the stacked ring does)."""
-  q, k, v, do = rank_coded_qkv(15, 4, load_balance=kw["load_balance"])
-  stacked = run_ring(q, k, v, do, 4, **kw)
-  separate = run_ring(q, k, v, do, 4, kv_send="separate", **kw)
-  for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(separate)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-@pytest.mark.parametrize("loop", ["scan", "unrolled"])
-def test_separate_kv_send_permutes_k_and_v(loop):
-  cp, t = 4, S // 4
-  q, k, v, _ = rank_coded_qkv(13, cp)
-  spec = P(None, "cp")
-  f = jax.jit(jax.shard_map(
-      lambda q, k, v: jax_ring.ring_attention(
-          q, k, v, axis_name="cp", is_causal=True, load_balance="dual_chunk",
-          loop=loop, kv_send="separate", implementation="xla"),
-      mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec))
-  hlo = f.lower(q, k, v).compile().as_text()
-  permutes = re.findall(r"collective-permute(?:-start)?\(", hlo)
-  assert len(permutes) == 2 * (cp - 1 if loop == "unrolled" else 2), permutes
-  assert not re.search(rf"f32\[2,{B},{t},{K},{H}\][^\n]*collective-permute",
-                       hlo)
-  assert re.search(rf"f32\[{B},{t},{K},{H}\][^\n]*collective-permute", hlo)
-
-
 @pytest.mark.parametrize("cp, loop, kv_heads, extra", [
     (2, "scan", K, {}),
     (4, "unrolled", K, {}),
@@ -379,8 +343,6 @@ def test_errors():
   for kw, message in [
       (dict(load_balance="zigzag"),
        "load_balance must be None, 'dual_chunk' or 'striped'; got 'zigzag'"),
-      (dict(kv_send="packed"),
-       "kv_send must be one of ('stacked', 'separate'); got 'packed'"),
       (dict(causal_step="select"),
        "causal_step must be one of ('cond', 'paired'); got 'select'")]:
     g = jax.shard_map(lambda x, kw=kw: jax_ring.ring_attention(
@@ -435,13 +397,13 @@ def test_ring_packed_segments_cross_shard_boundaries(load_balance, loop):
         (False, 2, "scan", False, "dual_chunk", {}),
         (True, 2, "unrolled", False, "dual_chunk", {}),
         (True, 1, "unrolled", False, "dual_chunk",
-         dict(kv_send="separate", causal_step="paired")),
+         dict(causal_step="paired")),
         (True, 2, "scan", True, "dual_chunk", {}),
-        (True, 2, "unrolled", True, "striped", dict(kv_send="separate"))],
+        (True, 2, "unrolled", True, "striped", {})],
     ids=["dp2_cp4_scan", "dp2_cp4_unrolled_packed",
-         "dp1_cp4_unrolled_packed_separate_kv_paired",
+         "dp1_cp4_unrolled_packed_paired",
          "dp2_cp4_scan_packed_window_pad",
-         "dp2_cp4_unrolled_striped_packed_window_pad_separate_kv"])
+         "dp2_cp4_unrolled_striped_packed_window_pad"])
 def test_automatic_path_under_jit_matches_reference(segments, dp, loop,
                                                     window_and_padding,
                                                     load_balance,

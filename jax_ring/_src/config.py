@@ -66,12 +66,6 @@ LOAD_BALANCES: tuple[str, ...] = get_args(LoadBalance)
 Strategy = Literal["ring", "all_gather", "ulysses", "hybrid", "auto"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
-# How the ring sends K/V each step: one stacked (2, B, T, K, H) buffer (one
-# collective permute, TransformerEngine's layout), or K and V as two
-# operands sent together (no stacking copy; two NCCL sends in flight).
-KvSend = Literal["stacked", "separate"]
-KV_SENDS: tuple[str, ...] = get_args(KvSend)
-
 # How a dual-chunk causal ring step after the first picks its block: a
 # lax.cond between half-KV and half-Q (on GPU its predicate is copied to the
 # host), or "paired": no branch, the two C x C pairs of either block, one
@@ -98,8 +92,6 @@ class ContextParallel:
       environment).
     kv_chunk_heads: ``"all_gather"`` only: gather this many kv heads at a
       time, bounding the gathered KV held per device.
-    kv_send: the ring's per-step K/V send, ``"stacked"`` (one buffer) or
-      ``"separate"`` (K and V as two operands of the step's permute).
     causal_step: the ring's dual-chunk causal steps, ``"cond"`` (a
       ``lax.cond`` between half-KV and half-Q) or ``"paired"`` (no branch;
       see ``jax_ring._src.ring_blocks``).
@@ -110,7 +102,6 @@ class ContextParallel:
   load_balance: LoadBalance | None = "dual_chunk"
   loop: Literal["scan", "unrolled"] | None = None
   kv_chunk_heads: int | None = None
-  kv_send: KvSend = "stacked"
   causal_step: CausalStep = "cond"
 
 
@@ -125,7 +116,6 @@ class ShardPlan:
     load_balance: the token layout of the shards (``None`` = contiguous).
     loop: the ring's loop form; other strategies ignore it.
     kv_chunk_heads: all-gather only: gather this many kv heads at a time.
-    kv_send: the ring's per-step K/V send (see ``ContextParallel``).
     causal_step: the ring's dual-chunk causal steps (``ContextParallel``).
   """
 
@@ -134,7 +124,6 @@ class ShardPlan:
   load_balance: LoadBalance | None = None
   loop: Literal["scan", "unrolled"] = "unrolled"
   kv_chunk_heads: int | None = None
-  kv_send: KvSend = "stacked"
   causal_step: CausalStep = "cond"
 
 

@@ -80,8 +80,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ring._src import ring, shard_call, ulysses, validate
-from jax_ring._src.config import (AttentionConfig, CausalStep, KvSend,
-                                  ShardPlan, loop_from_environment)
+from jax_ring._src.config import (AttentionConfig, CausalStep, ShardPlan,
+                                  loop_from_environment)
 from jax_ring._src.layout import LoadBalance
 from jax_ring._src.mask import TokenMask
 
@@ -168,7 +168,6 @@ def hybrid_attention(query, key, value, *, axis_name: tuple[str, str],
                      key_value_seq_lengths=None, local_window_size=None,
                      scale=None, logits_soft_cap=None, implementation=None,
                      loop: ring.Loop | None = None,
-                     kv_send: KvSend = "stacked",
                      causal_step: CausalStep = "cond"):
   """Exact attention over a sequence sharded over a ulysses and a ring axis.
 
@@ -198,7 +197,6 @@ def hybrid_attention(query, key, value, *, axis_name: tuple[str, str],
     implementation: block backend, as in ``dot_product_attention``.
     loop: the ring's loop form, ``"scan"`` or ``"unrolled"``; default from
       ``NVTE_FUSED_RING_ATTENTION_USE_SCAN`` as in :func:`ring_attention`.
-    kv_send: the ring's K/V send, as in :func:`ring_attention`.
     causal_step: the ring's causal steps, as in :func:`ring_attention`.
 
   Returns:
@@ -209,7 +207,7 @@ def hybrid_attention(query, key, value, *, axis_name: tuple[str, str],
   u, r = validate.mesh_axis(u_axis), validate.mesh_axis(r_axis)
   validate.ulysses_heads(query.shape[2], u_axis, u)
   # The ring sees the ulysses group's gathered T * U tokens.
-  validate.ring_options(load_balance, loop, query.shape[1] * u, r, kv_send,
+  validate.ring_options(load_balance, loop, query.shape[1] * u, r,
                         causal_step)
   tm, cfg = shard_call.prepare(
       query, key, value, segment_ids=segment_ids,
@@ -218,5 +216,5 @@ def hybrid_attention(query, key, value, *, axis_name: tuple[str, str],
       logits_soft_cap=logits_soft_cap, implementation=implementation)
   plans = (ShardPlan(u_axis, u, None),
            ShardPlan(r_axis, r, load_balance, loop or loop_from_environment(),
-                     kv_send=kv_send, causal_step=causal_step))
+                     causal_step=causal_step))
   return hybrid(query, key, value, tm, cfg, plans)

@@ -79,18 +79,18 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
     u, r = mesh.shape[u_axis], mesh.shape[r_axis]
     validate.ulysses_heads(local_heads, u_axis, u)
     validate.ring_options(cpc.load_balance, cpc.loop, seq // r, r,
-                          cpc.kv_send, cpc.causal_step)
+                          cpc.causal_step)
     plan = (ShardPlan(u_axis, u),
             ShardPlan(r_axis, r, cpc.load_balance, cpc.loop,
-                      kv_send=cpc.kv_send, causal_step=cpc.causal_step))
+                      causal_step=cpc.causal_step))
     seq_axes = (r_axis, u_axis)  # ring-major
   else:
     if cpc.strategy == "ulysses":
       validate.ulysses_heads(local_heads, cpc.axis, cp)
     validate.ring_options(cpc.load_balance, cpc.loop, seq // cp, cp,
-                          cpc.kv_send, cpc.causal_step)
+                          cpc.causal_step)
     plan = ShardPlan(cpc.axis, cp, cpc.load_balance, cpc.loop,
-                     cpc.kv_chunk_heads, cpc.kv_send, cpc.causal_step)
+                     cpc.kv_chunk_heads, cpc.causal_step)
     seq_axes = cpc.axis
   return batch, heads, seq_axes, _strategy(cpc.strategy), plan
 

@@ -61,11 +61,9 @@ def chunk_ids(plan: ShardPlan, device):
 
 
 def held_kv(k, v, tm: TokenMask, plan: ShardPlan):
-  """What travels the ring: (K/V, the kv segment ids or None), with K/V one
-  stacked ``(2, B, T, K, H)`` buffer or a ``(k, v)`` pair (``plan.kv_send``).
-  Both index as ``kv[0][0]``, ``kv[0][1]``."""
-  pair = jnp.stack([k, v]) if plan.kv_send == "stacked" else (k, v)
-  return pair, tm.kv_ids()
+  """What travels the ring: (K/V as one stacked ``(2, B, T, K, H)`` buffer,
+  the kv segment ids or None); K and V index as ``kv[0][0]``, ``kv[0][1]``."""
+  return jnp.stack([k, v]), tm.kv_ids()
 
 
 def dkv_zeros(kv, rows=None):
