@@ -1,15 +1,21 @@
-"""The arithmetic inside the GPU benchmarks, checked where CI can run it:
-the longest-sequence search of ``benchmarks/lm_training.py`` and the
-kernel-interval sums of ``benchmarks/profile_ring.py``."""
+"""The GPU benchmarks, checked where CI can run them: the longest-sequence
+search of ``benchmarks/lm_training.py``, the kernel-interval sums of
+``benchmarks/profile_ring.py``, and dry runs of the attention benchmarks on
+all 8 simulated devices (the 8-GPU issue runs them unchanged on 8 GPUs)."""
 
+import functools
+import json
 import pathlib
 import sys
 
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+import common  # noqa: E402
 import lm_training  # noqa: E402
 import profile_ring  # noqa: E402
+import ring_attention  # noqa: E402
+import strategies  # noqa: E402
 
 
 class FakeRun:
@@ -65,3 +71,42 @@ def test_compile_peak_of_the_example_step_on_cpu():
   row = run.compile_peak(256)
   assert row["cudnn_calls"] == 0 and row["workspace"] == 0
   assert row["peak"] == row["xla_peak"] > 0
+
+
+TINY = ["--seq", "128", "--kv-heads", "2", "--heads", "8", "--head-dim", "16",
+        "--implementation", "xla"]
+
+
+def dry_run(module, args, tmp_path, monkeypatch) -> list[dict]:
+  """``module.main()`` on the command line ``args``; its JSON rows. One
+  call per timing batch: many queued 8-device programs with collectives
+  can abort XLA:CPU on this 2-core machine (seen: in the timing loop)."""
+  monkeypatch.setattr(common, "RESULTS", tmp_path)
+  monkeypatch.setattr(module, "time_fn", functools.partial(
+      common.time_fn, repeats=1, min_batch_s=0))
+  monkeypatch.setattr(sys, "argv", [module.__name__] + args)
+  module.main()
+  (path,) = tmp_path.glob("*.json")
+  return json.loads(path.read_text())["rows"]
+
+
+def test_strategies_benchmark_on_8_devices(tmp_path, monkeypatch):
+  """Every default strategy for 8 devices (hybrid 2x4 and 4x2 included)
+  runs, matches the single-device output, and auto is timed."""
+  import jax
+  assert jax.device_count() == 8
+  (row,) = dry_run(strategies, TINY, tmp_path, monkeypatch)
+  names = strategies.default_strategies(8)
+  assert {"hybrid_2x4", "hybrid_4x2", "auto"} <= set(names)
+  for name in names:
+    assert row[f"{name}_max_rel_err"] < 1e-2, (name, row)
+    assert row[f"{name}_fwd_ms"] > 0 and row[f"{name}_fwdbwd_ms"] > 0
+  assert row["auto_pick"].count("/") == 1
+
+
+def test_ring_benchmark_on_8_devices(tmp_path, monkeypatch):
+  (row,) = dry_run(ring_attention, TINY + ["--causal-only"], tmp_path,
+                   monkeypatch)
+  assert row["unrolled_max_rel_err"] < 1e-2
+  assert all(row[f"{loop}_{p}_eff"] > 0 for loop in ("unrolled", "scan")
+             for p in ("fwd", "fwdbwd"))
