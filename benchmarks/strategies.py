@@ -8,6 +8,7 @@ convention).
 B=1, N=32, D=128, bf16, causal, dual-chunk layout. Each strategy runs
 through the automatic path (jit + NamedSharding + ContextParallel), the way
 a model calls it. Names: ``ring`` (unrolled), ``ring_scan``, ``all_gather``,
+``all_gather_gG`` (K/V gathered G kv heads at a time, ``kv_chunk_heads``),
 ``ulysses``, ``hybrid_UxR`` (U ulysses x R ring devices), ``auto``; the
 default is ring, all_gather, ulysses, every hybrid with U, R >= 2 (2x2 on 4
 GPUs; 2x4 and 4x2 on 8) and auto, timed like the others; the row records
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 os.environ.setdefault("XLA_FLAGS",
                       "--xla_gpu_enable_latency_hiding_scheduler=true")
@@ -56,9 +58,11 @@ def setup(name, cp, lb, **ring):
     mesh = Mesh(np.array(jax.devices()), ("cp",))
     spec, ring_size = P(None, "cp"), cp
     strategy, scan, _ = name.partition("_scan")
-    cpc = jax_ring.ContextParallel(axis="cp", strategy=strategy,
-                                   load_balance=lb,
-                                   loop="scan" if scan else "unrolled", **ring)
+    grouped = re.fullmatch(r"(\w+)_g(\d+)", strategy)  # all_gather_g<G>
+    cpc = jax_ring.ContextParallel(
+        axis="cp", strategy=grouped[1] if grouped else strategy,
+        load_balance=lb, loop="scan" if scan else "unrolled",
+        kv_chunk_heads=int(grouped[2]) if grouped else None, **ring)
   to = lambda x: (jax_ring.reorder_for_load_balance(x, ring_size, layout=lb)
                   if lb else x)
   back = lambda x: (jax_ring.reorder_from_load_balance(x, ring_size, layout=lb)

@@ -91,13 +91,16 @@ def dry_run(module, args, tmp_path, monkeypatch) -> list[dict]:
 
 
 def test_strategies_benchmark_on_8_devices(tmp_path, monkeypatch):
-  """Every default strategy for 8 devices (hybrid 2x4 and 4x2 included)
-  runs, matches the single-device output, and auto is timed."""
+  """Every default strategy for 8 devices (hybrid 2x4 and 4x2 included),
+  and the all-gather by head groups, runs and matches the single-device
+  output; auto is timed."""
   import jax
   assert jax.device_count() == 8
-  (row,) = dry_run(strategies, TINY, tmp_path, monkeypatch)
   names = strategies.default_strategies(8)
   assert {"hybrid_2x4", "hybrid_4x2", "auto"} <= set(names)
+  names.insert(2, "all_gather_g1")  # kv_chunk_heads=1
+  (row,) = dry_run(strategies, TINY + ["--strategies", *names], tmp_path,
+                   monkeypatch)
   for name in names:
     assert row[f"{name}_max_rel_err"] < 1e-2, (name, row)
     assert row[f"{name}_fwd_ms"] > 0 and row[f"{name}_fwdbwd_ms"] > 0
