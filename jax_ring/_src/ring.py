@@ -141,7 +141,7 @@ def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   """(out in q's dtype, lse f32) of this device's queries."""
   r = lax.axis_index(plan.axis_name)
   src_of = lambda step: (r - step) % plan.cp_size
-  kv0 = blocks.held_kv(k, v, tm, plan)
+  kv0 = blocks.held_kv(k, v, tm)
   if plan.load_balance == "striped":
     first = lambda kv, _: striped.striped_fwd(q, tm, kv, r, r, (0,), cfg,
                                               plan, tm.same_ids)
@@ -216,7 +216,7 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
     dq_i, dkv_i = step_bwd(step, kv)
     return dq + dq_i, dkv + dkv_i
 
-  kv0 = blocks.held_kv(k, v, tm, plan)
+  kv0 = blocks.held_kv(k, v, tm)
   dq, dkv = _ring_loop(plan, lambda kv, _: first_bwd(kv), later, kv0, None)
   if plan.cp_size > 1:
     dkv = _send_next(dkv, plan)  # back to the owner

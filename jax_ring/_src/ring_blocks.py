@@ -60,7 +60,7 @@ def chunk_ids(plan: ShardPlan, device):
   return [device]
 
 
-def held_kv(k, v, tm: TokenMask, plan: ShardPlan):
+def held_kv(k, v, tm: TokenMask):
   """What travels the ring: (K/V as one stacked ``(2, B, T, K, H)`` buffer,
   the kv segment ids or None); K and V index as ``kv[0][0]``, ``kv[0][1]``."""
   return jnp.stack([k, v]), tm.kv_ids()
