@@ -208,33 +208,19 @@ def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):
     (4, "scan", 1, dict(logits_soft_cap=3.0)),
     (4, "unrolled", K, dict(query_seq_lengths=jnp.asarray(Q_LENGTHS),
                             key_value_seq_lengths=jnp.asarray(KV_LENGTHS))),
-    (4, "scan", K, dict(segments=True)),
-], ids=["n2_scan", "n4", "n8", "n4_mqa_softcap_scan", "n4_padding",
-        "n4_packed_scan"])
+], ids=["n2_scan", "n4", "n8", "n4_mqa_softcap_scan", "n4_padding"])
 def test_paired_causal_step_matches_reference(cp, loop, kv_heads, extra):
-  """causal_step="paired" (dual-chunk causal steps without a lax.cond)."""
+  """causal_step="paired" (dual-chunk causal steps without a lax.cond);
+  with packed documents: in the packed-segments test."""
   q, k, v, do = rank_coded_qkv(30 + cp, cp, kv_heads, "dual_chunk")
-  extra = dict(extra)
   case = ref.Case(H**-0.5, is_causal=True,
                   soft_cap=extra.get("logits_soft_cap"))
   if "query_seq_lengths" in extra:
     case = dataclasses.replace(case, q_lengths=Q_LENGTHS,
                                kv_lengths=KV_LENGTHS)
-  if not extra.pop("segments", False):
-    got = run_ring(q, k, v, do, cp, is_causal=True, load_balance="dual_chunk",
-                   loop=loop, causal_step="paired", **extra)
-    return check(got, q, k, v, do, case)
-  ids = ref.random_segments(31, B, S, 5)
-  spec = P(None, "cp")
-  f = jax.shard_map(
-      lambda q, k, v, ids: jax_ring.ring_attention(
-          q, k, v, axis_name="cp", is_causal=True, load_balance="dual_chunk",
-          segment_ids=ids, loop=loop, causal_step="paired",
-          implementation="xla"),
-      mesh=mesh(cp), in_specs=(spec,) * 4, out_specs=spec)
-  got = layout_vjp(f, cp, "dual_chunk", q, k, v, do, jnp.asarray(ids))
-  check(got, q, k, v, do, dataclasses.replace(
-      case, q_segment_ids=ids, kv_segment_ids=ids))
+  got = run_ring(q, k, v, do, cp, is_causal=True, load_balance="dual_chunk",
+                 loop=loop, causal_step="paired", **extra)
+  check(got, q, k, v, do, case)
 
 
 @pytest.mark.parametrize("loop", ["scan", "unrolled"])
@@ -374,10 +360,14 @@ def test_2d_mesh_data_by_cp_with_heads_unsharded():
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True))
 
 
-@pytest.mark.parametrize("load_balance", [None, "dual_chunk", "striped"],
-                         ids=["contiguous", "dual_chunk", "striped"])
+@pytest.mark.parametrize(
+    "load_balance, causal_step",
+    [(None, "cond"), ("dual_chunk", "cond"), ("striped", "cond"),
+     ("dual_chunk", "paired")],
+    ids=["contiguous", "dual_chunk", "striped", "dual_chunk_paired"])
 @pytest.mark.parametrize("loop", ["scan", "unrolled"])
-def test_ring_packed_segments_cross_shard_boundaries(load_balance, loop):
+def test_ring_packed_segments_cross_shard_boundaries(load_balance,
+                                                     causal_step, loop):
   cp = 4
   q, k, v, do = rank_coded_qkv(16, cp, load_balance=load_balance)
   ids = ref.random_segments(17, B, S, 5)  # 5 documents of random lengths
@@ -385,7 +375,8 @@ def test_ring_packed_segments_cross_shard_boundaries(load_balance, loop):
   f = jax.shard_map(
       lambda q, k, v, ids: jax_ring.ring_attention(
           q, k, v, axis_name="cp", is_causal=True, load_balance=load_balance,
-          segment_ids=ids, loop=loop, implementation="xla"),
+          segment_ids=ids, loop=loop, causal_step=causal_step,
+          implementation="xla"),
       mesh=mesh(cp), in_specs=(spec,) * 4, out_specs=spec)
   got = layout_vjp(f, cp, load_balance, q, k, v, do, jnp.asarray(ids))
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True, q_segment_ids=ids,
