@@ -16,8 +16,9 @@ For each shape and pass, per call and averaged over GPUs:
 | other_ms    | every other kernel (merges, casts, copies, slicing)      |
 | idle_ms     | wall - busy: launch gaps, host waits                     |
 
-The raw Perfetto trace and a per-kernel table of GPU 0 are written to
-``--out`` for a closer look.
+The raw Perfetto trace, a per-kernel table of GPU 0 and GPU 0's kernel
+timeline (start, duration, stream, kind) are written to ``--out`` for a
+closer look.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def gpu_events(trace_path):
   for e in events:
     if (e.get("ph") == "X" and e.get("pid") in gpus and "dur" in e and
         (e["pid"], e.get("tid")) in streams):
-      per[gpus[e["pid"]]].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+      per[gpus[e["pid"]]].append((e["ts"], e["ts"] + e["dur"], e["name"],
+                                  threads[(e["pid"], e["tid"])]))
   return per
 
 
@@ -95,9 +97,9 @@ def summarise(per, calls: int):
   rows, detail = [], None
   for gpu, evs in sorted(per.items()):
     by = collections.defaultdict(list)
-    for s, e, n in evs:
+    for s, e, n, _ in evs:
       by[kind(n)].append((s, e))
-    allv = [(s, e) for s, e, _ in evs]
+    allv = [(s, e) for s, e, _, _ in evs]
     wall = max(e for _, e in allv) - min(s for s, _ in allv)
     busy = union(allv)
     rows.append(dict(
@@ -109,15 +111,18 @@ def summarise(per, calls: int):
         other_ms=union(by["other"]) / 1e3 / calls,
         idle_ms=(wall - busy) / 1e3 / calls))
     if detail is None:
+      t0 = min(s for s, _, _, _ in evs)
+      timeline = [(s - t0, e - s, st, kind(n), n[:70])
+                  for s, e, n, st in sorted(evs)]
       agg = collections.defaultdict(lambda: [0, 0.0])
-      for s, e, n in evs:
+      for s, e, n, _ in evs:
         agg[n][0] += 1
         agg[n][1] += e - s
       detail = sorted(((v[1] / 1e3 / calls, v[0] // calls, n[:110])
                        for n, v in agg.items()), reverse=True)
   mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]
           if k != "gpu"}
-  return mean, detail
+  return mean, detail, timeline
 
 
 def main():
@@ -131,9 +136,15 @@ def main():
   p.add_argument("--path", choices=["shard_map", "auto"], default="shard_map",
                  help="ring_attention in shard_map, or dot_product_attention "
                  "with ContextParallel under jit")
+  p.add_argument("--strategy", default="ring",
+                 help="with --path auto: any ContextParallel strategy")
+  p.add_argument("--kv-chunk-heads", type=int, default=None,
+                 help="all_gather: gather this many kv heads at a time")
   p.add_argument("--calls", type=int, default=3)
   p.add_argument("--out", default=tempfile.mkdtemp())
   a = p.parse_args()
+  if a.strategy != "ring" and a.path != "auto":
+    p.error("--strategy other than ring needs --path auto")
   os.makedirs(a.out, exist_ok=True)
   mesh = Mesh(np.array(jax.devices()), ("cp",))
   sh = NamedSharding(mesh, P(None, "cp"))
@@ -149,9 +160,9 @@ def main():
                 load_balance="dual_chunk", loop=a.loop, **ring_kwargs(a)),
             mesh=mesh, in_specs=(P(None, "cp"),) * 3, out_specs=P(None, "cp"))
       else:
-        cpc = jax_ring.ContextParallel(axis="cp", strategy="ring",
-                                       load_balance="dual_chunk", loop=a.loop,
-                                       **ring_kwargs(a))
+        cpc = jax_ring.ContextParallel(
+            axis="cp", strategy=a.strategy, load_balance="dual_chunk",
+            loop=a.loop, kv_chunk_heads=a.kv_chunk_heads, **ring_kwargs(a))
         ring = lambda q, k, v: jax_ring.dot_product_attention(
             q, k, v, is_causal=True, context_parallel=cpc)
       fns = {"fwd": (jax.jit(ring), args[:3]),
@@ -160,7 +171,7 @@ def main():
       for pas, (fn, xs) in fns.items():
         jax.block_until_ready(fn(*xs))
         jax.block_until_ready(fn(*xs))
-        name = f"{a.path}_{a.causal_step}_{s}_{kh}_{pas}"
+        name = f"{a.path}_{a.strategy}_{a.causal_step}_{s}_{kh}_{pas}"
         d = os.path.join(a.out, f"trace_{name}")
         with jax.profiler.trace(d, create_perfetto_trace=True):
           for _ in range(a.calls):
@@ -168,8 +179,9 @@ def main():
           jax.block_until_ready(out)
         path = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"),
                          recursive=True)[0]
-        mean, detail = summarise(gpu_events(path), a.calls)
-        row = dict(path=a.path, seq=s, kv_heads=kh, pass_=pas, **mean)
+        mean, detail, timeline = summarise(gpu_events(path), a.calls)
+        row = dict(path=a.path, strategy=a.strategy, seq=s, kv_heads=kh,
+                   pass_=pas, **mean)
         table.append(row)
         print({k: (round(v, 3) if isinstance(v, float) else v)
                for k, v in row.items()}, flush=True)
@@ -177,14 +189,20 @@ def main():
           f.write("ms/call  count/call  kernel (GPU 0)\n")
           for ms, cnt, n in detail:
             f.write(f"{ms:8.3f} {cnt:6d}  {n}\n")
-  cols = ["path", "seq", "kv_heads", "pass_", "wall_ms", "busy_ms", "attn_ms",
+        with open(os.path.join(a.out, f"timeline_{name}.txt"), "w") as f:
+          f.write("start_us  dur_us  stream  kind  kernel (GPU 0, all calls)\n")
+          for t, d, st, k, n in timeline:
+            f.write(f"{t:9.1f} {d:8.1f}  {st[:12]:12s} {k:5s} {n}\n")
+  cols = ["path", "strategy", "seq", "kv_heads", "pass_", "wall_ms",
+          "busy_ms", "attn_ms",
           "comm_ms", "comm_only_ms", "other_ms", "idle_ms"]
   print(" ".join(c.rjust(9) for c in cols))
   for r in table:
     print(" ".join((f"{r[c]:.3f}" if isinstance(r[c], float) else
                     str(r[c])).rjust(9) for c in cols))
-  pathlib.Path(a.out, f"profile_ring_{a.path}.json").write_text(json.dumps(
+  pathlib.Path(a.out, f"profile_ring_{a.path}_{a.strategy}.json").write_text(json.dumps(
       dict(benchmark="profile_ring", **environment(), loop=a.loop,
+           strategy=a.strategy, kv_chunk_heads=a.kv_chunk_heads,
            **ring_kwargs(a),
            heads=a.heads, head_dim=a.head_dim, dtype="bfloat16", batch=1,
            xla_flags=os.environ.get("XLA_FLAGS", ""), rows=table), indent=1))

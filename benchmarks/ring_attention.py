@@ -7,8 +7,8 @@ ring-flash-attention), measured in the same process.
 
 B=1, N=32, D=128, bf16, dual-chunk causal and non-causal, both loop forms.
 Efficiency = theoretic time / ring time (forward; forward+backward).
-Also checks the ring's output against the single-GPU result (max relative
-error) for every shape. Writes benchmarks/results/ring_attention_<gpu>.json.
+Also checks the ring's output and its gradients (the worst of dq, dk, dv)
+against the single-GPU results (max relative error) for every shape. Writes benchmarks/results/ring_attention_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -29,11 +29,17 @@ from common import (random_qkv, ring_args, ring_kwargs,  # noqa: E402
                     shape_args, time_fn, write)
 
 
+def rel_err(got, want) -> float:
+  """max |got - want| / max |want|, in float32."""
+  got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+  return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+
+
 def report(rows, a):
   write("ring_attention" + a.tag, rows,
         ["seq", "kv_heads", "causal", "load_balance", "single_fwd_tflops", "unrolled_fwd_eff",
          "unrolled_fwdbwd_eff", "scan_fwd_eff", "scan_fwdbwd_eff",
-         "unrolled_max_rel_err"],
+         "unrolled_max_rel_err", "unrolled_grad_max_rel_err"],
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
                    **ring_kwargs(a),
                    xla_flags=os.environ.get("XLA_FLAGS", ""),
@@ -65,7 +71,7 @@ def main():
             q, k, v, is_causal=causal, implementation=a.implementation)
         f1 = jax.jit(single)
         fb1 = jax.jit(lambda q, k, v, do: jax.vjp(single, q, k, v)[1](do))
-        want = f1(q, k, v)
+        want, want_g = f1(q, k, v), fb1(q, k, v, do)
         t1, tb1 = time_fn(f1, q, k, v), time_fn(fb1, q, k, v, do)
         row["single_fwd_ms"], row["single_fwdbwd_ms"] = t1 * 1e3, tb1 * 1e3
         row["single_fwd_tflops"] = flops / t1 / 1e12
@@ -89,15 +95,15 @@ def main():
           fr = jax.jit(ring)
           fbr = jax.jit(lambda q, k, v, do, ring=ring: jax.vjp(
               ring, q, k, v)[1](do))
-          got = un_(fr(qs, kss, vs))
-          err = float(jnp.max(jnp.abs(got.astype(jnp.float32) -
-                                      want.astype(jnp.float32))) /
-                      jnp.max(jnp.abs(want.astype(jnp.float32))))
+          err = rel_err(un_(fr(qs, kss, vs)), want)
+          grad_err = max(rel_err(un_(g), w) for g, w in zip(
+              fbr(qs, kss, vs, dos), want_g))
           tr, tbr = time_fn(fr, qs, kss, vs), time_fn(fbr, qs, kss, vs, dos)
           row[f"{loop}_fwd_ms"], row[f"{loop}_fwdbwd_ms"] = tr * 1e3, tbr * 1e3
           row[f"{loop}_fwd_eff"] = t1 / cp / tr
           row[f"{loop}_fwdbwd_eff"] = tb1 / cp / tbr
           row[f"{loop}_max_rel_err"] = err
+          row[f"{loop}_grad_max_rel_err"] = grad_err
         rows.append(row)
         print(row, flush=True)
         report(rows, a)  # after every row: a run cut short keeps its rows

@@ -53,13 +53,18 @@ def test_longest_finds_the_last_fitting_granule(fixed, per_token, jump_at,
 
 
 def test_interval_sums():
-  per = {"gpu0": [(0, 10, "ncclSendRecv"), (5, 20, "sm90_fmha_fwd"),
-                  (25, 30, "loop_fusion"), (40, 50, "ncclKernel")]}
-  mean, detail = profile_ring.summarise(per, calls=1)
+  per = {"gpu0": [(0, 10, "ncclSendRecv", "Stream #2"),
+                  (5, 20, "sm90_fmha_fwd", "Stream #1"),
+                  (25, 30, "loop_fusion", "Stream #1"),
+                  (40, 50, "ncclKernel", "Stream #2")]}
+  mean, detail, timeline = profile_ring.summarise(per, calls=1)
   us = {k: round(v * 1e3, 6) for k, v in mean.items()}  # ms -> us
   assert us == dict(wall_ms=50, busy_ms=35, attn_ms=15, comm_ms=20,
                     comm_only_ms=15, other_ms=5, idle_ms=15)
   assert detail[0] == (0.015, 1, "sm90_fmha_fwd")
+  assert [(t, d, st, k) for t, d, st, k, _ in timeline] == [
+      (0, 10, "Stream #2", "comm"), (5, 15, "Stream #1", "attn"),
+      (25, 5, "Stream #1", "other"), (40, 10, "Stream #2", "comm")]
 
 
 def test_compile_peak_of_the_example_step_on_cpu():

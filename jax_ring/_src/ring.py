@@ -7,7 +7,8 @@ K and V are stacked into one ``(2, B, T, K, H)`` buffer and passed to the
 next device with one ``ppermute`` per step (K and V as two operands of the
 permute measured 3% slower, forward+backward on 4xH200 at 16k). The send
 for step i+1 is issued before step i's block compute (they do not depend
-on each other, so XLA can overlap them), and the last step is peeled so
+on each other, so XLA can overlap them; whether it does depends on its
+cost model: README, "Overlap on GPU"), and the last step is peeled so
 that no permute is wasted.
 Partial results merge through their softmax statistics in float32; the output
 is cast to the input dtype once, at the end.
