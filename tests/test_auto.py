@@ -120,8 +120,7 @@ def test_auto_through_the_automatic_path_matches_reference():
      "kv_chunk_heads must be None or a positive int dividing the key/value "
      "heads (2); got 3"),
     (jax_ring.ContextParallel(causal_step="select"),
-     "causal_step must be one of ('cond', 'paired', 'lengths'); got "
-     "'select'"),
+     "causal_step must be one of ('cond', 'paired'); got 'select'"),
 ])
 def test_context_parallel_errors(cpc, message):
   q = jnp.ones((B, S, 4, H))

@@ -56,15 +56,13 @@ def run(q, k, v, do, u, r, *ids, **kw):
     ((2, 2), True, "dual_chunk", 2, "cond"),
     ((2, 4), True, None, 2, "cond"), ((2, 4), False, "dual_chunk", 8, "cond"),
     ((4, 2), True, "dual_chunk", 2, "cond"), ((4, 2), True, None, 1, "cond"),
-    ((2, 4), True, "dual_chunk", 2, "paired"),
-    ((2, 4), True, "dual_chunk", 2, "lengths")],
+    ((2, 4), True, "dual_chunk", 2, "paired")],
                          ids=["u2_r2_causal_dual_chunk",
                               "u2_r4_causal_contiguous",
                               "u2_r4_full_dual_chunk_k8",
                               "u4_r2_causal_dual_chunk",
                               "u4_r2_causal_contiguous_mqa",
-                              "u2_r4_causal_dual_chunk_paired",
-                              "u2_r4_causal_dual_chunk_lengths"])
+                              "u2_r4_causal_dual_chunk_paired"])
 def test_hybrid_matches_reference(ur, causal, load_balance, kv_heads, step):
   u, r = ur
   q, k, v, do = coded_qkv(u * 10 + r, u * r, kv_heads)

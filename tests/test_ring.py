@@ -201,7 +201,6 @@ def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):
   assert jax_ring._src.config.loop_from_environment() == "unrolled"
 
 
-@pytest.mark.parametrize("causal_step", ["paired", "lengths"])
 @pytest.mark.parametrize("cp, loop, kv_heads, extra", [
     (2, "scan", K, {}),
     (4, "unrolled", K, {}),
@@ -210,12 +209,9 @@ def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):
     (4, "unrolled", K, dict(query_seq_lengths=jnp.asarray(Q_LENGTHS),
                             key_value_seq_lengths=jnp.asarray(KV_LENGTHS))),
 ], ids=["n2_scan", "n4", "n8", "n4_mqa_softcap_scan", "n4_padding"])
-def test_branch_free_causal_steps_match_reference(cp, loop, kv_heads, extra,
-                                                  causal_step):
-  """Dual-chunk causal steps without a lax.cond: "paired" (two C x C pairs
-  batch-stacked) and "lengths" (one block, runtime lengths; with padding
-  lengths it runs "cond" steps). Packed documents: in the packed-segments
-  test."""
+def test_paired_causal_step_matches_reference(cp, loop, kv_heads, extra):
+  """causal_step="paired" (dual-chunk causal steps without a lax.cond);
+  with packed documents: in the packed-segments test."""
   q, k, v, do = rank_coded_qkv(30 + cp, cp, kv_heads, "dual_chunk")
   case = ref.Case(H**-0.5, is_causal=True,
                   soft_cap=extra.get("logits_soft_cap"))
@@ -223,15 +219,15 @@ def test_branch_free_causal_steps_match_reference(cp, loop, kv_heads, extra,
     case = dataclasses.replace(case, q_lengths=Q_LENGTHS,
                                kv_lengths=KV_LENGTHS)
   got = run_ring(q, k, v, do, cp, is_causal=True, load_balance="dual_chunk",
-                 loop=loop, causal_step=causal_step, **extra)
+                 loop=loop, causal_step="paired", **extra)
   check(got, q, k, v, do, case)
 
 
 @pytest.mark.parametrize("loop", ["scan", "unrolled"])
-def test_branch_free_causal_steps_run_no_conditional(loop):
-  """The forward and backward of a "paired" or "lengths" ring compile
-  without a conditional (on GPU each one copies its predicate to the
-  host); the cond form has one per step after the first, in each pass."""
+def test_paired_causal_step_runs_no_conditional(loop):
+  """The forward and backward of a paired ring compile without a
+  conditional (on GPU each one copies its predicate to the host); the
+  cond form has one per step after the first, in each pass."""
   cp = 4
   q, k, v, do = rank_coded_qkv(32, cp)
   spec = P(None, "cp")
@@ -247,7 +243,7 @@ def test_branch_free_causal_steps_run_no_conditional(loop):
     return len(re.findall(r"\bconditional\(", g.lower(q, k, v).compile()
                           .as_text()))
 
-  assert conditionals("paired") == conditionals("lengths") == 0
+  assert conditionals("paired") == 0
   # Unrolled: cp - 1 steps; scan: the body's step and the peeled last one.
   assert conditionals("cond") == 2 * (cp - 1 if loop == "unrolled" else 2)
 
@@ -334,8 +330,7 @@ def test_errors():
       (dict(load_balance="zigzag"),
        "load_balance must be None, 'dual_chunk' or 'striped'; got 'zigzag'"),
       (dict(causal_step="select"),
-       "causal_step must be one of ('cond', 'paired', 'lengths'); got "
-       "'select'")]:
+       "causal_step must be one of ('cond', 'paired'); got 'select'")]:
     g = jax.shard_map(lambda x, kw=kw: jax_ring.ring_attention(
         x, x, x, axis_name="cp", **kw),
                       mesh=mesh(2), in_specs=spec, out_specs=spec)
@@ -394,12 +389,10 @@ def test_ring_packed_segments_cross_shard_boundaries(load_balance,
         (True, 2, "unrolled", False, "dual_chunk", {}),
         (True, 1, "unrolled", False, "dual_chunk",
          dict(causal_step="paired")),
-        (False, 1, "unrolled", False, "dual_chunk",
-         dict(causal_step="lengths")),
         (True, 2, "scan", True, "dual_chunk", {}),
         (True, 2, "unrolled", True, "striped", {})],
     ids=["dp2_cp4_scan", "dp2_cp4_unrolled_packed",
-         "dp1_cp4_unrolled_packed_paired", "dp1_cp4_unrolled_lengths",
+         "dp1_cp4_unrolled_packed_paired",
          "dp2_cp4_scan_packed_window_pad",
          "dp2_cp4_unrolled_striped_packed_window_pad"])
 def test_automatic_path_under_jit_matches_reference(segments, dp, loop,

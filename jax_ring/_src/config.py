@@ -70,7 +70,7 @@ STRATEGIES: tuple[str, ...] = get_args(Strategy)
 # lax.cond between half-KV and half-Q (on GPU its predicate is copied to the
 # host), or "paired": no branch, the two C x C pairs of either block, one
 # of them shared, as one batch-stacked call (see ring_blocks).
-CausalStep = Literal["cond", "paired", "lengths"]
+CausalStep = Literal["cond", "paired"]
 CAUSAL_STEPS: tuple[str, ...] = get_args(CausalStep)
 
 

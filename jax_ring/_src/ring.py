@@ -127,18 +127,10 @@ def _step_call(fn, plan, causal, r, src, *args):
                   functools.partial(fn, after), *args)
 
 
-def _step_form(plan: ShardPlan, cfg: AttentionConfig, tm: TokenMask) -> str:
-  """How dual-chunk causal steps after the first run: ``plan.causal_step``,
-  except ``"lengths"`` with padding lengths or segment ids (``"cond"``).
-  Windowed, striped and non-causal rings have no half steps ("cond")."""
-  if not (cfg.is_causal and plan.load_balance == "dual_chunk" and
-          cfg.local_window is None):
-    return "cond"
-  if plan.causal_step == "lengths" and (
-      tm.q_segment_ids is not None or tm.q_lengths is not None or
-      tm.kv_lengths is not None):
-    return "cond"
-  return plan.causal_step
+def _paired(plan: ShardPlan, cfg: AttentionConfig) -> bool:
+  """Dual-chunk causal steps run branch-free (``causal_step="paired"``)."""
+  return (plan.causal_step == "paired" and cfg.is_causal and
+          plan.load_balance == "dual_chunk")
 
 
 def _cfgs(cfg: AttentionConfig):
@@ -166,20 +158,14 @@ def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   else:
     cfgs = _cfgs(cfg)
     qc = blocks.chunk_ids(plan, r)
-    form = _step_form(plan, cfg, tm)
     first = lambda kv, _: blocks.kind_fwd(
         "diag" if cfg.is_causal else "full", q, tm, kv, qc, qc, cfgs,
         tm.same_ids)
-    if form == "lengths":  # the carry is in swapped row order
-      q_sw, diag = blocks.swap(q), first
-      first = lambda kv, _: tuple(map(blocks.swap, diag(kv, None)))
 
     def later(step, kv, carry):
       src = src_of(step)
       kc = blocks.chunk_ids(plan, src)
-      if form == "lengths":
-        part = blocks.lengths_fwd(q_sw, kv, src > r, cfgs[0])
-      elif form == "paired":
+      if _paired(plan, cfg):
         part = blocks.paired_fwd(q, tm, kv, qc, kc, src > r, cfgs[0])
       else:
         part = _step_call(lambda kind, kv: blocks.kind_fwd(
@@ -187,8 +173,6 @@ def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
       return blocks.merge(*carry, *part)
 
   out, lse = _ring_loop(plan, first, later, kv0, None)
-  if _step_form(plan, cfg, tm) == "lengths":
-    out, lse = blocks.swap(out), blocks.swap(lse)
   return out.astype(q.dtype), lse
 
 
@@ -212,22 +196,14 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   else:
     cfgs = _cfgs(cfg)
     qc = blocks.chunk_ids(plan, r)
-    form = _step_form(plan, cfg, tm)
     first_bwd = lambda kv: blocks.kind_bwd(
         "diag" if cfg.is_causal else "full", q, tm, kv, qc, qc, *grads, cfgs,
         tm.same_ids)
-    if form == "lengths":  # dq accumulates in swapped row order
-      q_sw, grads_sw, diag = blocks.swap(q), tuple(map(blocks.swap,
-                                                        grads)), first_bwd
-      first_bwd = lambda kv: (lambda dq, dkv: (blocks.swap(dq), dkv))(
-          *diag(kv))
 
     def step_bwd(step, kv):
       src = src_of(step)
       kc = blocks.chunk_ids(plan, src)
-      if form == "lengths":
-        return blocks.lengths_bwd(q_sw, kv, src > r, *grads_sw, cfgs[0])
-      if form == "paired":
+      if _paired(plan, cfg):
         return blocks.paired_bwd(q, tm, kv, qc, kc, src > r, *grads, cfgs[0])
       return _step_call(lambda kind, kv: blocks.kind_bwd(
           kind, q, tm, kv, qc, kc, *grads, cfgs), plan, cfg.is_causal, r, src,
@@ -245,8 +221,6 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   dq, dkv = _ring_loop(plan, lambda kv, _: first_bwd(kv), later, kv0, None)
   if plan.cp_size > 1:
     dkv = _send_next(dkv, plan)  # back to the owner
-  if _step_form(plan, cfg, tm) == "lengths":
-    dq = blocks.swap(dq)
   return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 

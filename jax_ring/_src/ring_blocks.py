@@ -269,58 +269,6 @@ def paired_bwd(q, tm, kv, qc, kc, later, out, lse, dout, cfg):
   return dq, dkv
 
 
-# --- a dual-chunk causal step as one call with runtime lengths ("lengths") -
-#
-# With the query chunks swapped, q_sw = [q1, q0] (once per pass), both
-# halves are prefixes of one fixed 2C x 2C block: half-KV (src < r) is all
-# 2C rows against held kv rows [0, C), lengths (2C, C); half-Q (src > r) is
-# q1, rows [0, C) of q_sw, against all 2C, lengths (C, 2C). Traced lengths
-# pick the half: no branch, no per-step copies, the same kernel everywhere,
-# and the kernel stops at the lengths, so the work is one C x 2C block
-# either way. Rows and keys past the lengths are zeroed here. The user's
-# padding lengths or segment ids would break the prefixes (and cuDNN takes
-# no segment ids with lengths), so with them the ring runs "cond" steps.
-
-def swap(x):
-  """The two C-token halves of axis 1 swapped (None stays None)."""
-  if x is None:
-    return None
-  c = x.shape[1] // 2
-  return jnp.concatenate([x[:, c:], x[:, :c]], 1)
-
-
-def _halves(q_sw, later):
-  """(q lengths, kv lengths, valid q rows (B, T), valid kv rows (B, T))."""
-  b, t = q_sw.shape[:2]
-  q_len = jnp.full((b,), jnp.where(later, t // 2, t), jnp.int32)
-  kv_len = jnp.full((b,), jnp.where(later, t, t // 2), jnp.int32)
-  pos = jnp.arange(t)[None]
-  return q_len, kv_len, pos < q_len[:, None], pos < kv_len[:, None]
-
-
-def lengths_fwd(q_sw, kv, later, cfg):
-  """(out f32, lse) of a dual-chunk causal step after the first, in the
-  swapped row order of ``q_sw``; ``later``: traced ``src > r``; ``cfg``
-  the unmasked config."""
-  q_len, kv_len, rows, _ = _halves(q_sw, later)
-  o, l = kernel.attention(q_sw, kv[0][0], kv[0][1], None,
-                          BlockMask(q_lengths=q_len, kv_lengths=kv_len), cfg)
-  return (jnp.where(rows[..., None, None], o.astype(jnp.float32), 0),
-          jnp.where(rows[..., None], l, MASK_VALUE))
-
-
-def lengths_bwd(q_sw, kv, later, out_sw, lse_sw, dout_sw, cfg):
-  """(dq f32 in q_sw's row order, stacked f32 dK/dV of the held kv)."""
-  q_len, kv_len, rows, cols = _halves(q_sw, later)
-  dq, dk, dv, _ = kernel.attention_backward(
-      q_sw, kv[0][0], kv[0][1], None,
-      BlockMask(q_lengths=q_len, kv_lengths=kv_len), out_sw, lse_sw,
-      dout_sw, None, cfg)
-  dkv = jnp.stack([dk, dv]).astype(jnp.float32)
-  return (jnp.where(rows[..., None, None], dq.astype(jnp.float32), 0),
-          jnp.where(cols[None, ..., None, None], dkv, 0))
-
-
 def _pair_switch(fn, skip, plan, cfg, a, b, tm, kv, r, src, c):
   """``fn(block)`` for query chunk a of device r and kv chunk b of device
   src, switched on their chunk distance; ``skip()`` outside the window."""
