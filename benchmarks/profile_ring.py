@@ -200,7 +200,8 @@ def main():
   for r in table:
     print(" ".join((f"{r[c]:.3f}" if isinstance(r[c], float) else
                     str(r[c])).rjust(9) for c in cols))
-  pathlib.Path(a.out, f"profile_ring_{a.path}_{a.strategy}.json").write_text(json.dumps(
+  out = pathlib.Path(a.out, f"profile_ring_{a.path}_{a.strategy}.json")
+  out.write_text(json.dumps(
       dict(benchmark="profile_ring", **environment(), loop=a.loop,
            strategy=a.strategy, kv_chunk_heads=a.kv_chunk_heads,
            **ring_kwargs(a),

@@ -8,7 +8,8 @@ ring-flash-attention), measured in the same process.
 B=1, N=32, D=128, bf16, dual-chunk causal and non-causal, both loop forms.
 Efficiency = theoretic time / ring time (forward; forward+backward).
 Also checks the ring's output and its gradients (the worst of dq, dk, dv)
-against the single-GPU results (max relative error) for every shape. Writes benchmarks/results/ring_attention_<gpu>.json.
+against the single-GPU results (max relative error) for every shape.
+Writes benchmarks/results/ring_attention_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ def rel_err(got, want) -> float:
 
 def report(rows, a):
   write("ring_attention" + a.tag, rows,
-        ["seq", "kv_heads", "causal", "load_balance", "single_fwd_tflops", "unrolled_fwd_eff",
-         "unrolled_fwdbwd_eff", "scan_fwd_eff", "scan_fwdbwd_eff",
-         "unrolled_max_rel_err", "unrolled_grad_max_rel_err"],
+        ["seq", "kv_heads", "causal", "load_balance", "single_fwd_tflops",
+         "unrolled_fwd_eff", "unrolled_fwdbwd_eff", "scan_fwd_eff",
+         "scan_fwdbwd_eff", "unrolled_max_rel_err",
+         "unrolled_grad_max_rel_err"],
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
                    **ring_kwargs(a),
                    xla_flags=os.environ.get("XLA_FLAGS", ""),
