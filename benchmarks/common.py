@@ -46,6 +46,13 @@ def random_qkv(seed, seq, heads, kv_heads, head_dim, dtype=jnp.bfloat16):
           jax.random.normal(ks[3], q_shape, dtype))
 
 
+def rel_err(got, want) -> float:
+  """max |got - want| / max |want|, in float32: the benchmarks' error of a
+  sharded result against the single-GPU one."""
+  got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+  return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+
+
 def time_fn(fn, *args, repeats=5, min_batch_s=0.05):
   """Median seconds per call over `repeats` batches of async calls, each
   batch synchronised once, after a warm-up (compilation, cuDNN plan builds).

@@ -21,19 +21,12 @@ os.environ.setdefault("XLA_FLAGS",
                       "--xla_gpu_enable_latency_hiding_scheduler=true")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_ring  # noqa: E402
-from common import (random_qkv, ring_args, ring_kwargs,  # noqa: E402
-                    shape_args, time_fn, write)
-
-
-def rel_err(got, want) -> float:
-  """max |got - want| / max |want|, in float32."""
-  got, want = got.astype(jnp.float32), want.astype(jnp.float32)
-  return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+from common import (random_qkv, rel_err, ring_args,  # noqa: E402
+                    ring_kwargs, shape_args, time_fn, write)
 
 
 def report(rows, a):

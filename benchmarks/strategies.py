@@ -32,8 +32,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_ring  # noqa: E402
-from common import (random_qkv, ring_args, ring_kwargs,  # noqa: E402
-                    shape_args, time_fn, write)
+from common import (random_qkv, rel_err, ring_args,  # noqa: E402
+                    ring_kwargs, shape_args, time_fn, write)
 
 def default_strategies(cp: int) -> list[str]:
   hybrids = [f"hybrid_{u}x{cp // u}" for u in range(2, cp // 2 + 1)
@@ -79,9 +79,7 @@ def measure(row, name, cp, causal, q, k, v, do, want, t1, tb1, ring):
       q, k, v, is_causal=causal, context_parallel=cpc)
   f = jax.jit(attn)
   fb = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
-  got = back(f(*args[:3])).astype(jnp.float32)
-  row[f"{name}_max_rel_err"] = float(
-      jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+  row[f"{name}_max_rel_err"] = rel_err(back(f(*args[:3])), want)
   t, tb = time_fn(f, *args[:3]), time_fn(fb, *args)
   row[f"{name}_fwd_ms"], row[f"{name}_fwdbwd_ms"] = t * 1e3, tb * 1e3
   row[f"{name}_fwd_eff"] = t1 / cp / t
