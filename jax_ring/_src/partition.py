@@ -74,6 +74,9 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
     raise ValueError(f"context_parallel: sequence length {seq} of query "
                      f"{tuple(q_shape.shape)} must be divisible by the "
                      f"{cpc.axis!r} axis size {cp}")
+  # The backward is lowered apart from the forward, so the ring's K/V
+  # sends cannot merge with the forward's: gather them once instead.
+  kv_source = "gather" if backward else "ring"
   if cpc.strategy == "hybrid":
     u_axis, r_axis = cpc.axis
     u, r = mesh.shape[u_axis], mesh.shape[r_axis]
@@ -82,7 +85,7 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
                           cpc.causal_step)
     plan = (ShardPlan(u_axis, u),
             ShardPlan(r_axis, r, cpc.load_balance, cpc.loop,
-                      causal_step=cpc.causal_step))
+                      causal_step=cpc.causal_step, backward_kv=kv_source))
     seq_axes = (r_axis, u_axis)  # ring-major
   else:
     if cpc.strategy == "ulysses":
@@ -90,7 +93,7 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
     validate.ring_options(cpc.load_balance, cpc.loop, seq // cp, cp,
                           cpc.causal_step)
     plan = ShardPlan(cpc.axis, cp, cpc.load_balance, cpc.loop,
-                     cpc.kv_chunk_heads, cpc.causal_step)
+                     cpc.kv_chunk_heads, cpc.causal_step, kv_source)
     seq_axes = cpc.axis
   return batch, heads, seq_axes, _strategy(cpc.strategy), plan
 
