@@ -188,12 +188,16 @@ def test_forward_permutes_stacked_kv_only(loop, load_balance):
   assert calls == (1 + 2 * (cp - 1) if loop == "unrolled" else 5), calls
 
 
-@pytest.mark.parametrize("path", ["shard_map", "automatic"])
-def test_backward_sends_no_kv_a_second_time(path):
+@pytest.mark.parametrize("path", ["shard_map", "automatic",
+                                  "automatic_large_kv"])
+def test_backward_sends_no_kv_a_second_time(path, monkeypatch):
   """Forward+backward, cp = 4, unrolled: 3 stacked-KV permutes forward and
   4 dK/dV permutes backward. Under shard_map the backward's K/V sends are
   the forward's (XLA merges them); the automatic path lowers its backward
-  apart, so it gathers K/V once there instead of sending them again."""
+  apart, so it gathers K/V once there instead of sending them again, up to
+  GATHER_KV_MAX_BYTES of gathered K/V; past that it sends them again."""
+  if path == "automatic_large_kv":
+    monkeypatch.setattr(jax_ring._src.partition, "GATHER_KV_MAX_BYTES", 0)
   cp = 4
   q, k, v, do = rank_coded_qkv(15, cp)
   spec = P(None, "cp")
@@ -213,9 +217,10 @@ def test_backward_sends_no_kv_a_second_time(path):
             axis="cp", loop="unrolled"), **kw)
   g = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
   hlo = g.lower(q, k, v, do).compile().as_text()
-  assert len(re.findall(r"collective-permute(?:-start)?\(", hlo)) == 7
-  assert len(re.findall(r"all-gather(?:-start)?\(", hlo)) == (
-      0 if path == "shard_map" else 1)
+  gathers = 1 if path == "automatic" else 0
+  assert len(re.findall(r"all-gather(?:-start)?\(", hlo)) == gathers
+  assert len(re.findall(r"collective-permute(?:-start)?\(", hlo)) == (
+      10 if path == "automatic_large_kv" else 7)
 
 
 def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):

@@ -120,7 +120,8 @@ class ShardPlan:
     backward_kv: where the ring's backward gets each step's K/V: ``"ring"``
       sends them around again (inside one ``shard_map`` program XLA merges
       those sends with the forward's), ``"gather"`` all-gathers them once
-      (the automatic path, whose backward is a program of its own).
+      (the automatic path, whose backward is a program of its own, up to a
+      size: ``partition.GATHER_KV_MAX_BYTES``).
   """
 
   axis_name: str
