@@ -188,6 +188,41 @@ def test_forward_permutes_stacked_kv_only(loop, load_balance):
   assert calls == (1 + 2 * (cp - 1) if loop == "unrolled" else 5), calls
 
 
+@pytest.mark.parametrize("path", ["shard_map", "automatic",
+                                  "automatic_large_kv"])
+def test_backward_sends_no_kv_a_second_time(path, monkeypatch):
+  """Forward+backward, cp = 4, unrolled: 3 stacked-KV permutes forward and
+  4 dK/dV permutes backward. Under shard_map the backward's K/V sends are
+  the forward's (XLA merges them); the automatic path lowers its backward
+  apart, so it gathers K/V once there instead of sending them again, up to
+  GATHER_KV_MAX_BYTES of gathered K/V; past that it sends them again."""
+  if path == "automatic_large_kv":
+    monkeypatch.setattr(jax_ring._src.partition, "GATHER_KV_MAX_BYTES", 0)
+  cp = 4
+  q, k, v, do = rank_coded_qkv(15, cp)
+  spec = P(None, "cp")
+  kw = dict(is_causal=True, implementation="xla")
+  if path == "shard_map":
+    attn = jax.shard_map(
+        lambda q, k, v: jax_ring.ring_attention(
+            q, k, v, axis_name="cp", load_balance="dual_chunk",
+            loop="unrolled", **kw),
+        mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
+  else:
+    q, k, v, do = (jax.device_put(x, jax.sharding.NamedSharding(mesh(cp),
+                                                                spec))
+                   for x in (q, k, v, do))
+    attn = lambda q, k, v: jax_ring.dot_product_attention(
+        q, k, v, context_parallel=jax_ring.ContextParallel(
+            axis="cp", loop="unrolled"), **kw)
+  g = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
+  hlo = g.lower(q, k, v, do).compile().as_text()
+  gathers = 1 if path == "automatic" else 0
+  assert len(re.findall(r"all-gather(?:-start)?\(", hlo)) == gathers
+  assert len(re.findall(r"collective-permute(?:-start)?\(", hlo)) == (
+      10 if path == "automatic_large_kv" else 7)
+
+
 def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):
   q, k, v, do = rank_coded_qkv(14, 4)
   kw = dict(is_causal=True, load_balance="dual_chunk")
@@ -422,17 +457,22 @@ def test_automatic_path_under_jit_matches_reference(segments, dp, loop,
                  query_seq_lengths=jnp.asarray(Q_LENGTHS),
                  key_value_seq_lengths=jnp.asarray(KV_LENGTHS))
 
-  @jax.jit
-  def go(q, k, v, do, seg):
-    attn = lambda q, k, v: jax_ring.dot_product_attention(
+  def attn(q, k, v, seg):
+    return jax_ring.dot_product_attention(
         q, k, v, is_causal=True, segment_ids=seg, context_parallel=cpc,
         implementation="xla", **extra)
-    out, vjp = jax.vjp(attn, q, k, v)
+
+  @jax.jit
+  def go(q, k, v, do, seg):
+    out, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, seg), q, k, v)
     return out, vjp(do)
 
   out, grads = go(*args, seg)
+  fwd_hlo = jax.jit(attn).lower(*args[:3], seg).compile().as_text()
+  assert "collective-permute" in fwd_hlo and "all-gather" not in fwd_hlo
+  # The backward, lowered apart from the forward, gathers K/V once.
   hlo = go.lower(*args, seg).compile().as_text()
-  assert "collective-permute" in hlo and "all-gather" not in hlo
+  assert "collective-permute" in hlo and "all-gather" in hlo
   case = ref.Case(H**-0.5, is_causal=True,
                   q_segment_ids=np.asarray(ids) if segments else None,
                   kv_segment_ids=np.asarray(ids) if segments else None)

@@ -117,6 +117,11 @@ class ShardPlan:
     loop: the ring's loop form; other strategies ignore it.
     kv_chunk_heads: all-gather only: gather this many kv heads at a time.
     causal_step: the ring's dual-chunk causal steps (``ContextParallel``).
+    backward_kv: where the ring's backward gets each step's K/V: ``"ring"``
+      sends them around again (inside one ``shard_map`` program XLA merges
+      those sends with the forward's), ``"gather"`` all-gathers them once
+      (the automatic path, whose backward is a program of its own, up to a
+      size: ``partition.GATHER_KV_MAX_BYTES``).
   """
 
   axis_name: str
@@ -125,6 +130,7 @@ class ShardPlan:
   loop: Literal["scan", "unrolled"] = "unrolled"
   kv_chunk_heads: int | None = None
   causal_step: CausalStep = "cond"
+  backward_kv: Literal["ring", "gather"] = "ring"
 
 
 # TransformerEngine's switch between its two ring loop forms; honoured for

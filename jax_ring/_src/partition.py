@@ -74,6 +74,7 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
     raise ValueError(f"context_parallel: sequence length {seq} of query "
                      f"{tuple(q_shape.shape)} must be divisible by the "
                      f"{cpc.axis!r} axis size {cp}")
+  kv_source = _backward_kv(backward, mesh, batch, arg_shapes[1], tp, cpc)
   if cpc.strategy == "hybrid":
     u_axis, r_axis = cpc.axis
     u, r = mesh.shape[u_axis], mesh.shape[r_axis]
@@ -82,7 +83,7 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
                           cpc.causal_step)
     plan = (ShardPlan(u_axis, u),
             ShardPlan(r_axis, r, cpc.load_balance, cpc.loop,
-                      causal_step=cpc.causal_step))
+                      causal_step=cpc.causal_step, backward_kv=kv_source))
     seq_axes = (r_axis, u_axis)  # ring-major
   else:
     if cpc.strategy == "ulysses":
@@ -90,9 +91,32 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
     validate.ring_options(cpc.load_balance, cpc.loop, seq // cp, cp,
                           cpc.causal_step)
     plan = ShardPlan(cpc.axis, cp, cpc.load_balance, cpc.loop,
-                     cpc.kv_chunk_heads, cpc.causal_step)
+                     cpc.kv_chunk_heads, cpc.causal_step, kv_source)
     seq_axes = cpc.axis
   return batch, heads, seq_axes, _strategy(cpc.strategy), plan
+
+
+# The ring's backward is lowered apart from its forward, so its K/V sends
+# cannot merge with the forward's (as they do inside one shard_map program):
+# it gathers K/V once instead, while the gathered copy (the whole sequence's
+# K/V, live through the backward) stays under this many bytes. Past it the
+# resends hide behind compute (a step's work grows as T^2, its K/V as T),
+# and the longest sequences keep their memory.
+GATHER_KV_MAX_BYTES = 2 * 2**30
+
+
+def _backward_kv(backward, mesh, batch, k_shape, tp, cpc) -> str:
+  """``ShardPlan.backward_kv`` of a pass: ``"gather"`` or ``"ring"``."""
+  if not backward:
+    return "ring"
+  b, seq, kv_heads, h = k_shape.shape
+  batch_axes = batch if isinstance(batch, tuple) else (batch,)
+  b //= math.prod(mesh.shape[a] for a in batch_axes if a)
+  kv_heads = max(1, kv_heads // tp)
+  if cpc.strategy == "hybrid":  # the ring runs on a ulysses head group
+    kv_heads = max(1, kv_heads // mesh.shape[cpc.axis[0]])
+  gathered = 2 * b * seq * kv_heads * h * k_shape.dtype.itemsize
+  return "gather" if gathered <= GATHER_KV_MAX_BYTES else "ring"
 
 
 def _shardings(mesh, batch, heads, cp_axis, present):

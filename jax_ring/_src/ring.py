@@ -117,6 +117,26 @@ def _ring_loop(plan, first, later, kv, carry):
   return later(cp - 1, kv, carry)
 
 
+def _gathered_loop(plan, first, later, kv, carry):
+  """``_ring_loop``'s steps with each step's KV read from one all-gather of
+  every device's (the automatic path's backward: see ``ShardPlan``). The
+  gathered K/V (cp x this device's) live through the loop."""
+  if plan.cp_size == 1:
+    return first(kv, carry)
+  every = jax.tree.map(lambda a: lax.all_gather(a, plan.axis_name), kv)
+  r = lax.axis_index(plan.axis_name)
+  held = lambda step: jax.tree.map(lambda a: lax.dynamic_index_in_dim(
+      a, (r - step) % plan.cp_size, 0, keepdims=False), every)
+  carry = first(kv, carry)
+  if plan.loop == "scan":
+    carry, _ = lax.scan(lambda c, step: (later(step, held(step), c), None),
+                        carry, jnp.arange(1, plan.cp_size))
+    return carry
+  for step in range(1, plan.cp_size):
+    carry = later(step, held(step), carry)
+  return carry
+
+
 def _step_call(fn, plan, causal, r, src, *args):
   """``fn(kind, *args)`` for a step after the first: a lax.cond on whether
   the held KV comes from an earlier device."""
@@ -218,7 +238,8 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
     return dq + dq_i, dkv + dkv_i
 
   kv0 = blocks.held_kv(k, v, tm)
-  dq, dkv = _ring_loop(plan, lambda kv, _: first_bwd(kv), later, kv0, None)
+  loop = _gathered_loop if plan.backward_kv == "gather" else _ring_loop
+  dq, dkv = loop(plan, lambda kv, _: first_bwd(kv), later, kv0, None)
   if plan.cp_size > 1:
     dkv = _send_next(dkv, plan)  # back to the owner
   return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
