@@ -72,6 +72,29 @@ def test_auto_is_within_5_percent_of_the_fastest_measured():
             1.05 * min(both.values())), where
 
 
+@pytest.mark.parametrize("run", ["strategies_x2", "strategies_auto4",
+                                 "strategies_x8", "strategies_x8_512k"])
+def test_auto_training_step_is_within_5_percent_on_other_runs(run):
+  """The stored runs the model was not fitted to (2 and 8 GPUs, and a
+  second 4-GPU run): the forward pick's measured forward plus the backward
+  pick's backward is within 5% of the fastest strategy's forward+backward.
+  (Per pass the 8-GPU forward misses: 7.9% at 128k MHA, see the README.)"""
+  data = json.loads((MEASURED.parent / f"{run}_NVIDIA_H200.json").read_text())
+  assert len(data["rows"]) >= 2
+  for row in data["rows"]:
+    candidates = [c for c in ("ring", "all_gather", "ulysses")
+                  if f"{c}_fwdbwd_ms" in row]
+    choice = jax_ring.explain(
+        (1, row["seq"], row["heads"], 128),
+        (1, row["seq"], row["kv_heads"], 128), cp_size=row["cp"],
+        is_causal=row["causal"])
+    fwd = {c: row[f"{c}_fwd_ms"] for c in candidates}
+    both = {c: row[f"{c}_fwdbwd_ms"] for c in candidates}
+    step = fwd[choice.forward] + both[choice.backward] - fwd[choice.backward]
+    assert step <= 1.05 * min(both.values()), (row["seq"], row["kv_heads"],
+                                               choice.reason)
+
+
 def _auto_on_4_devices(seed):
   """Causal auto attention through the automatic path on a 4-device mesh:
   (the inputs q, k, v, do; them placed in the dual-chunk layout; the

@@ -49,8 +49,11 @@ each pass; ties keep the order ring, all_gather, ulysses. A pair of axes
 means ``hybrid``. The three communication constants were fit to the 4x H200
 strategies run (``benchmarks/results/strategies_NVIDIA_H200.json``): with
 them every pass's pick there, forward, backward and their sum, is within
-4.7% of the fastest measured. On other machines the model keeps its shape
-but the crossover points move.
+4.7% of the fastest measured. On runs not used to fit them (2 and 8 H200s,
+``strategies_{x2,x8,x8_512k}``) its forward+backward picks stay within
+3.2%; per pass, the 8-GPU forward at 128k MHA misses by 7.9% (ring picked,
+Ulysses faster). On other machines the model keeps its shape but the
+crossover points move.
 """
 
 from __future__ import annotations
