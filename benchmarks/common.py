@@ -26,14 +26,15 @@ def shape_args(parser, seq):
 
 
 def ring_args(parser):
-  """The ring's tuning flag ``--causal-step``; read it back as
-  ``ring_attention`` keywords with :func:`ring_kwargs`."""
-  from jax_ring._src.config import CAUSAL_STEPS
+  """The ring's tuning flags ``--causal-step`` and ``--kv-sends``; read them
+  back as ``ring_attention`` keywords with :func:`ring_kwargs`."""
+  from jax_ring._src.config import CAUSAL_STEPS, KV_SENDS
   parser.add_argument("--causal-step", default="cond", choices=CAUSAL_STEPS)
+  parser.add_argument("--kv-sends", default="neighbour", choices=KV_SENDS)
 
 
 def ring_kwargs(args) -> dict:
-  return dict(causal_step=args.causal_step)
+  return dict(causal_step=args.causal_step, kv_sends=args.kv_sends)
 
 
 def random_qkv(seed, seq, heads, kv_heads, head_dim, dtype=jnp.bfloat16):

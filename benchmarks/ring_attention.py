@@ -5,7 +5,8 @@ ring-flash-attention), measured in the same process.
   XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \\
     python benchmarks/ring_attention.py [--seq 16384 ...] [--kv-heads 32 8]
 
-B=1, N=32, D=128, bf16, dual-chunk causal and non-causal, both loop forms.
+B=1, N=32, D=128, bf16, dual-chunk causal and non-causal, both loop forms
+(``--loops``; ``direct`` = unrolled with ``kv_sends="direct"``).
 Efficiency = theoretic time / ring time (forward; forward+backward).
 Also checks the ring's output and its gradients (the worst of dq, dk, dv)
 against the single-GPU results (max relative error) for every shape.
@@ -31,10 +32,10 @@ from common import (random_qkv, rel_err, ring_args,  # noqa: E402
 
 def report(rows, a):
   write("ring_attention" + a.tag, rows,
-        ["seq", "kv_heads", "causal", "load_balance", "single_fwd_tflops",
-         "unrolled_fwd_eff", "unrolled_fwdbwd_eff", "scan_fwd_eff",
-         "scan_fwdbwd_eff", "unrolled_max_rel_err",
-         "unrolled_grad_max_rel_err"],
+        ["seq", "kv_heads", "causal", "load_balance", "single_fwd_tflops"] +
+        [f"{v}_{c}" for v in a.loops for c in ("fwd_eff", "fwdbwd_eff")] +
+        [f"{v}_{c}" for v in a.loops[:1]
+         for c in ("max_rel_err", "grad_max_rel_err")],
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
                    **ring_kwargs(a),
                    xla_flags=os.environ.get("XLA_FLAGS", ""),
@@ -49,6 +50,10 @@ def main():
   p.add_argument("--causal-layout", default="dual_chunk",
                  help="load balance of the causal rows: dual_chunk or striped")
   p.add_argument("--tag", default="", help="suffix of the results file")
+  p.add_argument("--loops", nargs="+", default=["unrolled", "scan"],
+                 choices=["unrolled", "scan", "direct"],
+                 help="ring variants, timed side by side; direct = unrolled "
+                 "with kv_sends='direct'")
   ring_args(p)
   a = p.parse_args()
   cp = jax.device_count()
@@ -79,12 +84,14 @@ def main():
             x, cp, layout=lb) if lb else x
         qs, kss, vs, dos = (jax.device_put(re_(x), sharded)
                             for x in (q, k, v, do))
-        for loop in ("unrolled", "scan"):
+        for loop in a.loops:
+          kw = dict(ring_kwargs(a), loop=loop)
+          if loop == "direct":
+            kw.update(loop="unrolled", kv_sends="direct")
           ring = jax.shard_map(
-              lambda q, k, v, loop=loop: jax_ring.ring_attention(
+              lambda q, k, v, kw=kw: jax_ring.ring_attention(
                   q, k, v, axis_name="cp", is_causal=causal, load_balance=lb,
-                  loop=loop, implementation=a.implementation,
-                  **ring_kwargs(a)),
+                  implementation=a.implementation, **kw),
               mesh=mesh, in_specs=(P(None, "cp"),) * 3,
               out_specs=P(None, "cp"))
           fr = jax.jit(ring)

@@ -104,6 +104,7 @@ def test_strategies_benchmark_on_8_devices(tmp_path, monkeypatch):
   names = strategies.default_strategies(8)
   assert {"hybrid_2x4", "hybrid_4x2", "auto"} <= set(names)
   names.insert(2, "all_gather_g1")  # kv_chunk_heads=1
+  names.insert(1, "ring_direct")  # kv_sends="direct"
   (row,) = dry_run(strategies, TINY + ["--strategies", *names], tmp_path,
                    monkeypatch)
   for name in names:
@@ -113,8 +114,10 @@ def test_strategies_benchmark_on_8_devices(tmp_path, monkeypatch):
 
 
 def test_ring_benchmark_on_8_devices(tmp_path, monkeypatch):
-  (row,) = dry_run(ring_attention, TINY + ["--causal-only"], tmp_path,
-                   monkeypatch)
-  assert row["unrolled_max_rel_err"] < 1e-2
-  assert all(row[f"{loop}_{p}_eff"] > 0 for loop in ("unrolled", "scan")
-             for p in ("fwd", "fwdbwd"))
+  loops = ("unrolled", "scan", "direct")
+  (row,) = dry_run(ring_attention, TINY + ["--causal-only", "--loops",
+                                           *loops], tmp_path, monkeypatch)
+  for loop in loops:
+    assert row[f"{loop}_max_rel_err"] < 1e-2, (loop, row)
+    assert row[f"{loop}_grad_max_rel_err"] < 1e-2, (loop, row)
+    assert all(row[f"{loop}_{p}_eff"] > 0 for p in ("fwd", "fwdbwd"))

@@ -222,6 +222,60 @@ def test_backward_sends_no_kv_a_second_time(path, monkeypatch):
       10 if path == "automatic_large_kv" else 7), counts
 
 
+@pytest.mark.parametrize("cp, causal, load_balance, extra", [
+    (2, True, "dual_chunk", {}),
+    (4, True, "dual_chunk", dict(causal_step="paired")),
+    (8, True, "dual_chunk", {}),
+    (4, True, None, {}),
+    (4, True, "striped", {}),
+    (4, False, None, dict(local_window_size=(20, 9))),
+    (8, True, "dual_chunk", dict(query_seq_lengths=jnp.asarray(Q_LENGTHS),
+                                 key_value_seq_lengths=jnp.asarray(
+                                     KV_LENGTHS))),
+], ids=["n2", "n4_paired", "n8", "n4_contiguous", "n4_striped",
+        "n4_window", "n8_padding"])
+def test_direct_kv_sends_match_reference(cp, causal, load_balance, extra):
+  """kv_sends="direct": step i's K/V from its owner, dK/dV parts straight
+  back; GQA (K < N) throughout."""
+  q, k, v, do = rank_coded_qkv(40 + cp, cp, load_balance=load_balance)
+  case = ref.Case(H**-0.5, is_causal=causal,
+                  window=extra.get("local_window_size"))
+  if "query_seq_lengths" in extra:
+    case = dataclasses.replace(case, q_lengths=Q_LENGTHS,
+                               kv_lengths=KV_LENGTHS)
+  got = run_ring(q, k, v, do, cp, is_causal=causal, load_balance=load_balance,
+                 loop="unrolled", kv_sends="direct", **extra)
+  check(got, q, k, v, do, case)
+
+
+@pytest.mark.parametrize("path", ["shard_map", "automatic"])
+def test_direct_kv_sends_collectives(path):
+  """cp = 4, forward+backward: 3 K/V permutes (by 1, 2, 3) and 3 dK/dV
+  parts sent back, with no final return; the automatic path gathers the
+  backward's K/V as with neighbour sends."""
+  cp = 4
+  q, k, v, do = rank_coded_qkv(16, cp)
+  spec = P(None, "cp")
+  kw = dict(is_causal=True, implementation="xla")
+  if path == "shard_map":
+    attn = jax.shard_map(
+        lambda q, k, v: jax_ring.ring_attention(
+            q, k, v, axis_name="cp", load_balance="dual_chunk",
+            kv_sends="direct", **kw),
+        mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
+  else:
+    q, k, v, do = (jax.device_put(x, jax.sharding.NamedSharding(mesh(cp),
+                                                                spec))
+                   for x in (q, k, v, do))
+    attn = lambda q, k, v: jax_ring.dot_product_attention(
+        q, k, v, context_parallel=jax_ring.ContextParallel(
+            axis="cp", loop="unrolled", kv_sends="direct"), **kw)
+  g = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
+  counts = collectives(g.lower(q, k, v, do).compile().as_text())
+  assert counts["collective-permute"] == 6, counts
+  assert counts["all-gather"] == (1 if path == "automatic" else 0), counts
+
+
 def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):
   q, k, v, do = rank_coded_qkv(14, 4)
   kw = dict(is_causal=True, load_balance="dual_chunk")
@@ -364,7 +418,12 @@ def test_errors():
       (dict(load_balance="zigzag"),
        "load_balance must be None, 'dual_chunk' or 'striped'; got 'zigzag'"),
       (dict(causal_step="select"),
-       "causal_step must be one of ('cond', 'paired'); got 'select'")]:
+       "causal_step must be one of ('cond', 'paired'); got 'select'"),
+      (dict(kv_sends="all"),
+       "kv_sends must be one of ('neighbour', 'direct'); got 'all'"),
+      (dict(kv_sends="direct", loop="scan"),
+       "kv_sends='direct' needs loop='unrolled' (each step's permute has its "
+       "own static shift); got loop='scan'")]:
     g = jax.shard_map(lambda x, kw=kw: jax_ring.ring_attention(
         x, x, x, axis_name="cp", **kw),
                       mesh=mesh(2), in_specs=spec, out_specs=spec)

@@ -73,6 +73,13 @@ STRATEGIES: tuple[str, ...] = get_args(Strategy)
 CausalStep = Literal["cond", "paired"]
 CAUSAL_STEPS: tuple[str, ...] = get_args(CausalStep)
 
+# Where the ring's step-i K/V comes from: passed on by the previous device
+# ("neighbour": each send waits for the one before), or straight from its
+# owner ("direct": a permute by i, independent of the other steps; for
+# fully connected devices, e.g. GPUs on NVSwitch; unrolled loop only).
+KvSends = Literal["neighbour", "direct"]
+KV_SENDS: tuple[str, ...] = get_args(KvSends)
+
 
 @dataclasses.dataclass(frozen=True)
 class ContextParallel:
@@ -95,6 +102,8 @@ class ContextParallel:
     causal_step: the ring's dual-chunk causal steps, ``"cond"`` (a
       ``lax.cond`` between half-KV and half-Q) or ``"paired"`` (no branch;
       see ``jax_ring._src.ring_blocks``).
+    kv_sends: the ring's K/V sends, ``"neighbour"`` or ``"direct"`` (see
+      ``jax_ring._src.ring``).
   """
 
   axis: str | tuple[str, str] = "cp"
@@ -103,6 +112,7 @@ class ContextParallel:
   loop: Literal["scan", "unrolled"] | None = None
   kv_chunk_heads: int | None = None
   causal_step: CausalStep = "cond"
+  kv_sends: KvSends = "neighbour"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +132,7 @@ class ShardPlan:
       those sends with the forward's), ``"gather"`` all-gathers them once
       (the automatic path, whose backward is a program of its own, up to a
       size: ``partition.GATHER_KV_MAX_BYTES``).
+    kv_sends: the ring's K/V sends (``ContextParallel``).
   """
 
   axis_name: str
@@ -131,6 +142,7 @@ class ShardPlan:
   kv_chunk_heads: int | None = None
   causal_step: CausalStep = "cond"
   backward_kv: Literal["ring", "gather"] = "ring"
+  kv_sends: KvSends = "neighbour"
 
 
 # TransformerEngine's switch between its two ring loop forms; honoured for

@@ -13,6 +13,22 @@ that no permute is wasted.
 Partial results merge through their softmax statistics in float32; the output
 is cast to the input dtype once, at the end.
 
+Where step i's K/V comes from (``kv_sends``, unrolled loop for "direct"):
+
+=========  ==================================  ============================
+kv_sends   step i's K/V on device r            dK/dV of the held K/V
+=========  ==================================  ============================
+neighbour  device r - 1's step i-1 K/V         travel with it; a last
+           (each send waits for the one        permute returns them
+           before: a chain)                    (cp sends)
+direct     device r - i's own K/V, a permute   each step's part goes
+           by i (no send waits for another)    straight back (cp-1 sends)
+=========  ==================================  ============================
+
+Both move the same K/V bytes; "direct" needs every device pair linked (GPUs
+on NVSwitch), and lets the scheduler start any send early, which XLA's GPU
+scheduler does not do along the chain (README, "Overlap on GPU").
+
 Schedule on device r, step i, holding the KV of device ``src = (r - i) % cp``
 (causal; without a causal mask every step is "full"; striped below):
 
@@ -64,8 +80,8 @@ from jax import lax
 from jax_ring._src import ring_blocks as blocks
 from jax_ring._src import ring_striped as striped
 from jax_ring._src import shard_call, validate
-from jax_ring._src.config import (AttentionConfig, CausalStep, ShardPlan,
-                                  loop_from_environment)
+from jax_ring._src.config import (AttentionConfig, CausalStep, KvSends,
+                                  ShardPlan, loop_from_environment)
 from jax_ring._src.layout import LoadBalance
 from jax_ring._src.mask import TokenMask
 
@@ -75,10 +91,15 @@ Loop = Literal["scan", "unrolled"]
 merge, chunk_ids = blocks.merge, blocks.chunk_ids
 
 
+def _shift(x, plan: ShardPlan, by: int):
+  """Every array of ``x`` from each device j to device j + by (mod cp)."""
+  perm = [(j, (j + by) % plan.cp_size) for j in range(plan.cp_size)]
+  return jax.tree.map(lambda a: lax.ppermute(a, plan.axis_name, perm), x)
+
+
 def _send_next(x, plan: ShardPlan):
   """Every array of ``x`` to the next device on the ring."""
-  perm = [(j, (j + 1) % plan.cp_size) for j in range(plan.cp_size)]
-  return jax.tree.map(lambda a: lax.ppermute(a, plan.axis_name, perm), x)
+  return _shift(x, plan, 1)
 
 
 def _kinds(plan: ShardPlan, causal: bool):
@@ -115,6 +136,24 @@ def _ring_loop(plan, first, later, kv, carry):
       carry = later(step, kv, carry)
       kv = nxt
   return later(cp - 1, kv, carry)
+
+
+def _direct_loop(plan, first, later, kv, carry):
+  """``_ring_loop``'s steps with step i's KV sent straight from its owner (a
+  permute by i of the own KV, ``kv_sends="direct"``): no send waits for
+  another, so each may start as early as the scheduler likes. Step i+1's
+  send is still issued before step i's compute."""
+  cp = plan.cp_size
+  if cp == 1:
+    return first(kv, carry)
+  nxt = _shift(kv, plan, 1)
+  carry = first(kv, carry)
+  for step in range(1, cp):
+    held = nxt
+    if step + 1 < cp:
+      nxt = _shift(kv, plan, step + 1)
+    carry = later(step, held, carry)
+  return carry
 
 
 def _gathered_loop(plan, first, later, kv, carry):
@@ -192,7 +231,8 @@ def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
             kind, q, tm, kv, qc, kc, cfgs), plan, cfg.is_causal, r, src, kv)
       return blocks.merge(*carry, *part)
 
-  out, lse = _ring_loop(plan, first, later, kv0, None)
+  loop = _direct_loop if plan.kv_sends == "direct" else _ring_loop
+  out, lse = loop(plan, first, later, kv0, None)
   return out.astype(q.dtype), lse
 
 
@@ -237,10 +277,20 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
     dq_i, dkv_i = step_bwd(step, kv)
     return dq + dq_i, dkv + dkv_i
 
+  # kv_sends="direct": each step's dK/dV part goes straight back to its
+  # owner (a permute by -step), which sums them into its own.
+  def later_direct(step, kv, carry):
+    dq, dkv = carry
+    dq_i, dkv_i = step_bwd(step, kv)
+    return dq + dq_i, dkv + _shift(dkv_i, plan, -step)
+
   kv0 = blocks.held_kv(k, v, tm)
-  loop = _gathered_loop if plan.backward_kv == "gather" else _ring_loop
-  dq, dkv = loop(plan, lambda kv, _: first_bwd(kv), later, kv0, None)
-  if plan.cp_size > 1:
+  direct = plan.kv_sends == "direct"
+  loop = (_gathered_loop if plan.backward_kv == "gather" else
+          _direct_loop if direct else _ring_loop)
+  dq, dkv = loop(plan, lambda kv, _: first_bwd(kv),
+                 later_direct if direct else later, kv0, None)
+  if plan.cp_size > 1 and not direct:
     dkv = _send_next(dkv, plan)  # back to the owner
   return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
@@ -255,7 +305,8 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
                    key_value_seq_lengths=None, local_window_size=None,
                    scale=None, logits_soft_cap=None, implementation=None,
                    loop: Loop | None = None,
-                   causal_step: CausalStep = "cond"):
+                   causal_step: CausalStep = "cond",
+                   kv_sends: KvSends = "neighbour"):
   """Exact attention over a sequence sharded along mesh axis ``axis_name``.
 
   Call it inside ``shard_map`` on the local shards: ``query (B, T, N, H)``,
@@ -286,18 +337,22 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
     causal_step: dual-chunk causal steps after the first: ``"cond"`` (a
       ``lax.cond`` between the half-KV and half-Q blocks) or ``"paired"``
       (no branch: their two C x C pairs as one batch-stacked block call).
+    kv_sends: ``"neighbour"`` (each step's K/V from the previous device) or
+      ``"direct"`` (from its owner, a permute by the step; unrolled only).
 
   Returns:
     ``(B, T, N, H)`` in the input dtype: this device's rows of the output.
   """
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   cp = validate.mesh_axis(axis_name)
-  validate.ring_options(load_balance, loop, query.shape[1], cp, causal_step)
+  loop = loop or loop_from_environment()
+  validate.ring_options(load_balance, loop, query.shape[1], cp, causal_step,
+                        kv_sends)
   tm, cfg = shard_call.prepare(
       query, key, value, segment_ids=segment_ids,
       lengths=(query_seq_lengths, key_value_seq_lengths),
       local_window_size=local_window_size, is_causal=is_causal, scale=scale,
       logits_soft_cap=logits_soft_cap, implementation=implementation)
-  plan = ShardPlan(axis_name, cp, load_balance,
-                   loop or loop_from_environment(), causal_step=causal_step)
+  plan = ShardPlan(axis_name, cp, load_balance, loop,
+                   causal_step=causal_step, kv_sends=kv_sends)
   return ring(query, key, value, tm, cfg, plan)

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ring._src.config import CAUSAL_STEPS, IMPLEMENTATIONS, LOAD_BALANCES
+from jax_ring._src.config import (CAUSAL_STEPS, IMPLEMENTATIONS, KV_SENDS,
+                                  LOAD_BALANCES)
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                 jnp.dtype(jnp.float16))
@@ -153,7 +154,8 @@ def kv_chunk_heads(kv_chunk_heads, kv_heads: int) -> None:
         f"key/value heads ({kv_heads}); got {kv_chunk_heads!r}")
 
 
-def ring_choices(load_balance, loop, causal_step="cond") -> None:
+def ring_choices(load_balance, loop, causal_step="cond",
+                 kv_sends="neighbour") -> None:
   if load_balance is not None and load_balance not in LOAD_BALANCES:
     raise ValueError(f"load_balance must be None, 'dual_chunk' or 'striped'; "
                      f"got {load_balance!r}")
@@ -162,6 +164,11 @@ def ring_choices(load_balance, loop, causal_step="cond") -> None:
   if causal_step not in CAUSAL_STEPS:
     raise ValueError(f"causal_step must be one of {CAUSAL_STEPS}; got "
                      f"{causal_step!r}")
+  if kv_sends not in KV_SENDS:
+    raise ValueError(f"kv_sends must be one of {KV_SENDS}; got {kv_sends!r}")
+  if kv_sends == "direct" and loop == "scan":
+    raise ValueError("kv_sends='direct' needs loop='unrolled' (each step's "
+                     "permute has its own static shift); got loop='scan'")
 
 
 def strategy_layout(strategy: str, load_balance) -> None:
@@ -173,11 +180,11 @@ def strategy_layout(strategy: str, load_balance) -> None:
 
 
 def ring_options(load_balance, loop, local_len, cp_size,
-                 causal_step="cond") -> None:
+                 causal_step="cond", kv_sends="neighbour") -> None:
   """Layout and loop of local shards of ``local_len`` tokens on cp_size
   devices. ``"striped"`` needs only S % cp_size == 0, which local shards
   already are; ``"dual_chunk"`` also needs an even local length."""
-  ring_choices(load_balance, loop, causal_step)
+  ring_choices(load_balance, loop, causal_step, kv_sends)
   if load_balance == "dual_chunk" and local_len % 2:
     raise ValueError(
         f"load_balance='dual_chunk' needs the global sequence length "
@@ -204,7 +211,7 @@ def context_parallel(cp, query, key, *, bias, mask, return_residual) -> None:
   if cp.strategy != "hybrid" and not isinstance(cp.axis, str):
     raise ValueError(f"context_parallel.axis must be one axis name for "
                      f"strategy {cp.strategy!r}; got {cp.axis!r}")
-  ring_choices(cp.load_balance, cp.loop, cp.causal_step)
+  ring_choices(cp.load_balance, cp.loop, cp.causal_step, cp.kv_sends)
   kv_chunk_heads(cp.kv_chunk_heads, key.shape[2])
   unsupported = [name for name, value in (("bias", bias), ("mask", mask))
                  if value is not None]
