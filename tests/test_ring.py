@@ -232,27 +232,40 @@ def test_backward_sends_no_kv_a_second_time(path, monkeypatch):
     (8, True, "dual_chunk", dict(query_seq_lengths=jnp.asarray(Q_LENGTHS),
                                  key_value_seq_lengths=jnp.asarray(
                                      KV_LENGTHS))),
+    (4, True, "dual_chunk", dict(kv_sends="gather")),
+    (4, True, "dual_chunk", dict(kv_sends="gather", loop="scan")),
+    (8, True, "striped", dict(kv_sends="gather")),
+    (4, False, None, dict(kv_sends="gather", loop="scan",
+                          local_window_size=(20, 9))),
 ], ids=["n2", "n4_paired", "n8", "n4_contiguous", "n4_striped",
-        "n4_window", "n8_padding"])
-def test_direct_kv_sends_match_reference(cp, causal, load_balance, extra):
-  """kv_sends="direct": step i's K/V from its owner, dK/dV parts straight
-  back; GQA (K < N) throughout."""
+        "n4_window", "n8_padding", "gather_n4", "gather_n4_scan",
+        "gather_n8_striped", "gather_n4_window_scan"])
+def test_direct_and_gathered_kv_sends_match_reference(cp, causal,
+                                                      load_balance, extra):
+  """kv_sends="direct" (the default here): step i's K/V from its owner,
+  dK/dV parts straight back; "gather": from one all-gather, dK/dV straight
+  back (unrolled) or along the ring (scan). GQA (K < N) throughout."""
   q, k, v, do = rank_coded_qkv(40 + cp, cp, load_balance=load_balance)
   case = ref.Case(H**-0.5, is_causal=causal,
                   window=extra.get("local_window_size"))
   if "query_seq_lengths" in extra:
     case = dataclasses.replace(case, q_lengths=Q_LENGTHS,
                                kv_lengths=KV_LENGTHS)
+  kw = dict(loop="unrolled", kv_sends="direct") | extra
   got = run_ring(q, k, v, do, cp, is_causal=causal, load_balance=load_balance,
-                 loop="unrolled", kv_sends="direct", **extra)
+                 **kw)
   check(got, q, k, v, do, case)
 
 
-@pytest.mark.parametrize("path", ["shard_map", "automatic"])
-def test_direct_kv_sends_collectives(path):
-  """cp = 4, forward+backward: 3 K/V permutes (by 1, 2, 3) and 3 dK/dV
-  parts sent back, with no final return; the automatic path gathers the
-  backward's K/V as with neighbour sends."""
+@pytest.mark.parametrize("path, kv_sends", [
+    ("shard_map", "direct"), ("automatic", "direct"),
+    ("shard_map", "gather"), ("automatic", "gather")])
+def test_direct_and_gathered_kv_sends_collectives(path, kv_sends):
+  """cp = 4, unrolled. Forward: 3 K/V permutes (by 1, 2, 3) for "direct",
+  one all-gather for "gather". Forward+backward: 3 dK/dV parts sent back,
+  with no final return. The backward's K/V come from the forward's sends
+  or gather (shard_map: one program) or from a gather of its own (the
+  automatic path's backward is a partitioned call of its own)."""
   cp = 4
   q, k, v, do = rank_coded_qkv(16, cp)
   spec = P(None, "cp")
@@ -261,7 +274,7 @@ def test_direct_kv_sends_collectives(path):
     attn = jax.shard_map(
         lambda q, k, v: jax_ring.ring_attention(
             q, k, v, axis_name="cp", load_balance="dual_chunk",
-            kv_sends="direct", **kw),
+            kv_sends=kv_sends, **kw),
         mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
   else:
     q, k, v, do = (jax.device_put(x, jax.sharding.NamedSharding(mesh(cp),
@@ -269,11 +282,15 @@ def test_direct_kv_sends_collectives(path):
                    for x in (q, k, v, do))
     attn = lambda q, k, v: jax_ring.dot_product_attention(
         q, k, v, context_parallel=jax_ring.ContextParallel(
-            axis="cp", loop="unrolled", kv_sends="direct"), **kw)
+            axis="cp", loop="unrolled", kv_sends=kv_sends), **kw)
+  fwd = collectives(jax.jit(attn).lower(q, k, v).compile().as_text())
   g = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
-  counts = collectives(g.lower(q, k, v, do).compile().as_text())
-  assert counts["collective-permute"] == 6, counts
-  assert counts["all-gather"] == (1 if path == "automatic" else 0), counts
+  both = collectives(g.lower(q, k, v, do).compile().as_text())
+  gather = kv_sends == "gather"
+  assert (fwd["collective-permute"], fwd["all-gather"]) == (
+      (0, 1) if gather else (3, 0)), fwd
+  assert both["collective-permute"] == (3 if gather else 6), both
+  assert both["all-gather"] == (path == "automatic") + gather, both
 
 
 def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):
@@ -420,7 +437,8 @@ def test_errors():
       (dict(causal_step="select"),
        "causal_step must be one of ('cond', 'paired'); got 'select'"),
       (dict(kv_sends="all"),
-       "kv_sends must be one of ('neighbour', 'direct'); got 'all'"),
+       "kv_sends must be one of ('neighbour', 'direct', 'gather'); got "
+       "'all'"),
       (dict(kv_sends="direct", loop="scan"),
        "kv_sends='direct' needs loop='unrolled' (each step's permute has its "
        "own static shift); got loop='scan'")]:

@@ -74,10 +74,11 @@ CausalStep = Literal["cond", "paired"]
 CAUSAL_STEPS: tuple[str, ...] = get_args(CausalStep)
 
 # Where the ring's step-i K/V comes from: passed on by the previous device
-# ("neighbour": each send waits for the one before), or straight from its
+# ("neighbour": each send waits for the one before), straight from its
 # owner ("direct": a permute by i, independent of the other steps; for
-# fully connected devices, e.g. GPUs on NVSwitch; unrolled loop only).
-KvSends = Literal["neighbour", "direct"]
+# fully connected devices, e.g. GPUs on NVSwitch; unrolled loop only), or
+# from one all-gather of every device's K/V ("gather": cp x the memory).
+KvSends = Literal["neighbour", "direct", "gather"]
 KV_SENDS: tuple[str, ...] = get_args(KvSends)
 
 
@@ -102,8 +103,8 @@ class ContextParallel:
     causal_step: the ring's dual-chunk causal steps, ``"cond"`` (a
       ``lax.cond`` between half-KV and half-Q) or ``"paired"`` (no branch;
       see ``jax_ring._src.ring_blocks``).
-    kv_sends: the ring's K/V sends, ``"neighbour"`` or ``"direct"`` (see
-      ``jax_ring._src.ring``).
+    kv_sends: the ring's K/V sends, ``"neighbour"``, ``"direct"`` or
+      ``"gather"`` (see ``jax_ring._src.ring``).
   """
 
   axis: str | tuple[str, str] = "cp"

@@ -23,11 +23,18 @@ neighbour  device r - 1's step i-1 K/V         travel with it; a last
            before: a chain)                    (cp sends)
 direct     device r - i's own K/V, a permute   each step's part goes
            by i (no send waits for another)    straight back (cp-1 sends)
+gather     slice r - i of one all-gather of    as "direct" (unrolled), or
+           every device's K/V, which step 0    as "neighbour" (scan)
+           (own K/V) can overlap
 =========  ==================================  ============================
 
-Both move the same K/V bytes; "direct" needs every device pair linked (GPUs
-on NVSwitch), and lets the scheduler start any send early, which XLA's GPU
-scheduler does not do along the chain (README, "Overlap on GPU").
+All three move the same K/V bytes. "direct" needs every device pair linked
+(GPUs on NVSwitch), and lets the scheduler start any send early, which XLA's
+GPU scheduler does not do along the chain (README, "Overlap on GPU"); but
+XLA runs its sends one after another on one stream, each at one link's
+speed. "gather" moves them as one collective (NCCL's all-gather uses every
+link at once) and holds cp x the local K/V, which only pays for short
+per-device sequences.
 
 Schedule on device r, step i, holding the KV of device ``src = (r - i) % cp``
 (causal; without a causal mask every step is "full"; striped below):
@@ -158,8 +165,9 @@ def _direct_loop(plan, first, later, kv, carry):
 
 def _gathered_loop(plan, first, later, kv, carry):
   """``_ring_loop``'s steps with each step's KV read from one all-gather of
-  every device's (the automatic path's backward: see ``ShardPlan``). The
-  gathered K/V (cp x this device's) live through the loop."""
+  every device's (``kv_sends="gather"``, and the automatic path's backward:
+  see ``ShardPlan``); the first step, on the own KV, can overlap the
+  gather. The gathered K/V (cp x this device's) live through the loop."""
   if plan.cp_size == 1:
     return first(kv, carry)
   every = jax.tree.map(lambda a: lax.all_gather(a, plan.axis_name), kv)
@@ -174,6 +182,12 @@ def _gathered_loop(plan, first, later, kv, carry):
   for step in range(1, plan.cp_size):
     carry = later(step, held(step), carry)
   return carry
+
+
+def _kv_loop(plan: ShardPlan):
+  """The loop that brings each step's K/V (``plan.kv_sends``)."""
+  return dict(neighbour=_ring_loop, direct=_direct_loop,
+              gather=_gathered_loop)[plan.kv_sends]
 
 
 def _step_call(fn, plan, causal, r, src, *args):
@@ -231,8 +245,7 @@ def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
             kind, q, tm, kv, qc, kc, cfgs), plan, cfg.is_causal, r, src, kv)
       return blocks.merge(*carry, *part)
 
-  loop = _direct_loop if plan.kv_sends == "direct" else _ring_loop
-  out, lse = loop(plan, first, later, kv0, None)
+  out, lse = _kv_loop(plan)(plan, first, later, kv0, None)
   return out.astype(q.dtype), lse
 
 
@@ -285,9 +298,10 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
     return dq + dq_i, dkv + _shift(dkv_i, plan, -step)
 
   kv0 = blocks.held_kv(k, v, tm)
-  direct = plan.kv_sends == "direct"
-  loop = (_gathered_loop if plan.backward_kv == "gather" else
-          _direct_loop if direct else _ring_loop)
+  # dK/dV parts go straight back wherever each step's K/V did not come
+  # along the ring from the neighbour (a static shift: unrolled only).
+  direct = plan.kv_sends != "neighbour" and plan.loop == "unrolled"
+  loop = _gathered_loop if plan.backward_kv == "gather" else _kv_loop(plan)
   dq, dkv = loop(plan, lambda kv, _: first_bwd(kv),
                  later_direct if direct else later, kv0, None)
   if plan.cp_size > 1 and not direct:
@@ -337,8 +351,10 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
     causal_step: dual-chunk causal steps after the first: ``"cond"`` (a
       ``lax.cond`` between the half-KV and half-Q blocks) or ``"paired"``
       (no branch: their two C x C pairs as one batch-stacked block call).
-    kv_sends: ``"neighbour"`` (each step's K/V from the previous device) or
-      ``"direct"`` (from its owner, a permute by the step; unrolled only).
+    kv_sends: ``"neighbour"`` (each step's K/V from the previous device),
+      ``"direct"`` (from its owner, a permute by the step; unrolled only) or
+      ``"gather"`` (one all-gather of every device's K/V, held through the
+      pass: cp x the local K/V).
 
   Returns:
     ``(B, T, N, H)`` in the input dtype: this device's rows of the output.
