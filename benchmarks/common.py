@@ -30,7 +30,8 @@ def ring_args(parser):
   back as ``ring_attention`` keywords with :func:`ring_kwargs`."""
   from jax_ring._src.config import CAUSAL_STEPS, KV_SENDS
   parser.add_argument("--causal-step", default="cond", choices=CAUSAL_STEPS)
-  parser.add_argument("--kv-sends", default="neighbour", choices=KV_SENDS)
+  parser.add_argument("--kv-sends", default=None, choices=KV_SENDS,
+                      help="default: jax_ring's (gather up to 2 GiB)")
 
 
 def ring_kwargs(args) -> dict:

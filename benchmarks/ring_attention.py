@@ -6,7 +6,9 @@ ring-flash-attention), measured in the same process.
     python benchmarks/ring_attention.py [--seq 16384 ...] [--kv-heads 32 8]
 
 B=1, N=32, D=128, bf16, dual-chunk causal and non-causal, both loop forms
-(``--loops``; ``direct`` and ``gather`` = unrolled with that ``kv_sends``).
+(``--loops``: ``unrolled`` and ``scan`` with ``--kv-sends``, by default
+jax_ring's; ``neighbour``, ``direct`` and ``gather`` = unrolled with that
+``kv_sends``).
 Efficiency = theoretic time / ring time (forward; forward+backward).
 Also checks the ring's output and its gradients (the worst of dq, dk, dv)
 against the single-GPU results (max relative error) for every shape.
@@ -51,9 +53,10 @@ def main():
                  help="load balance of the causal rows: dual_chunk or striped")
   p.add_argument("--tag", default="", help="suffix of the results file")
   p.add_argument("--loops", nargs="+", default=["unrolled", "scan"],
-                 choices=["unrolled", "scan", "direct", "gather"],
-                 help="ring variants, timed side by side; direct, gather = "
-                 "unrolled with that kv_sends")
+                 choices=["unrolled", "scan", "neighbour", "direct",
+                          "gather"],
+                 help="ring variants, timed side by side; neighbour, direct, "
+                 "gather = unrolled with that kv_sends")
   ring_args(p)
   a = p.parse_args()
   cp = jax.device_count()
@@ -86,7 +89,7 @@ def main():
                             for x in (q, k, v, do))
         for loop in a.loops:
           kw = dict(ring_kwargs(a), loop=loop)
-          if loop in ("direct", "gather"):
+          if loop in ("neighbour", "direct", "gather"):
             kw.update(loop="unrolled", kv_sends=loop)
           ring = jax.shard_map(
               lambda q, k, v, kw=kw: jax_ring.ring_attention(

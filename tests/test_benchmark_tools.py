@@ -104,7 +104,7 @@ def test_strategies_benchmark_on_8_devices(tmp_path, monkeypatch):
   names = strategies.default_strategies(8)
   assert {"hybrid_2x4", "hybrid_4x2", "auto"} <= set(names)
   names.insert(2, "all_gather_g1")  # kv_chunk_heads=1
-  names.insert(1, "ring_direct")  # kv_sends="direct"
+  names[1:1] = ["ring_neighbour", "ring_direct"]  # "ring": kv_sends=None
   (row,) = dry_run(strategies, TINY + ["--strategies", *names], tmp_path,
                    monkeypatch)
   for name in names:
@@ -114,7 +114,7 @@ def test_strategies_benchmark_on_8_devices(tmp_path, monkeypatch):
 
 
 def test_ring_benchmark_on_8_devices(tmp_path, monkeypatch):
-  loops = ("unrolled", "scan", "direct")
+  loops = ("unrolled", "scan", "neighbour", "direct")
   (row,) = dry_run(ring_attention, TINY + ["--causal-only", "--loops",
                                            *loops], tmp_path, monkeypatch)
   for loop in loops:

@@ -125,7 +125,7 @@ def test_hybrid_window_padding_and_soft_cap(ur, causal, window, load_balance,
 def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):
   u, r = 2, 4
   q, k, v, do = coded_qkv(50, u * r, 2)
-  kw = dict(is_causal=True, load_balance="dual_chunk")
+  kw = dict(is_causal=True, load_balance="dual_chunk", kv_sends="neighbour")
   scan = run(q, k, v, do, u, r, loop="scan", **kw)
   unrolled = run(q, k, v, do, u, r, loop="unrolled", **kw)
   for a, b in zip(jax.tree.leaves(scan), jax.tree.leaves(unrolled)):
@@ -175,7 +175,8 @@ def test_forward_all_to_all_on_u_permutes_on_r_no_kv_gather():
   f = jax.jit(jax.shard_map(
       lambda q, k, v, seg: hyb.hybrid_attention(
           q, k, v, axis_name=AXES, is_causal=True, load_balance="dual_chunk",
-          segment_ids=seg, loop="unrolled", implementation="xla"),
+          segment_ids=seg, loop="unrolled", kv_sends="neighbour",
+          implementation="xla"),
       mesh=mesh2d(u, r), in_specs=(SPEC,) * 4, out_specs=SPEC))
   ops = _collectives(f.lower(q, k, v, seg).compile().as_text())
   # q; stacked (k, v); out (the lse's is dead without a backward). XLA:CPU

@@ -74,7 +74,10 @@ def run_shard_map(attention, q, k, v, do, cp, **kw):
   return layout_vjp(f, cp, kw.get("load_balance"), q, k, v, do)
 
 
-run_ring = functools.partial(run_shard_map, jax_ring.ring_attention)
+# The neighbour ring unless a test names other sends (the default,
+# kv_sends=None, would gather these small K/V: tested on its own below).
+run_ring = functools.partial(run_shard_map, jax_ring.ring_attention,
+                             kv_sends="neighbour")
 
 # Test ids of the (cp, causal, load_balance) matrices.
 case_id = lambda x: {None: "contiguous", True: "causal", False: "full"}.get(
@@ -170,7 +173,7 @@ def test_forward_permutes_stacked_kv_only(loop, load_balance):
   f = jax.jit(jax.shard_map(
       lambda q, k, v: jax_ring.ring_attention(
           q, k, v, axis_name="cp", is_causal=True, load_balance=load_balance,
-          loop=loop, implementation="xla"),
+          loop=loop, kv_sends="neighbour", implementation="xla"),
       mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec))
   hlo = f.lower(q, k, v).compile().as_text()
   permutes = re.findall(r"collective-permute(?:-start)?\(", hlo)
@@ -197,7 +200,7 @@ def test_backward_sends_no_kv_a_second_time(path, monkeypatch):
   apart, so it gathers K/V once there instead of sending them again, up to
   GATHER_KV_MAX_BYTES of gathered K/V; past that it sends them again."""
   if path == "automatic_large_kv":
-    monkeypatch.setattr(jax_ring._src.partition, "GATHER_KV_MAX_BYTES", 0)
+    monkeypatch.setattr(jax_ring._src.config, "GATHER_KV_MAX_BYTES", 0)
   cp = 4
   q, k, v, do = rank_coded_qkv(15, cp)
   spec = P(None, "cp")
@@ -206,7 +209,7 @@ def test_backward_sends_no_kv_a_second_time(path, monkeypatch):
     attn = jax.shard_map(
         lambda q, k, v: jax_ring.ring_attention(
             q, k, v, axis_name="cp", load_balance="dual_chunk",
-            loop="unrolled", **kw),
+            loop="unrolled", kv_sends="neighbour", **kw),
         mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
   else:
     q, k, v, do = (jax.device_put(x, jax.sharding.NamedSharding(mesh(cp),
@@ -214,7 +217,7 @@ def test_backward_sends_no_kv_a_second_time(path, monkeypatch):
                    for x in (q, k, v, do))
     attn = lambda q, k, v: jax_ring.dot_product_attention(
         q, k, v, context_parallel=jax_ring.ContextParallel(
-            axis="cp", loop="unrolled"), **kw)
+            axis="cp", loop="unrolled", kv_sends="neighbour"), **kw)
   g = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
   counts = collectives(g.lower(q, k, v, do).compile().as_text())
   assert counts["all-gather"] == (1 if path == "automatic" else 0), counts
@@ -293,6 +296,28 @@ def test_direct_and_gathered_kv_sends_collectives(path, kv_sends):
   assert both["all-gather"] == (path == "automatic") + gather, both
 
 
+@pytest.mark.parametrize("cap", [None, 0])
+def test_default_kv_sends_gather_up_to_the_cap(cap, monkeypatch):
+  """kv_sends=None: one K/V all-gather while cp x the local stacked K/V fit
+  GATHER_KV_MAX_BYTES (these do: 12 KiB in all), else the neighbour ring;
+  exact either way."""
+  if cap is not None:
+    monkeypatch.setattr(jax_ring._src.config, "GATHER_KV_MAX_BYTES", cap)
+  cp = 4
+  q, k, v, do = rank_coded_qkv(19, cp)
+  spec = P(None, "cp")
+  f = jax.shard_map(
+      lambda q, k, v: jax_ring.ring_attention(
+          q, k, v, axis_name="cp", is_causal=True, load_balance="dual_chunk",
+          loop="unrolled", implementation="xla"),
+      mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
+  counts = collectives(jax.jit(f).lower(q, k, v).compile().as_text())
+  assert (counts["all-gather"], counts["collective-permute"]) == (
+      (1, 0) if cap is None else (0, cp - 1)), counts
+  check(layout_vjp(f, cp, "dual_chunk", q, k, v, do), q, k, v, do,
+        ref.Case(H**-0.5, is_causal=True))
+
+
 def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):
   q, k, v, do = rank_coded_qkv(14, 4)
   kw = dict(is_causal=True, load_balance="dual_chunk")
@@ -342,7 +367,7 @@ def test_paired_causal_step_runs_no_conditional(loop):
         lambda q, k, v: jax_ring.ring_attention(
             q, k, v, axis_name="cp", is_causal=True,
             load_balance="dual_chunk", loop=loop, causal_step=causal_step,
-            implementation="xla"),
+            kv_sends="neighbour", implementation="xla"),
         mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
     g = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1](do))
     return len(re.findall(r"\bconditional\(", g.lower(q, k, v).compile()
@@ -437,8 +462,8 @@ def test_errors():
       (dict(causal_step="select"),
        "causal_step must be one of ('cond', 'paired'); got 'select'"),
       (dict(kv_sends="all"),
-       "kv_sends must be one of ('neighbour', 'direct', 'gather'); got "
-       "'all'"),
+       "kv_sends must be None or one of ('neighbour', 'direct', 'gather'); "
+       "got 'all'"),
       (dict(kv_sends="direct", loop="scan"),
        "kv_sends='direct' needs loop='unrolled' (each step's permute has its "
        "own static shift); got loop='scan'")]:
@@ -472,13 +497,16 @@ def test_2d_mesh_data_by_cp_with_heads_unsharded():
 
 
 @pytest.mark.parametrize(
-    "load_balance, causal_step",
-    [(None, "cond"), ("dual_chunk", "cond"), ("striped", "cond"),
-     ("dual_chunk", "paired")],
-    ids=["contiguous", "dual_chunk", "striped", "dual_chunk_paired"])
+    "load_balance, causal_step, kv_sends",
+    [(None, "cond", "neighbour"), ("dual_chunk", "cond", "neighbour"),
+     ("striped", "cond", "neighbour"), ("dual_chunk", "paired", "neighbour"),
+     ("dual_chunk", "cond", "gather")],
+    ids=["contiguous", "dual_chunk", "striped", "dual_chunk_paired",
+         "dual_chunk_gather"])
 @pytest.mark.parametrize("loop", ["scan", "unrolled"])
 def test_ring_packed_segments_cross_shard_boundaries(load_balance,
-                                                     causal_step, loop):
+                                                     causal_step, kv_sends,
+                                                     loop):
   cp = 4
   q, k, v, do = rank_coded_qkv(16, cp, load_balance=load_balance)
   ids = ref.random_segments(17, B, S, 5)  # 5 documents of random lengths
@@ -487,7 +515,7 @@ def test_ring_packed_segments_cross_shard_boundaries(load_balance,
       lambda q, k, v, ids: jax_ring.ring_attention(
           q, k, v, axis_name="cp", is_causal=True, load_balance=load_balance,
           segment_ids=ids, loop=loop, causal_step=causal_step,
-          implementation="xla"),
+          kv_sends=kv_sends, implementation="xla"),
       mesh=mesh(cp), in_specs=(spec,) * 4, out_specs=spec)
   got = layout_vjp(f, cp, load_balance, q, k, v, do, jnp.asarray(ids))
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True, q_segment_ids=ids,
@@ -501,16 +529,20 @@ def test_ring_packed_segments_cross_shard_boundaries(load_balance,
         (True, 1, "unrolled", False, "dual_chunk",
          dict(causal_step="paired")),
         (True, 2, "scan", True, "dual_chunk", {}),
-        (True, 2, "unrolled", True, "striped", {})],
+        (True, 2, "unrolled", True, "striped", {}),
+        (True, 2, "unrolled", True, "dual_chunk", dict(kv_sends=None))],
     ids=["dp2_cp4_scan", "dp2_cp4_unrolled_packed",
          "dp1_cp4_unrolled_packed_paired",
          "dp2_cp4_scan_packed_window_pad",
-         "dp2_cp4_unrolled_striped_packed_window_pad"])
+         "dp2_cp4_unrolled_striped_packed_window_pad",
+         "dp2_cp4_unrolled_packed_window_pad_default_sends"])
 def test_automatic_path_under_jit_matches_reference(segments, dp, loop,
                                                     window_and_padding,
                                                     load_balance,
                                                     ring_options):
-  """jit + NamedSharding (data x cp), no shard_map in user code."""
+  """jit + NamedSharding (data x cp), no shard_map in user code; the
+  neighbour ring unless ``ring_options`` say otherwise (the default,
+  ``kv_sends=None``, gathers these small K/V)."""
   cp = 4
   if len(jax.devices()) < dp * cp:
     pytest.skip(f"needs {dp * cp} devices")
@@ -524,6 +556,7 @@ def test_automatic_path_under_jit_matches_reference(segments, dp, loop,
   tok = jax.sharding.NamedSharding(m, P("data", "cp"))
   args = [jax.device_put(re_(x), tok) for x in (q, k, v, do)]
   seg = jax.device_put(re_(ids), tok) if segments else None
+  ring_options = dict(kv_sends="neighbour") | ring_options
   cpc = jax_ring.ContextParallel(axis="cp", load_balance=load_balance,
                                  loop=loop, **ring_options)
 
@@ -544,8 +577,12 @@ def test_automatic_path_under_jit_matches_reference(segments, dp, loop,
     return out, vjp(do)
 
   out, grads = go(*args, seg)
-  fwd_hlo = jax.jit(attn).lower(*args[:3], seg).compile().as_text()
-  assert "collective-permute" in fwd_hlo and "all-gather" not in fwd_hlo
+  fwd_hlo = collectives(jax.jit(attn).lower(*args[:3], seg).compile()
+                        .as_text())
+  if cpc.kv_sends == "neighbour":
+    assert fwd_hlo["collective-permute"] and not fwd_hlo["all-gather"]
+  else:  # K/V (and their segment ids) gathered, nothing passed around
+    assert fwd_hlo["all-gather"] and not fwd_hlo["collective-permute"]
   # The backward, lowered apart from the forward, gathers K/V once.
   hlo = go.lower(*args, seg).compile().as_text()
   assert "collective-permute" in hlo and "all-gather" in hlo

@@ -78,8 +78,18 @@ CAUSAL_STEPS: tuple[str, ...] = get_args(CausalStep)
 # owner ("direct": a permute by i, independent of the other steps; for
 # fully connected devices, e.g. GPUs on NVSwitch; unrolled loop only), or
 # from one all-gather of every device's K/V ("gather": cp x the memory).
+# None (the default): "gather" while the gathered K/V stay within
+# GATHER_KV_MAX_BYTES, else "neighbour".
 KvSends = Literal["neighbour", "direct", "gather"]
 KV_SENDS: tuple[str, ...] = get_args(KvSends)
+
+# The most K/V bytes (all devices' stacked K/V, as one device holds them
+# after a gather) that the ring gathers rather than passes around: 128k
+# tokens of 32 kv heads x 128 at bf16. On 4xH200 the gather beat the
+# neighbour ring at every length measured, 16k-256k (README, "K/V sends");
+# the cap keeps the longest sequences' memory, whose sends hide behind
+# compute anyway (a step's work grows as T^2, its K/V as T).
+GATHER_KV_MAX_BYTES = 2 * 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +113,8 @@ class ContextParallel:
     causal_step: the ring's dual-chunk causal steps, ``"cond"`` (a
       ``lax.cond`` between half-KV and half-Q) or ``"paired"`` (no branch;
       see ``jax_ring._src.ring_blocks``).
-    kv_sends: the ring's K/V sends, ``"neighbour"``, ``"direct"`` or
-      ``"gather"`` (see ``jax_ring._src.ring``).
+    kv_sends: the ring's K/V sends, ``"neighbour"``, ``"direct"``,
+      ``"gather"`` or ``None`` (by size: see ``jax_ring._src.ring``).
   """
 
   axis: str | tuple[str, str] = "cp"
@@ -113,7 +123,7 @@ class ContextParallel:
   loop: Literal["scan", "unrolled"] | None = None
   kv_chunk_heads: int | None = None
   causal_step: CausalStep = "cond"
-  kv_sends: KvSends = "neighbour"
+  kv_sends: KvSends | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +142,7 @@ class ShardPlan:
       sends them around again (inside one ``shard_map`` program XLA merges
       those sends with the forward's), ``"gather"`` all-gathers them once
       (the automatic path, whose backward is a program of its own, up to a
-      size: ``partition.GATHER_KV_MAX_BYTES``).
+      size: ``GATHER_KV_MAX_BYTES``).
     kv_sends: the ring's K/V sends (``ContextParallel``).
   """
 
@@ -143,7 +153,7 @@ class ShardPlan:
   kv_chunk_heads: int | None = None
   causal_step: CausalStep = "cond"
   backward_kv: Literal["ring", "gather"] = "ring"
-  kv_sends: KvSends = "neighbour"
+  kv_sends: KvSends | None = None
 
 
 # TransformerEngine's switch between its two ring loop forms; honoured for

@@ -36,7 +36,7 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ring._src import auto, kernel, shard_call, validate
+from jax_ring._src import auto, config, kernel, shard_call, validate
 from jax_ring._src.config import ContextParallel, ShardPlan
 from jax_ring._src.mask import BlockMask, TokenMask
 
@@ -100,11 +100,7 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
 
 # The ring's backward is lowered apart from its forward, so its K/V sends
 # cannot merge with the forward's (as they do inside one shard_map program):
-# it gathers K/V once instead, while the gathered copy (the whole sequence's
-# K/V, live through the backward) stays under this many bytes. Past it the
-# resends hide behind compute (a step's work grows as T^2, its K/V as T),
-# and the longest sequences keep their memory.
-GATHER_KV_MAX_BYTES = 2 * 2**30
+# it gathers K/V once instead, up to config.GATHER_KV_MAX_BYTES.
 
 
 def _backward_kv(backward, mesh, batch, k_shape, tp, cpc) -> str:
@@ -118,7 +114,7 @@ def _backward_kv(backward, mesh, batch, k_shape, tp, cpc) -> str:
   if cpc.strategy == "hybrid":  # the ring runs on a ulysses head group
     kv_heads = max(1, kv_heads // mesh.shape[cpc.axis[0]])
   gathered = 2 * b * seq * kv_heads * h * k_shape.dtype.itemsize
-  return "gather" if gathered <= GATHER_KV_MAX_BYTES else "ring"
+  return "gather" if gathered <= config.GATHER_KV_MAX_BYTES else "ring"
 
 
 def _shardings(mesh, batch, heads, cp_axis, present):

@@ -13,7 +13,8 @@ that no permute is wasted.
 Partial results merge through their softmax statistics in float32; the output
 is cast to the input dtype once, at the end.
 
-Where step i's K/V comes from (``kv_sends``, unrolled loop for "direct"):
+Where step i's K/V comes from (``kv_sends``; by default "gather" while the
+gathered K/V fit ``config.GATHER_KV_MAX_BYTES``, else "neighbour"):
 
 =========  ==================================  ============================
 kv_sends   step i's K/V on device r            dK/dV of the held K/V
@@ -77,6 +78,7 @@ accumulator's bytes on the wire, which overlap the next block's compute).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Literal
 
@@ -86,7 +88,7 @@ from jax import lax
 
 from jax_ring._src import ring_blocks as blocks
 from jax_ring._src import ring_striped as striped
-from jax_ring._src import shard_call, validate
+from jax_ring._src import config, shard_call, validate
 from jax_ring._src.config import (AttentionConfig, CausalStep, KvSends,
                                   ShardPlan, loop_from_environment)
 from jax_ring._src.layout import LoadBalance
@@ -190,6 +192,16 @@ def _kv_loop(plan: ShardPlan):
               gather=_gathered_loop)[plan.kv_sends]
 
 
+def _sends(plan: ShardPlan, k) -> ShardPlan:
+  """``plan`` with ``kv_sends=None`` decided: "gather" while the gathered
+  stacked K/V (cp x this device's) fit ``GATHER_KV_MAX_BYTES``."""
+  if plan.kv_sends is not None:
+    return plan
+  gathered = 2 * plan.cp_size * k.size * k.dtype.itemsize
+  return dataclasses.replace(plan, kv_sends=(
+      "gather" if gathered <= config.GATHER_KV_MAX_BYTES else "neighbour"))
+
+
 def _step_call(fn, plan, causal, r, src, *args):
   """``fn(kind, *args)`` for a step after the first: a lax.cond on whether
   the held KV comes from an earlier device."""
@@ -213,6 +225,7 @@ def _cfgs(cfg: AttentionConfig):
 
 def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   """(out in q's dtype, lse f32) of this device's queries."""
+  plan = _sends(plan, k)
   r = lax.axis_index(plan.axis_name)
   src_of = lambda step: (r - step) % plan.cp_size
   kv0 = blocks.held_kv(k, v, tm)
@@ -252,6 +265,7 @@ def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
 def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
               plan: ShardPlan):
   """(dq, dk, dv) of this device's shards, given the global out and lse."""
+  plan = _sends(plan, k)
   r = lax.axis_index(plan.axis_name)
   src_of = lambda step: (r - step) % plan.cp_size
   grads = (out, lse, dout)
@@ -320,7 +334,7 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
                    scale=None, logits_soft_cap=None, implementation=None,
                    loop: Loop | None = None,
                    causal_step: CausalStep = "cond",
-                   kv_sends: KvSends = "neighbour"):
+                   kv_sends: KvSends | None = None):
   """Exact attention over a sequence sharded along mesh axis ``axis_name``.
 
   Call it inside ``shard_map`` on the local shards: ``query (B, T, N, H)``,
@@ -352,9 +366,10 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
       ``lax.cond`` between the half-KV and half-Q blocks) or ``"paired"``
       (no branch: their two C x C pairs as one batch-stacked block call).
     kv_sends: ``"neighbour"`` (each step's K/V from the previous device),
-      ``"direct"`` (from its owner, a permute by the step; unrolled only) or
+      ``"direct"`` (from its owner, a permute by the step; unrolled only),
       ``"gather"`` (one all-gather of every device's K/V, held through the
-      pass: cp x the local K/V).
+      pass: cp x the local K/V) or ``None``: ``"gather"`` while that is at
+      most ``GATHER_KV_MAX_BYTES`` (2 GiB), else ``"neighbour"``.
 
   Returns:
     ``(B, T, N, H)`` in the input dtype: this device's rows of the output.

@@ -155,7 +155,7 @@ def kv_chunk_heads(kv_chunk_heads, kv_heads: int) -> None:
 
 
 def ring_choices(load_balance, loop, causal_step="cond",
-                 kv_sends="neighbour") -> None:
+                 kv_sends=None) -> None:
   if load_balance is not None and load_balance not in LOAD_BALANCES:
     raise ValueError(f"load_balance must be None, 'dual_chunk' or 'striped'; "
                      f"got {load_balance!r}")
@@ -164,8 +164,9 @@ def ring_choices(load_balance, loop, causal_step="cond",
   if causal_step not in CAUSAL_STEPS:
     raise ValueError(f"causal_step must be one of {CAUSAL_STEPS}; got "
                      f"{causal_step!r}")
-  if kv_sends not in KV_SENDS:
-    raise ValueError(f"kv_sends must be one of {KV_SENDS}; got {kv_sends!r}")
+  if kv_sends is not None and kv_sends not in KV_SENDS:
+    raise ValueError(f"kv_sends must be None or one of {KV_SENDS}; got "
+                     f"{kv_sends!r}")
   if kv_sends == "direct" and loop == "scan":
     raise ValueError("kv_sends='direct' needs loop='unrolled' (each step's "
                      "permute has its own static shift); got loop='scan'")
@@ -180,7 +181,7 @@ def strategy_layout(strategy: str, load_balance) -> None:
 
 
 def ring_options(load_balance, loop, local_len, cp_size,
-                 causal_step="cond", kv_sends="neighbour") -> None:
+                 causal_step="cond", kv_sends=None) -> None:
   """Layout and loop of local shards of ``local_len`` tokens on cp_size
   devices. ``"striped"`` needs only S % cp_size == 0, which local shards
   already are; ``"dual_chunk"`` also needs an even local length."""
