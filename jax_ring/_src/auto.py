@@ -53,7 +53,12 @@ them every pass's pick there, forward, backward and their sum, is within
 ``strategies_{x2,x8,x8_512k}``) its forward+backward picks stay within
 3.2%; per pass, the 8-GPU forward at 128k MHA misses by 7.9% (ring picked,
 Ulysses faster). On other machines the model keeps its shape but the
-crossover points move.
+crossover points move. The ring row is the neighbour ring it was fit to;
+the ring's default since session 9 gathers K/V up to 2 GiB and ran 1-12
+points faster on 4 H200s (README, "K/V sends"): at 32k still short of
+Ulysses (73/73% against 80/84%, forward / forward+backward, measured in
+different sessions), so the picks there stand, but the model overstates
+the ring's time and was not refit.
 """
 
 from __future__ import annotations
