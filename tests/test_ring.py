@@ -277,7 +277,7 @@ def test_direct_and_gathered_kv_sends_collectives(path, kv_sends):
     attn = jax.shard_map(
         lambda q, k, v: jax_ring.ring_attention(
             q, k, v, axis_name="cp", load_balance="dual_chunk",
-            kv_sends=kv_sends, **kw),
+            loop="unrolled", kv_sends=kv_sends, **kw),
         mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
   else:
     q, k, v, do = (jax.device_put(x, jax.sharding.NamedSharding(mesh(cp),
