@@ -191,6 +191,32 @@ def test_forward_permutes_stacked_kv_only(loop, load_balance):
   assert calls == (1 + 2 * (cp - 1) if loop == "unrolled" else 5), calls
 
 
+def unrolled_ring_collectives(path, seed, kv_sends):
+  """Collective counts of the forward and of forward+backward of a causal
+  dual-chunk unrolled ring on 4 devices, called through ``shard_map`` or
+  the automatic path (jit + NamedSharding)."""
+  cp = 4
+  q, k, v, do = rank_coded_qkv(seed, cp)
+  spec = P(None, "cp")
+  kw = dict(is_causal=True, implementation="xla")
+  if path == "shard_map":
+    attn = jax.shard_map(
+        lambda q, k, v: jax_ring.ring_attention(
+            q, k, v, axis_name="cp", load_balance="dual_chunk",
+            loop="unrolled", kv_sends=kv_sends, **kw),
+        mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
+  else:
+    q, k, v, do = (jax.device_put(x, jax.sharding.NamedSharding(mesh(cp),
+                                                                spec))
+                   for x in (q, k, v, do))
+    attn = lambda q, k, v: jax_ring.dot_product_attention(
+        q, k, v, context_parallel=jax_ring.ContextParallel(
+            axis="cp", loop="unrolled", kv_sends=kv_sends), **kw)
+  g = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
+  return (collectives(jax.jit(attn).lower(q, k, v).compile().as_text()),
+          collectives(g.lower(q, k, v, do).compile().as_text()))
+
+
 @pytest.mark.parametrize("path", ["shard_map", "automatic",
                                   "automatic_large_kv"])
 def test_backward_sends_no_kv_a_second_time(path, monkeypatch):
@@ -201,25 +227,9 @@ def test_backward_sends_no_kv_a_second_time(path, monkeypatch):
   GATHER_KV_MAX_BYTES of gathered K/V; past that it sends them again."""
   if path == "automatic_large_kv":
     monkeypatch.setattr(jax_ring._src.config, "GATHER_KV_MAX_BYTES", 0)
-  cp = 4
-  q, k, v, do = rank_coded_qkv(15, cp)
-  spec = P(None, "cp")
-  kw = dict(is_causal=True, implementation="xla")
-  if path == "shard_map":
-    attn = jax.shard_map(
-        lambda q, k, v: jax_ring.ring_attention(
-            q, k, v, axis_name="cp", load_balance="dual_chunk",
-            loop="unrolled", kv_sends="neighbour", **kw),
-        mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
-  else:
-    q, k, v, do = (jax.device_put(x, jax.sharding.NamedSharding(mesh(cp),
-                                                                spec))
-                   for x in (q, k, v, do))
-    attn = lambda q, k, v: jax_ring.dot_product_attention(
-        q, k, v, context_parallel=jax_ring.ContextParallel(
-            axis="cp", loop="unrolled", kv_sends="neighbour"), **kw)
-  g = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
-  counts = collectives(g.lower(q, k, v, do).compile().as_text())
+  fwd, counts = unrolled_ring_collectives(path.removesuffix("_large_kv"),
+                                          15, "neighbour")
+  assert (fwd["collective-permute"], fwd["all-gather"]) == (3, 0), fwd
   assert counts["all-gather"] == (1 if path == "automatic" else 0), counts
   assert counts["collective-permute"] == (
       10 if path == "automatic_large_kv" else 7), counts
@@ -269,26 +279,7 @@ def test_direct_and_gathered_kv_sends_collectives(path, kv_sends):
   with no final return. The backward's K/V come from the forward's sends
   or gather (shard_map: one program) or from a gather of its own (the
   automatic path's backward is a partitioned call of its own)."""
-  cp = 4
-  q, k, v, do = rank_coded_qkv(16, cp)
-  spec = P(None, "cp")
-  kw = dict(is_causal=True, implementation="xla")
-  if path == "shard_map":
-    attn = jax.shard_map(
-        lambda q, k, v: jax_ring.ring_attention(
-            q, k, v, axis_name="cp", load_balance="dual_chunk",
-            loop="unrolled", kv_sends=kv_sends, **kw),
-        mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
-  else:
-    q, k, v, do = (jax.device_put(x, jax.sharding.NamedSharding(mesh(cp),
-                                                                spec))
-                   for x in (q, k, v, do))
-    attn = lambda q, k, v: jax_ring.dot_product_attention(
-        q, k, v, context_parallel=jax_ring.ContextParallel(
-            axis="cp", loop="unrolled", kv_sends=kv_sends), **kw)
-  fwd = collectives(jax.jit(attn).lower(q, k, v).compile().as_text())
-  g = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
-  both = collectives(g.lower(q, k, v, do).compile().as_text())
+  fwd, both = unrolled_ring_collectives(path, 16, kv_sends)
   gather = kv_sends == "gather"
   assert (fwd["collective-permute"], fwd["all-gather"]) == (
       (0, 1) if gather else (3, 0)), fwd
