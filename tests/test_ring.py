@@ -250,9 +250,10 @@ def test_backward_sends_no_kv_a_second_time(path, monkeypatch):
     (8, True, "striped", dict(kv_sends="gather")),
     (4, False, None, dict(kv_sends="gather", loop="scan",
                           local_window_size=(20, 9))),
+    (8, True, "dual_chunk", dict(kv_sends="gather", causal_step="paired")),
 ], ids=["n2", "n4_paired", "n8", "n4_contiguous", "n4_striped",
         "n4_window", "n8_padding", "gather_n4", "gather_n4_scan",
-        "gather_n8_striped", "gather_n4_window_scan"])
+        "gather_n8_striped", "gather_n4_window_scan", "gather_n8_paired"])
 def test_direct_and_gathered_kv_sends_match_reference(cp, causal,
                                                       load_balance, extra):
   """kv_sends="direct" (the default here): step i's K/V from its owner,
@@ -285,6 +286,34 @@ def test_direct_and_gathered_kv_sends_collectives(path, kv_sends):
       (0, 1) if gather else (3, 0)), fwd
   assert both["collective-permute"] == (3 if gather else 6), both
   assert both["all-gather"] == (path == "automatic") + gather, both
+
+
+@pytest.mark.parametrize("causal_step, part", [
+    ("cond", f"2,{B},{S // 4},{K},{H}"),
+    ("paired", f"2,{2 * B},{S // 8},{K},{H}")])
+def test_dkv_parts_go_back_in_the_kernels_dtype(causal_step, part):
+  """kv_sends="gather", unrolled, bf16: each step's dK/dV part goes back to
+  its owner in bf16, as the block kernel returned it (nothing rounds): the
+  held kv's (2, B, T, K, H), or a paired step's two C-row pairs, unplaced
+  (2, 2B, C, K, H). The owner sums in float32; the grads hold bf16
+  tolerance against the float64 reference."""
+  cp = 4
+  q, k, v, do = (x.astype(jnp.bfloat16) for x in rank_coded_qkv(21, cp))
+  kw = dict(is_causal=True, load_balance="dual_chunk", loop="unrolled",
+            kv_sends="gather", causal_step=causal_step)
+  spec = P(None, "cp")
+  attn = jax.shard_map(
+      lambda q, k, v: jax_ring.ring_attention(q, k, v, axis_name="cp",
+                                              implementation="xla", **kw),
+      mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
+  g = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
+  # The program as lowered: XLA:CPU widens 16-bit collectives to float32
+  # when it compiles (GPUs send bf16 as it is).
+  hlo = g.lower(q, k, v, do).compiler_ir("hlo").as_hlo_text()
+  sent = re.findall(r"(\w+)\[([\d,]+)\][^\n]* collective-permute\(", hlo)
+  assert sent == [("bf16", part)] * (cp - 1), sent
+  got = run_ring(q, k, v, do, cp, **kw)
+  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True))
 
 
 @pytest.mark.parametrize("cap", [None, 0])

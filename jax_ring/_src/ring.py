@@ -72,10 +72,27 @@ Windows: see :mod:`jax_ring._src.ring_blocks`; the striped layout:
 Backward (custom VJP), with neighbour sends: dq accumulates locally; (K, V)
 and their dK/dV accumulators travel the ring together, each block's
 backward is given the global ``out`` and ``lse``, and a final permute
-returns dK/dV to their owners (the other sends: the table above). dK/dV
-travel in float32: they are sums over cp blocks, and summing in 16-bit at
-every hop would lose the precision the merge keeps (it doubles the
-accumulator's bytes on the wire, which overlap the next block's compute).
+returns dK/dV to their owners (the other sends: the table above). What
+goes on the wire:
+
+==============  ===========================  ================================
+sends           what travels                 dtype
+==============  ===========================  ================================
+neighbour       running dK/dV sums           float32: a 16-bit sum would
+                                             round at every hop
+direct, gather  one step's dK/dV part, to    K/V's dtype when the part is one
+(unrolled)      its owner, which sums the    block call's output (the kernel
+                parts in float32             returned it so: nothing rounds);
+                                             float32 when a step adds two
+                                             calls (paired, windows)
+==============  ===========================  ================================
+
+16-bit parts halve the backward's bytes on the wire, which at short
+sequences is what the last steps wait on. With direct or gather sends the
+backward runs the own step last, so that the last part's send hides behind
+it, except where the backward gathers K/V itself (the automatic path's
+``backward_kv="gather"``): there the own step runs first, beside the
+gather.
 """
 
 from __future__ import annotations
@@ -149,43 +166,47 @@ def _ring_loop(plan, first, later, kv, carry):
   return later(cp - 1, kv, carry)
 
 
-def _direct_loop(plan, first, later, kv, carry):
+def _direct_loop(plan, first, later, kv, carry, own_last=False):
   """``_ring_loop``'s steps with step i's KV sent straight from its owner (a
   permute by i of the own KV, ``kv_sends="direct"``): no send waits for
   another, so each may start as early as the scheduler likes. Step i+1's
-  send is still issued before step i's compute."""
+  send is still issued before step i's compute. ``own_last``: the step on
+  the own KV runs after the others, not before."""
   cp = plan.cp_size
   if cp == 1:
     return first(kv, carry)
   nxt = _shift(kv, plan, 1)
-  carry = first(kv, carry)
+  if not own_last:
+    carry = first(kv, carry)
   for step in range(1, cp):
     held = nxt
     if step + 1 < cp:
       nxt = _shift(kv, plan, step + 1)
     carry = later(step, held, carry)
-  return carry
+  return first(kv, carry) if own_last else carry
 
 
-def _gathered_loop(plan, first, later, kv, carry):
+def _gathered_loop(plan, first, later, kv, carry, own_last=False):
   """``_ring_loop``'s steps with each step's KV read from one all-gather of
   every device's (``kv_sends="gather"``, and the automatic path's backward:
   see ``ShardPlan``); the first step, on the own KV, can overlap the
-  gather. The gathered K/V (cp x this device's) live through the loop."""
+  gather. The gathered K/V (cp x this device's) live through the loop.
+  ``own_last`` (unrolled): the own step runs after the others instead."""
   if plan.cp_size == 1:
     return first(kv, carry)
   every = jax.tree.map(lambda a: lax.all_gather(a, plan.axis_name), kv)
   r = lax.axis_index(plan.axis_name)
   held = lambda step: jax.tree.map(lambda a: lax.dynamic_index_in_dim(
       a, (r - step) % plan.cp_size, 0, keepdims=False), every)
-  carry = first(kv, carry)
   if plan.loop == "scan":
     carry, _ = lax.scan(lambda c, step: (later(step, held(step), c), None),
-                        carry, jnp.arange(1, plan.cp_size))
+                        first(kv, carry), jnp.arange(1, plan.cp_size))
     return carry
+  if not own_last:
+    carry = first(kv, carry)
   for step in range(1, plan.cp_size):
     carry = later(step, held(step), carry)
-  return carry
+  return first(kv, carry) if own_last else carry
 
 
 def _kv_loop(plan: ShardPlan):
@@ -218,6 +239,26 @@ def _paired(plan: ShardPlan, cfg: AttentionConfig) -> bool:
   """Dual-chunk causal steps run branch-free (``causal_step="paired"``)."""
   return (plan.causal_step == "paired" and cfg.is_causal and
           plan.load_balance == "dual_chunk")
+
+
+def _part_dtype(plan: ShardPlan, cfg: AttentionConfig, kv_dtype):
+  """What a dK/dV part sent straight back to its owner travels in: K/V's
+  dtype where each step's part is one block call's output (the kernel
+  returned it in that dtype, so nothing rounds, and 16-bit halves float32's
+  bytes; a "paired" step sends its two pairs unplaced), float32 where a
+  step sums several calls (window pairs)."""
+  several = (cfg.local_window is not None and
+             plan.load_balance != "striped")
+  return jnp.float32 if several else kv_dtype
+
+
+def _add(carry, part):
+  """``carry + part`` over a (dq, dkv) pair, in float32; None is the empty
+  sum."""
+  f32 = lambda x: x.astype(jnp.float32)
+  if carry is None:
+    return jax.tree.map(f32, part)
+  return jax.tree.map(lambda a, b: a + f32(b), carry, part)
 
 
 def _cfgs(cfg: AttentionConfig):
@@ -271,12 +312,20 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   r = lax.axis_index(plan.axis_name)
   src_of = lambda step: (r - step) % plan.cp_size
   grads = (out, lse, dout)
+  # Neighbour sends carry running dK/dV sums (float32); elsewhere (a static
+  # shift: unrolled only) each step's part goes straight back to its owner,
+  # a permute by -step, in ``_part_dtype``, and the owner sums in float32.
+  direct = plan.kv_sends != "neighbour" and plan.loop == "unrolled"
+  wire = _part_dtype(plan, cfg, k.dtype) if direct else jnp.float32
+  # A step's part as the held kv's float32 dK/dV; ``holder``: the device
+  # that made it at ``step`` (paired parts are placed by its flag).
+  placed = lambda step, part, holder: part.astype(jnp.float32)
   if plan.load_balance == "striped":
     first_bwd = lambda kv: striped.striped_bwd(
         q, tm, kv, r, r, (0,), *grads, cfg, plan, tm.same_ids)
     step_bwd = lambda step, kv: striped.striped_bwd(
         q, tm, kv, r, src_of(step), striped.distances(step, plan.cp_size),
-        *grads, cfg, plan)
+        *grads, cfg, plan, dtype=wire)
   elif cfg.local_window is not None:
     step_bwd = lambda step, kv: blocks.window_bwd(
         q, tm, kv, r, src_of(step), *grads, cfg, plan)
@@ -295,33 +344,40 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
       if _paired(plan, cfg):
         return blocks.paired_bwd(q, tm, kv, qc, kc, src > r, *grads, cfgs[0])
       return _step_call(lambda kind, kv: blocks.kind_bwd(
-          kind, q, tm, kv, qc, kc, *grads, cfgs), plan, cfg.is_causal, r, src,
-                        kv)
+          kind, q, tm, kv, qc, kc, *grads, cfgs, dtype=wire), plan,
+                        cfg.is_causal, r, src, kv)
 
-  # The carry is (dq, dkv): dkv belongs to the KV held at this step, so it
-  # moves with it after the step's compute.
+    if _paired(plan, cfg):
+      placed = lambda step, part, holder: blocks.paired_place(
+          part, (holder - step) % plan.cp_size > holder)
+
+  # Neighbour sends: the carry is (dq, dkv), and dkv belongs to the KV held
+  # at this step, so it moves with it after the step's compute.
   def later(step, kv, carry):
     dq, dkv = carry
     dkv = _send_next(dkv, plan)
-    dq_i, dkv_i = step_bwd(step, kv)
-    return dq + dq_i, dkv + dkv_i
+    dq_i, part = step_bwd(step, kv)
+    return dq + dq_i, dkv + placed(step, part, r)
 
-  # kv_sends="direct": each step's dK/dV part goes straight back to its
-  # owner (a permute by -step), which sums them into its own.
   def later_direct(step, kv, carry):
-    dq, dkv = carry
-    dq_i, dkv_i = step_bwd(step, kv)
-    return dq + dq_i, dkv + _shift(dkv_i, plan, -step)
+    dq_i, part = step_bwd(step, kv)
+    back = _shift(part, plan, -step)  # made on device r + step
+    return _add(carry, (dq_i, placed(step, back,
+                                     (r + step) % plan.cp_size)))
 
-  kv0 = blocks.held_kv(k, v, tm)
-  # dK/dV parts go straight back wherever each step's K/V did not come
-  # along the ring from the neighbour (a static shift: unrolled only).
-  direct = plan.kv_sends != "neighbour" and plan.loop == "unrolled"
   loop = _gathered_loop if plan.backward_kv == "gather" else _kv_loop(plan)
-  dq, dkv = loop(plan, lambda kv, _: first_bwd(kv),
-                 later_direct if direct else later, kv0, None)
-  if plan.cp_size > 1 and not direct:
-    dkv = _send_next(dkv, plan)  # back to the owner
+  kv0 = blocks.held_kv(k, v, tm)
+  own = lambda kv, carry: _add(carry, first_bwd(kv))
+  if direct:
+    # The own step's part stays here: run last, it hides the last part's
+    # send. Not where this backward gathers K/V itself (the automatic
+    # path): there the own step runs first, beside the gather.
+    dq, dkv = loop(plan, own, later_direct, kv0, None,
+                   own_last=plan.backward_kv == "ring")
+  else:
+    dq, dkv = loop(plan, own, later, kv0, None)
+    if plan.cp_size > 1:
+      dkv = _send_next(dkv, plan)  # back to the owner
   return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 

@@ -5,7 +5,8 @@ that calls them is in :mod:`jax_ring._src.ring`.
 Shapes, per device: ``q (B, T, N, H)``; the held ``kv`` is what travels the
 ring: (K/V, stacked ``(2, B, T, K, H)`` or a ``(k, v)`` pair, and the kv
 segment ids ``(B, T)`` or None; see :func:`held_kv`). dK/dV are always
-stacked float32 ``(2, B, T, K, H)``. C = T / 2 under the dual-chunk layout.
+stacked ``(2, B, T, K, H)``, float32 unless a caller asks for the kernel's
+own dtype (a part sent as it is). C = T / 2 under the dual-chunk layout.
 
 With a sliding window (contiguous and dual_chunk) the schedule works per
 (query chunk, kv chunk) pair: the pair's distance in chunks, ``k = q_chunk -
@@ -66,12 +67,12 @@ def held_kv(k, v, tm: TokenMask):
   return jnp.stack([k, v]), tm.kv_ids()
 
 
-def dkv_zeros(kv, rows=None):
-  """float32 zeros shaped like the stacked dK/dV of the held kv (``rows``
-  of its T), varying like it."""
+def dkv_zeros(kv, rows=None, dtype=jnp.float32):
+  """Zeros shaped like the stacked dK/dV of the held kv (``rows`` of its
+  T), varying like it."""
   k = kv[0][0]
   shape = (2,) + k.shape[:1] + (rows or k.shape[1],) + k.shape[2:]
-  return jnp.zeros(shape, jnp.float32)
+  return jnp.zeros(shape, dtype)
 
 
 def prefix(lengths, chunks, c):
@@ -159,14 +160,14 @@ def _fwd(blk: _Block, cfg):
   return o.astype(jnp.float32), l
 
 
-def _bwd(blk: _Block, out, lse, dout, cfg):
-  """(dq of the block rows, (dk, dv) of the block cols), float32."""
+def _bwd(blk: _Block, out, lse, dout, cfg, dtype=jnp.float32):
+  """(dq of the block rows in float32, (dk, dv) of the block cols stacked
+  in ``dtype``)."""
   rows = blk.rows
   dq, dk, dv, _ = kernel.attention_backward(
       blk.q_rows, *blk.kv_rows, None, blk.mask, out[:, rows], lse[:, rows],
       dout[:, rows], None, cfg)
-  f32 = lambda x: x.astype(jnp.float32)
-  return f32(dq), jnp.stack([f32(dk), f32(dv)])
+  return dq.astype(jnp.float32), jnp.stack([dk, dv]).astype(dtype)
 
 
 def _place(x, sl, size, axis):
@@ -191,13 +192,15 @@ def kind_fwd(kind, q, tm, kv, qc, kc, cfgs, own=False):
   return o, l
 
 
-def kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs, own=False):
+def kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs, own=False,
+             dtype=jnp.float32):
+  """(dq f32, stacked dK/dV of the held kv in ``dtype``) of one step."""
   t = q.shape[1]
   if kind == "skip":
-    return vma.like((jnp.zeros(q.shape, jnp.float32), dkv_zeros(kv)), q,
-                    kv[0][0], out, dout)
+    return vma.like((jnp.zeros(q.shape, jnp.float32),
+                     dkv_zeros(kv, dtype=dtype)), q, kv[0][0], out, dout)
   blk = _kind_block(kind, q, tm, kv, qc, kc, own)
-  dq, dkv = _bwd(blk, out, lse, dout, cfgs[kind == "diag"])
+  dq, dkv = _bwd(blk, out, lse, dout, cfgs[kind == "diag"], dtype)
   return _place(dq, blk.rows, t, 1), _place(dkv, blk.cols, t, 2)
 
 
@@ -252,7 +255,9 @@ def paired_fwd(q, tm, kv, qc, kc, later, cfg):
 
 
 def paired_bwd(q, tm, kv, qc, kc, later, out, lse, dout, cfg):
-  """(dq f32 of the local q, stacked f32 dK/dV of the held kv)."""
+  """(dq f32 of the local q, the pairs' dK/dV as the kernel gave them:
+  stacked ``(2, 2B, C, K, H)``, rows [(k0 of q1), (k_i of q_i)]; place
+  them on the held kv with :func:`paired_place`)."""
   b, t = q.shape[:2]
   c, i = t // 2, later.astype(jnp.int32)
   q2, kv2, mask = _paired_block(q, tm, kv, qc, kc, i)
@@ -260,13 +265,21 @@ def paired_bwd(q, tm, kv, qc, kc, later, out, lse, dout, cfg):
       q2, *kv2, None, mask, _chunks(out, 1, i, c), _chunks(lse, 1, i, c),
       _chunks(dout, 1, i, c), None, cfg)
   dq = dq.astype(jnp.float32)
-  dkv = jnp.stack([dk, dv]).astype(jnp.float32)  # (2, 2B, C, K, H)
-  shared, own = dkv[:, :b], dkv[:, b:]
   dq = jnp.concatenate([jnp.where(i == 0, dq[b:], 0),
                         dq[:b] + jnp.where(i == 1, dq[b:], 0)], 1)
-  dkv = jnp.concatenate([shared + jnp.where(i == 0, own, 0),
-                         jnp.where(i == 1, own, 0)], 2)
-  return dq, dkv
+  return dq, jnp.stack([dk, dv])
+
+
+def paired_place(pairs, later):
+  """A paired step's dK/dV ``pairs`` (from :func:`paired_bwd`, run where
+  ``later`` = src > r) as the held kv's stacked float32 (2, B, 2C, K, H);
+  wherever the pairs went, ``later`` is the flag of the step that made
+  them."""
+  b, i = pairs.shape[1] // 2, later.astype(jnp.int32)
+  pairs = pairs.astype(jnp.float32)
+  shared, own = pairs[:, :b], pairs[:, b:]
+  return jnp.concatenate([shared + jnp.where(i == 0, own, 0),
+                          jnp.where(i == 1, own, 0)], 2)
 
 
 def _pair_switch(fn, skip, plan, cfg, a, b, tm, kv, r, src, c):

@@ -165,16 +165,15 @@ def striped_fwd(q, tm, kv, r, src, ds, cfg, plan, own=False):
 
 
 def striped_bwd(q, tm, kv, r, src, ds, out, lse, dout, cfg, plan,
-                 own=False):
-  """(dq, dK/dV (2, B, T, K, H)) of one striped step, float32."""
+                 own=False, dtype=jnp.float32):
+  """(dq f32, dK/dV (2, B, T, K, H) in ``dtype``) of one striped step."""
 
   def bwd(kv, mask, c):
     dq, dk, dv, _ = kernel.attention_backward(
         q, kv[0][0], kv[0][1], None, mask, out, lse, dout, None, c)
-    f32 = lambda x: x.astype(jnp.float32)
-    return f32(dq), jnp.stack([f32(dk), f32(dv)])
+    return dq.astype(jnp.float32), jnp.stack([dk, dv]).astype(dtype)
 
   skip = lambda: vma.like(
-      (jnp.zeros(q.shape, jnp.float32), blocks.dkv_zeros(kv)), q, kv[0][0],
-      out, dout)
+      (jnp.zeros(q.shape, jnp.float32), blocks.dkv_zeros(kv, dtype=dtype)),
+      q, kv[0][0], out, dout)
   return _striped_call(bwd, skip, q, tm, kv, r, src, ds, cfg, plan, own)
