@@ -288,19 +288,22 @@ def test_direct_and_gathered_kv_sends_collectives(path, kv_sends):
   assert both["all-gather"] == (path == "automatic") + gather, both
 
 
-@pytest.mark.parametrize("causal_step, part", [
-    ("cond", f"2,{B},{S // 4},{K},{H}"),
-    ("paired", f"2,{2 * B},{S // 8},{K},{H}")])
-def test_dkv_parts_go_back_in_the_kernels_dtype(causal_step, part):
-  """kv_sends="gather", unrolled, bf16: each step's dK/dV part goes back to
-  its owner in bf16, as the block kernel returned it (nothing rounds): the
-  held kv's (2, B, T, K, H), or a paired step's two C-row pairs, unplaced
-  (2, 2B, C, K, H). The owner sums in float32; the grads hold bf16
+@pytest.mark.parametrize("extra, part", [
+    ({}, ("bf16", f"2,{B},{S // 4},{K},{H}")),
+    (dict(causal_step="paired"), ("bf16", f"2,{2 * B},{S // 8},{K},{H}")),
+    (dict(local_window_size=(20, 0)), ("f32", f"2,{B},{S // 4},{K},{H}")),
+], ids=["cond", "paired", "window"])
+def test_dkv_parts_go_back_in_the_kernels_dtype(extra, part):
+  """kv_sends="gather", unrolled, bf16, cp = 4: each step's dK/dV part goes
+  back to its owner in bf16, as the block kernel returned it (nothing
+  rounds): the held kv's (2, B, T, K, H), or a paired step's two C-row
+  pairs, unplaced (2, 2B, C, K, H); in float32 where a step adds several
+  calls (window pairs). The owner sums in float32; the grads hold bf16
   tolerance against the float64 reference."""
   cp = 4
   q, k, v, do = (x.astype(jnp.bfloat16) for x in rank_coded_qkv(21, cp))
   kw = dict(is_causal=True, load_balance="dual_chunk", loop="unrolled",
-            kv_sends="gather", causal_step=causal_step)
+            kv_sends="gather") | extra
   spec = P(None, "cp")
   attn = jax.shard_map(
       lambda q, k, v: jax_ring.ring_attention(q, k, v, axis_name="cp",
@@ -311,9 +314,10 @@ def test_dkv_parts_go_back_in_the_kernels_dtype(causal_step, part):
   # when it compiles (GPUs send bf16 as it is).
   hlo = g.lower(q, k, v, do).compiler_ir("hlo").as_hlo_text()
   sent = re.findall(r"(\w+)\[([\d,]+)\][^\n]* collective-permute\(", hlo)
-  assert sent == [("bf16", part)] * (cp - 1), sent
+  assert sent == [part] * (cp - 1), sent
   got = run_ring(q, k, v, do, cp, **kw)
-  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True))
+  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True,
+                                   window=extra.get("local_window_size")))
 
 
 @pytest.mark.parametrize("cap", [None, 0])
