@@ -141,8 +141,9 @@ class ShardPlan:
     backward_kv: where the ring's backward gets each step's K/V: ``"ring"``
       sends them around again (inside one ``shard_map`` program XLA merges
       those sends with the forward's), ``"gather"`` all-gathers them once
-      (the automatic path, whose backward is a program of its own, up to a
-      size: ``GATHER_KV_MAX_BYTES``).
+      (set by the automatic path, whose backward is a program of its own;
+      the ring keeps it up to ``GATHER_KV_MAX_BYTES``, the size rule of
+      ``kv_sends=None``).
     kv_sends: the ring's K/V sends (``ContextParallel``).
   """
 

@@ -36,7 +36,7 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ring._src import auto, config, kernel, shard_call, validate
+from jax_ring._src import auto, kernel, shard_call, validate
 from jax_ring._src.config import ContextParallel, ShardPlan
 from jax_ring._src.mask import BlockMask, TokenMask
 
@@ -74,7 +74,10 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
     raise ValueError(f"context_parallel: sequence length {seq} of query "
                      f"{tuple(q_shape.shape)} must be divisible by the "
                      f"{cpc.axis!r} axis size {cp}")
-  kv_source = _backward_kv(backward, mesh, batch, arg_shapes[1], tp, cpc)
+  # The ring's backward is lowered apart from its forward, so its K/V sends
+  # cannot merge with the forward's (as they do inside one shard_map
+  # program): it gathers K/V once instead, up to the ring's size cap.
+  kv_source = "gather" if backward else "ring"
   if cpc.strategy == "hybrid":
     u_axis, r_axis = cpc.axis
     u, r = mesh.shape[u_axis], mesh.shape[r_axis]
@@ -96,25 +99,6 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
                      cpc.kv_sends)
     seq_axes = cpc.axis
   return batch, heads, seq_axes, _strategy(cpc.strategy), plan
-
-
-# The ring's backward is lowered apart from its forward, so its K/V sends
-# cannot merge with the forward's (as they do inside one shard_map program):
-# it gathers K/V once instead, up to config.GATHER_KV_MAX_BYTES.
-
-
-def _backward_kv(backward, mesh, batch, k_shape, tp, cpc) -> str:
-  """``ShardPlan.backward_kv`` of a pass: ``"gather"`` or ``"ring"``."""
-  if not backward:
-    return "ring"
-  b, seq, kv_heads, h = k_shape.shape
-  batch_axes = batch if isinstance(batch, tuple) else (batch,)
-  b //= math.prod(mesh.shape[a] for a in batch_axes if a)
-  kv_heads = max(1, kv_heads // tp)
-  if cpc.strategy == "hybrid":  # the ring runs on a ulysses head group
-    kv_heads = max(1, kv_heads // mesh.shape[cpc.axis[0]])
-  gathered = 2 * b * seq * kv_heads * h * k_shape.dtype.itemsize
-  return "gather" if gathered <= config.GATHER_KV_MAX_BYTES else "ring"
 
 
 def _shardings(mesh, batch, heads, cp_axis, present):

@@ -219,13 +219,16 @@ def _kv_loop(plan: ShardPlan):
 
 
 def _sends(plan: ShardPlan, k) -> ShardPlan:
-  """``plan`` with ``kv_sends=None`` decided: "gather" while the gathered
-  stacked K/V (cp x this device's) fit ``GATHER_KV_MAX_BYTES``."""
-  if plan.kv_sends is not None:
-    return plan
-  gathered = 2 * plan.cp_size * k.size * k.dtype.itemsize
-  return dataclasses.replace(plan, kv_sends=(
-      "gather" if gathered <= config.GATHER_KV_MAX_BYTES else "neighbour"))
+  """``plan`` with its K/V sources decided by one size rule: the gathered
+  stacked K/V (cp x this device's) fit ``GATHER_KV_MAX_BYTES``. Then
+  ``kv_sends=None`` becomes "gather" (else "neighbour"), and a backward
+  marked ``backward_kv="gather"`` gathers (else it sends K/V around)."""
+  fits = 2 * plan.cp_size * k.size * k.dtype.itemsize <= (
+      config.GATHER_KV_MAX_BYTES)
+  return dataclasses.replace(
+      plan, kv_sends=plan.kv_sends or ("gather" if fits else "neighbour"),
+      backward_kv="gather" if plan.backward_kv == "gather" and fits else
+      "ring")
 
 
 def _step_call(fn, plan, causal, r, src, *args):
