@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include <cuda_runtime.h>
 #include <cudnn.h>
@@ -92,31 +93,33 @@ struct VariantPack {
   void* ptrs[kRaggedKV + 1] = {};
 };
 
+// Builds (or finds) the key's plan on `device`'s handle, and runs it unless
+// `workspace` is null. `workspace` is an XLA buffer of the bytes the Python
+// side asked the same plan for: no allocation happens here, so a call can be
+// traced into a CUDA graph (command buffer) and replayed.
 ffi::Error Run(const SdpaKey& key, cudaStream_t stream,
-               ffi::ScratchAllocator& scratch, void* const* ptrs) {
+               const ffi::AnyBuffer* workspace, void* const* ptrs) {
   std::string error;
   cudnnHandle_t handle = HandleFor(key.device, &error);
   if (handle == nullptr) return ffi::Error::Internal(error);
   auto lock = LockHandle(key.device);
+  auto plan = GetPlan(key, handle, &error);
+  if (!plan) return ffi::Error::Internal("jax_ring cuDNN attention: " + error);
+  if (workspace == nullptr) return ffi::Error::Success();
+  const int64_t need = WorkspaceSize(*plan);
+  if (static_cast<int64_t>(workspace->size_bytes()) < need) {
+    return ffi::Error::InvalidArgument(
+        "jax_ring cuDNN attention: the workspace buffer has " +
+        std::to_string(workspace->size_bytes()) + " bytes, the graph on device " +
+        std::to_string(key.device) + " needs " + std::to_string(need));
+  }
   cudnnStatus_t status = cudnnSetStream(handle, stream);
   if (status != CUDNN_STATUS_SUCCESS) {
     return ffi::Error::Internal(std::string("cudnnSetStream: ") +
                                 cudnnGetErrorString(status));
   }
-  auto plan = GetPlan(key, handle, &error);
-  if (!plan) return ffi::Error::Internal("jax_ring cuDNN attention: " + error);
-  void* workspace = nullptr;
-  if (int64_t bytes = WorkspaceSize(*plan); bytes > 0) {
-    // XLA serves alignments up to 64 bytes; cuDNN needs 16.
-    auto allocated = scratch.Allocate(bytes, 16);
-    if (!allocated.has_value()) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        "jax_ring cuDNN attention: cannot allocate " +
-                            std::to_string(bytes) + " bytes of workspace");
-    }
-    workspace = *allocated;
-  }
-  if (!Execute(*plan, handle, ptrs, workspace, &error)) {
+  if (!Execute(*plan, handle, ptrs, need > 0 ? workspace->untyped_data() : nullptr,
+               &error)) {
     return ffi::Error::Internal("jax_ring cuDNN attention: " + error);
   }
   return ffi::Error::Success();
@@ -166,14 +169,18 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   return ffi::Error::Success();
 }
 
-ffi::Error Forward(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                   int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                   ffi::AnyBuffer v, ffi::Buffer<ffi::S32> seq_q,
-                   ffi::Buffer<ffi::S32> seq_kv,
+// kRun = false is the INITIALIZE stage: XLA calls it before it runs (or
+// records into a command buffer) the program, so the handle and the plan
+// are built outside any stream capture. kRun = true is the EXECUTE stage.
+template <bool kRun>
+ffi::Error Forward(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                   ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::Buffer<ffi::S32> seq_q, ffi::Buffer<ffi::S32> seq_kv,
                    ffi::Buffer<ffi::S32> ragged_q,
                    ffi::Buffer<ffi::S32> ragged_kv,
                    ffi::Result<ffi::AnyBuffer> out,
-                   ffi::Result<ffi::AnyBuffer> lse, float scale,
+                   ffi::Result<ffi::AnyBuffer> lse,
+                   ffi::Result<ffi::AnyBuffer> workspace, float scale,
                    int64_t row_start, int64_t col_start, int64_t right_bound,
                    int64_t left_bound, bool padding, float softcap,
                    int64_t slots) {
@@ -188,27 +195,20 @@ ffi::Error Forward(cudaStream_t stream, ffi::ScratchAllocator scratch,
     return e;
   }
   pack.QSide(kO, out->untyped_data());
-  return Run(key, stream, scratch, pack.ptrs);
+  return Run(key, stream, kRun ? &*workspace : nullptr, pack.ptrs);
 }
 
-ffi::Error Backward(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                    int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                    ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
-                    ffi::AnyBuffer dout, ffi::Buffer<ffi::S32> seq_q,
-                    ffi::Buffer<ffi::S32> seq_kv,
-                    ffi::Buffer<ffi::S32> ragged_q,
-                    ffi::Buffer<ffi::S32> ragged_kv,
-                    ffi::Result<ffi::AnyBuffer> dq,
-                    ffi::Result<ffi::AnyBuffer> dk,
-                    ffi::Result<ffi::AnyBuffer> dv, float scale,
-                    int64_t row_start, int64_t col_start, int64_t right_bound,
-                    int64_t left_bound, bool padding, float softcap,
-                    int64_t slots) {
+// The backward of both handlers, with dq, dk and dv written to the given
+// device pointers (separate buffers, or the halves of one stacked buffer).
+template <bool kRun>
+ffi::Error BackwardInto(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                        ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
+                        ffi::AnyBuffer lse, ffi::AnyBuffer dout,
+                        const Rows& rows, void* dq, void* dk, void* dv,
+                        ffi::AnyBuffer& workspace, float scale,
+                        const Mask& mask) {
   SdpaKey key;
   VariantPack pack(key);
-  Mask mask{row_start, col_start, right_bound, left_bound,
-            padding,   softcap,   slots};
-  Rows rows{seq_q, seq_kv, ragged_q, ragged_kv};
   if (auto e = Prepare(q, k, v, lse.untyped_data(), rows, mask, true, device,
                        scale, &key, &pack);
       e.failure()) {
@@ -216,65 +216,149 @@ ffi::Error Backward(cudaStream_t stream, ffi::ScratchAllocator scratch,
   }
   pack.QSide(kO, out.untyped_data());
   pack.QSide(kDO, dout.untyped_data());
-  pack.QSide(kDQ, dq->untyped_data());
-  pack.KvSide(kDK, dk->untyped_data());
-  pack.KvSide(kDV, dv->untyped_data());
-  return Run(key, stream, scratch, pack.ptrs);
+  pack.QSide(kDQ, dq);
+  pack.KvSide(kDK, dk);
+  pack.KvSide(kDV, dv);
+  return Run(key, stream, kRun ? &workspace : nullptr, pack.ptrs);
 }
+
+// dk and dv as two results.
+template <bool kRun>
+ffi::Error Backward(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                    ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
+                    ffi::AnyBuffer lse, ffi::AnyBuffer dout,
+                    ffi::Buffer<ffi::S32> seq_q, ffi::Buffer<ffi::S32> seq_kv,
+                    ffi::Buffer<ffi::S32> ragged_q,
+                    ffi::Buffer<ffi::S32> ragged_kv,
+                    ffi::Result<ffi::AnyBuffer> dq,
+                    ffi::Result<ffi::AnyBuffer> dk,
+                    ffi::Result<ffi::AnyBuffer> dv,
+                    ffi::Result<ffi::AnyBuffer> workspace, float scale,
+                    int64_t row_start, int64_t col_start, int64_t right_bound,
+                    int64_t left_bound, bool padding, float softcap,
+                    int64_t slots) {
+  return BackwardInto<kRun>(
+      stream, device, q, k, v, out, lse, dout,
+      Rows{seq_q, seq_kv, ragged_q, ragged_kv}, dq->untyped_data(),
+      dk->untyped_data(), dv->untyped_data(), *workspace, scale,
+      Mask{row_start, col_start, right_bound, left_bound, padding, softcap,
+           slots});
+}
+
+// dk and dv stacked in one (2, B, S, K, H) result, as the ring sends them:
+// no stacking copy after the call.
+template <bool kRun>
+ffi::Error BackwardDkv(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                       ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
+                       ffi::AnyBuffer lse, ffi::AnyBuffer dout,
+                       ffi::Buffer<ffi::S32> seq_q,
+                       ffi::Buffer<ffi::S32> seq_kv,
+                       ffi::Buffer<ffi::S32> ragged_q,
+                       ffi::Buffer<ffi::S32> ragged_kv,
+                       ffi::Result<ffi::AnyBuffer> dq,
+                       ffi::Result<ffi::AnyBuffer> dkv,
+                       ffi::Result<ffi::AnyBuffer> workspace, float scale,
+                       int64_t row_start, int64_t col_start,
+                       int64_t right_bound, int64_t left_bound, bool padding,
+                       float softcap, int64_t slots) {
+  if (dkv->size_bytes() != 2 * k.size_bytes()) {
+    return ffi::Error::InvalidArgument(
+        "jax_ring cuDNN attention: dkv " + Shape(*dkv) +
+        " must stack two buffers shaped like k " + Shape(k));
+  }
+  char* dk = static_cast<char*>(dkv->untyped_data());
+  return BackwardInto<kRun>(
+      stream, device, q, k, v, out, lse, dout,
+      Rows{seq_q, seq_kv, ragged_q, ragged_kv}, dq->untyped_data(), dk,
+      dk + k.size_bytes(), *workspace, scale,
+      Mask{row_start, col_start, right_bound, left_bound, padding, softcap,
+           slots});
+}
+
+// The mask attributes both handlers take, after their buffers.
+template <typename Binding>
+auto MaskAttrs(Binding&& binding) {
+  return std::move(binding)
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("row_start")
+      .template Attr<int64_t>("col_start")
+      .template Attr<int64_t>("right_bound")
+      .template Attr<int64_t>("left_bound")
+      .template Attr<bool>("padding")
+      .template Attr<float>("softcap")
+      .template Attr<int64_t>("slots");
+}
+
+// The row vectors: window lengths and ragged offsets.
+template <typename Binding>
+auto RowArgs(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::S32>>()            // seq_q   (B',)
+      .template Arg<ffi::Buffer<ffi::S32>>()            // seq_kv  (B',)
+      .template Arg<ffi::Buffer<ffi::S32>>()  // ragged_q  (B' + 1,) if slots
+      .template Arg<ffi::Buffer<ffi::S32>>();  // ragged_kv (B' + 1,) if slots
+}
+
+template <ffi::ExecutionStage kStage>
+auto ForwardBinding() {
+  auto b = ffi::Ffi::Bind<kStage>()
+               .template Ctx<ffi::PlatformStream<cudaStream_t>>()
+               .template Ctx<ffi::DeviceOrdinal>()
+               .template Arg<ffi::AnyBuffer>()   // q   (B, T, N, H)
+               .template Arg<ffi::AnyBuffer>()   // k   (B, S, K, H)
+               .template Arg<ffi::AnyBuffer>();  // v   (B, S, K, H)
+  return MaskAttrs(RowArgs(std::move(b))
+                       .template Ret<ffi::AnyBuffer>()    // out (B, T, N, H)
+                       .template Ret<ffi::AnyBuffer>()    // lse (B', N, t) f32
+                       .template Ret<ffi::AnyBuffer>());  // workspace (W,) u8
+}
+
+template <ffi::ExecutionStage kStage, bool kStacked>
+auto BackwardBinding() {
+  auto b = RowArgs(ffi::Ffi::Bind<kStage>()
+                       .template Ctx<ffi::PlatformStream<cudaStream_t>>()
+                       .template Ctx<ffi::DeviceOrdinal>()
+                       .template Arg<ffi::AnyBuffer>()   // q    (B, T, N, H)
+                       .template Arg<ffi::AnyBuffer>()   // k    (B, S, K, H)
+                       .template Arg<ffi::AnyBuffer>()   // v    (B, S, K, H)
+                       .template Arg<ffi::AnyBuffer>()   // out  (B, T, N, H)
+                       .template Arg<ffi::AnyBuffer>()   // lse  (B', N, t) f32
+                       .template Arg<ffi::AnyBuffer>())  // dout (B, T, N, H)
+               .template Ret<ffi::AnyBuffer>();          // dq   (B, T, N, H)
+  if constexpr (kStacked) {
+    return MaskAttrs(std::move(b)
+                         .template Ret<ffi::AnyBuffer>()    // dkv (2,B,S,K,H)
+                         .template Ret<ffi::AnyBuffer>());  // workspace (W,)
+  } else {
+    return MaskAttrs(std::move(b)
+                         .template Ret<ffi::AnyBuffer>()    // dk (B, S, K, H)
+                         .template Ret<ffi::AnyBuffer>()    // dv (B, S, K, H)
+                         .template Ret<ffi::AnyBuffer>());  // workspace (W,)
+  }
+}
+
+constexpr auto kInit = ffi::ExecutionStage::kInitialize;
+constexpr auto kExec = ffi::ExecutionStage::kExecute;
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    SdpaForward, Forward,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Ctx<ffi::ScratchAllocator>()
-        .Ctx<ffi::DeviceOrdinal>()
-        .Arg<ffi::AnyBuffer>()     // q       (B, T, N, H)
-        .Arg<ffi::AnyBuffer>()     // k       (B, S, K, H)
-        .Arg<ffi::AnyBuffer>()     // v       (B, S, K, H)
-        .Arg<ffi::Buffer<ffi::S32>>()  // seq_q   (B',) rows in the window
-        .Arg<ffi::Buffer<ffi::S32>>()  // seq_kv  (B',) keys in the window
-        .Arg<ffi::Buffer<ffi::S32>>()  // ragged_q  (B' + 1,) if slots > 0
-        .Arg<ffi::Buffer<ffi::S32>>()  // ragged_kv (B' + 1,) if slots > 0
-        .Ret<ffi::AnyBuffer>()     // out     (B, T, N, H)
-        .Ret<ffi::AnyBuffer>()     // lse     (B', N, T - row_start) float32
-        .Attr<float>("scale")
-        .Attr<int64_t>("row_start")
-        .Attr<int64_t>("col_start")
-        .Attr<int64_t>("right_bound")
-        .Attr<int64_t>("left_bound")
-        .Attr<bool>("padding")
-        .Attr<float>("softcap")
-        .Attr<int64_t>("slots"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    SdpaBackward, Backward,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Ctx<ffi::ScratchAllocator>()
-        .Ctx<ffi::DeviceOrdinal>()
-        .Arg<ffi::AnyBuffer>()     // q       (B, T, N, H)
-        .Arg<ffi::AnyBuffer>()     // k       (B, S, K, H)
-        .Arg<ffi::AnyBuffer>()     // v       (B, S, K, H)
-        .Arg<ffi::AnyBuffer>()     // out     (B, T, N, H), the global output
-        .Arg<ffi::AnyBuffer>()     // lse     (B', N, T - row_start) f32, global
-        .Arg<ffi::AnyBuffer>()     // dout    (B, T, N, H)
-        .Arg<ffi::Buffer<ffi::S32>>()  // seq_q   (B',)
-        .Arg<ffi::Buffer<ffi::S32>>()  // seq_kv  (B',)
-        .Arg<ffi::Buffer<ffi::S32>>()  // ragged_q  (B' + 1,) if slots > 0
-        .Arg<ffi::Buffer<ffi::S32>>()  // ragged_kv (B' + 1,) if slots > 0
-        .Ret<ffi::AnyBuffer>()     // dq      (B, T, N, H)
-        .Ret<ffi::AnyBuffer>()     // dk      (B, S, K, H)
-        .Ret<ffi::AnyBuffer>()     // dv      (B, S, K, H)
-        .Attr<float>("scale")
-        .Attr<int64_t>("row_start")
-        .Attr<int64_t>("col_start")
-        .Attr<int64_t>("right_bound")
-        .Attr<int64_t>("left_bound")
-        .Attr<bool>("padding")
-        .Attr<float>("softcap")
-        .Attr<int64_t>("slots"));
+// Every stage is safe to trace into a command buffer: the execute stage
+// only launches cuDNN's kernels on XLA's stream, into XLA's buffers.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaForwardInit, Forward<false>,
+                              ForwardBinding<kInit>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaForward, Forward<true>,
+                              ForwardBinding<kExec>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackwardInit, Backward<false>,
+                              (BackwardBinding<kInit, false>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackward, Backward<true>,
+                              (BackwardBinding<kExec, false>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackwardDkvInit, BackwardDkv<false>,
+                              (BackwardBinding<kInit, true>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackwardDkv, BackwardDkv<true>,
+                              (BackwardBinding<kExec, true>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_ring
 
@@ -291,16 +375,26 @@ nb::capsule Capsule(T* fn) {
 
 NB_MODULE(_cudnn, m) {
   m.doc() = "jax_ring cuDNN fused-attention XLA FFI handlers";
+  // name -> {stage: handler}, for jax.ffi.register_ffi_target.
   m.def("registrations", []() {
+    auto stages = [](auto* init, auto* execute) {
+      nb::dict d;
+      d["initialize"] = Capsule(init);
+      d["execute"] = Capsule(execute);
+      return d;
+    };
     nb::dict d;
-    d["jax_ring_sdpa_fwd"] = Capsule(jax_ring::SdpaForward);
-    d["jax_ring_sdpa_bwd"] = Capsule(jax_ring::SdpaBackward);
+    d["jax_ring_sdpa_fwd"] =
+        stages(jax_ring::SdpaForwardInit, jax_ring::SdpaForward);
+    d["jax_ring_sdpa_bwd"] =
+        stages(jax_ring::SdpaBackwardInit, jax_ring::SdpaBackward);
+    d["jax_ring_sdpa_bwd_dkv"] =
+        stages(jax_ring::SdpaBackwardDkvInit, jax_ring::SdpaBackwardDkv);
     return d;
   });
   m.def("cudnn_version", []() { return static_cast<int64_t>(cudnnGetVersion()); });
   // The workspace a call's graph needs (the graph is built and cached as
-  // for a run). The handlers take it from XLA's allocator at run time, so a
-  // compiled program's memory analysis leaves it out.
+  // for a run). The Python side asks XLA for it as the call's last result.
   m.def(
       "workspace_bytes",
       [](bool backward, bool bf16, int32_t device, int64_t b, int64_t t,

@@ -153,6 +153,72 @@ def test_workspace_of_the_recorded_calls():
   assert all(isinstance(x, int) and x >= 0 for x in sizes), sizes
 
 
+@pytest.mark.parametrize("name", ["causal", "causal_kv_after_q",
+                                  "padding_causal_offset"])
+def test_stacked_dkv_backward_writes_the_same_grads(name):
+  """The ring's backward target writes dK/dV into one stacked buffer: the
+  same bits as the two-buffer target (masked columns included)."""
+  q, k, v, do = ref.random_qkv(11, B, T, S, N, K, H, jnp.bfloat16)
+  case = CASES[name]
+  cfg = ref.config(case).replace(implementation="cudnn")
+  mask = ref.block_mask(case)
+  out, lse = kernel.attention(q, k, v, None, mask, cfg)
+
+  def both(q, k, v):
+    args = (q, k, v, None, mask, out, lse, do, None, cfg)
+    dq, dkv, _ = kernel.attention_backward_dkv(*args)
+    pair = kernel.attention_backward(*args)
+    return dq, dkv, pair[0], jnp.stack(pair[1:3])
+
+  assert "jax_ring_sdpa_bwd_dkv" in jax.jit(both).lower(q, k, v).as_text()
+  dq, dkv, dq2, dkv2 = jax.jit(both)(q, k, v)
+  np.testing.assert_array_equal(np.asarray(dkv), np.asarray(dkv2))
+  np.testing.assert_array_equal(np.asarray(dq), np.asarray(dq2))
+  _, _, r_g = ref.attention(q, k, v, case, dout=do)
+  ref.assert_close(dkv[0], r_g["k"], q.dtype, "dk")
+  ref.assert_close(dkv[1], r_g["v"], q.dtype, "dv")
+
+
+def test_calls_run_inside_cuda_graph_conditionals():
+  """The handlers may be traced into command buffers: a lax.switch over
+  cuDNN forward and backward calls, compiled with conditionals as CUDA-graph
+  nodes (no host round trip), gives bit for bit what it gives with command
+  buffers off, and matches the float64 reference."""
+  q, k, v, do = ref.random_qkv(9, 1, 320, 320, 4, 2, 64, jnp.bfloat16)
+  cases = [ref.Case(SCALE, is_causal=True), ref.Case(SCALE)]
+
+  def f(q, k, v, i):
+    branch = lambda causal: lambda q, k, v: jax.vjp(
+        lambda q, k, v: jax_ring.dot_product_attention(
+            q, k, v, scale=SCALE, is_causal=causal), q, k, v)[1](do)
+    return jax.lax.switch(i, [branch(True), branch(False)], q, k, v)
+
+  graphs = jax.jit(f, compiler_options={
+      "xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL,CONDITIONAL",
+      "xla_gpu_graph_min_graph_size": 1})
+  plain = jax.jit(f, compiler_options={"xla_gpu_enable_command_buffer": ""})
+  for i, case in enumerate(cases):
+    got, want = graphs(q, k, v, i), plain(q, k, v, i)
+    _, _, r_g = ref.attention(q, k, v, case, dout=do)
+    for name, a, b in zip("qkv", got, want):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+      ref.assert_close(a, r_g[name], q.dtype, "d" + name)
+
+
+def test_memory_analysis_counts_the_workspace():
+  """XLA allocates each call's workspace (its last result), so the compiled
+  program's temporaries hold at least the backward's workspace."""
+  q, k, v, _ = ref.random_qkv(10, 1, 4096, 4096, 8, 8, 128, jnp.bfloat16)
+  loss = lambda q, k, v: jax_ring.dot_product_attention(
+      q, k, v, is_causal=True).astype(jnp.float32).sum()
+  jax.clear_caches()
+  with cudnn.recording() as calls:
+    compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile()
+  need = max(cudnn.workspace_bytes(c) for c in calls if c["backward"])
+  assert need > 0
+  assert compiled.memory_analysis().temp_size_in_bytes >= need
+
+
 def test_packed_backward_workspace_is_bounded_by_the_rows():
   """Packed documents run as SLOTS ragged virtual batches; the backward's
   workspace stays that of the dense call (the rows' tokens), not SLOTS x."""

@@ -109,12 +109,15 @@ def test_packed_documents_that_do_not_fit_are_flagged():
 def test_recording_notes_each_traced_call_with_its_graph_key(monkeypatch):
   """``recording()`` collects every cuDNN call traced inside, with what
   ``workspace_bytes`` needs to rebuild its graph: a causal block's forward
-  and backward, and a packed block (slots); nothing outside the block."""
+  and backward, and a packed block (slots); nothing outside the block. The
+  call's workspace is one of its results, of the size that graph needs."""
   import jax
   import jax_ring
   from jax_ring._src.mask import BlockMask
 
   monkeypatch.setattr(cudnn, "unsupported", lambda *_: None)  # as on a GPU
+  # Sizing a call's workspace builds its graph on the GPU; here, 256 bytes.
+  monkeypatch.setattr(cudnn, "workspace_bytes", lambda call: 256)
   b, t, n, k, h = 2, 8, 4, 2, 16
   q = jnp.ones((b, t, n, h), jnp.bfloat16)
   kv = jnp.ones((b, t, k, h), jnp.bfloat16)
@@ -122,13 +125,14 @@ def test_recording_notes_each_traced_call_with_its_graph_key(monkeypatch):
   cfg = jax_ring.AttentionConfig(0.25, is_causal=True)
   ids = jnp.asarray(ref.random_segments(3, b, t, 2))
   with cudnn.recording() as calls:
-    jax.make_jaxpr(lambda q, kv: cudnn.forward(q, kv, kv, None, BlockMask(),
-                                               cfg))(q, kv)
+    fwd = jax.make_jaxpr(lambda q, kv: cudnn.forward(
+        q, kv, kv, None, BlockMask(), cfg))(q, kv)
     jax.make_jaxpr(lambda q, kv: cudnn.backward(
         q, kv, kv, None, BlockMask(), q, lse, q, None, cfg))(q, kv)
     jax.make_jaxpr(lambda q, kv: cudnn.forward(
         q, kv, kv, None, BlockMask(q_segment_ids=ids), cfg))(q, kv)
   assert cudnn._RECORD is None
+  assert "u8[256]" in str(fwd)  # the workspace: one more result of the call
   assert [(c["backward"], c["slots"]) for c in calls] == [
       (False, 0), (True, 0), (False, cudnn.SLOTS)]
   assert calls[0] == dict(backward=False, q=(b, t, n, h), k=(b, t, k, h),

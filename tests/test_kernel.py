@@ -170,6 +170,46 @@ def test_backward_from_external_global_out_and_lse():
   ref.assert_close(jnp.concatenate(dvs, 1), r_g["v"], q.dtype, "dv")
 
 
+def test_stacked_dkv_backward_matches_the_reference_and_vmaps():
+  """``attention_backward_dkv`` (the ring's layout) gives the reference's
+  dK/dV stacked, the same bits as stacking ``attention_backward``'s, and
+  under vmap (offsets folded or mapped) the same as per instance."""
+  q, k, v, do = ref.random_qkv(21, 3 * B, T, S, N, K, H)
+  case = ref.Case(SCALE, is_causal=True, q_offset=S - T + 7)
+  cfg = ref.config(case, **TILES)
+  out, lse = ref.attention(q, k, v, case)
+  out, lse = out.astype(q.dtype), lse.astype(jnp.float32)
+  _, _, r_g = ref.attention(q, k, v, case, dout=do)
+
+  def both(q, k, v, out, lse, do, qo):
+    mask = jax_ring.BlockMask(q_offset=qo)
+    dq, dkv, _ = kernel.attention_backward_dkv(q, k, v, None, mask, out, lse,
+                                               do, None, cfg)
+    pair = kernel.attention_backward(q, k, v, None, mask, out, lse, do, None,
+                                     cfg)
+    return dq, dkv, pair[0], jnp.stack(pair[1:3])
+
+  dq, dkv, dq2, dkv2 = jax.jit(both)(q, k, v, out, lse, do, case.q_offset)
+  assert dkv.shape == (2,) + k.shape
+  np.testing.assert_array_equal(np.asarray(dkv), np.asarray(dkv2))
+  np.testing.assert_array_equal(np.asarray(dq), np.asarray(dq2))
+  ref.assert_close(dq, r_g["q"], q.dtype, "dq")
+  ref.assert_close(dkv[0], r_g["k"], q.dtype, "dk")
+  ref.assert_close(dkv[1], r_g["v"], q.dtype, "dv")
+
+  split = lambda x: x.reshape(3, B, *x.shape[1:])
+  args = [split(x) for x in (q, k, v, out, lse, do)]
+  for qo in (jnp.asarray(case.q_offset, jnp.int32),
+             jnp.full((3,), case.q_offset, jnp.int32)):
+    axes = (0,) * 6 + (None if qo.ndim == 0 else 0,)
+    got = jax.jit(jax.vmap(both, axes))(*args, qo)
+    for i in range(3):
+      want = both(*(a[i] for a in args), case.q_offset)
+      for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a[i]), np.asarray(b),
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_traced_offsets_equal_static_offsets():
   q, k, v, do = ref.random_qkv(14, B, T, S, N, K, H)
   case = CASES["window_causal_offset"]

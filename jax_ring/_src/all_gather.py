@@ -230,11 +230,11 @@ def _backward_group(q, kv, kv_ids, tm, out, lse, dout, cfg, plan, r):
   def calls_bwd(calls):
     dqs, dkv = [], 0.0
     for c in calls:
-      dq, dk, dv, _ = kernel.attention_backward(
+      dq, part, _ = kernel.attention_backward_dkv(
           q[:, c.rows], kv[0][:, c.cols], kv[1][:, c.cols], None, c.mask,
           out[:, c.rows], lse[:, c.rows], dout[:, c.rows], None, cfg)
       dqs.append(dq)
-      part = jnp.stack([dk, dv]).astype(jnp.float32)
+      part = part.astype(jnp.float32)
       dkv = dkv + jnp.pad(part, [(0, 0), (0, 0), (c.cols.start,
                                                   s - c.cols.stop),
                                  (0, 0), (0, 0)])

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax.numpy as jnp
+
 from jax_ring._src import xla_backend
 from jax_ring._src.config import AttentionConfig
 
@@ -26,6 +28,16 @@ class Backend:
   # (config, query, key, bias, mask) -> None if served, else the reason.
   unsupported: Callable[..., str | None]
   platform: str | None = None  # the lowering platform; None = all
+  # As backward, but -> (dq, dkv stacked (2, B, S, K, H), dbias): dK/dV
+  # written where the ring sends them from. None: backward, then a stack.
+  backward_dkv: Callable | None = None
+
+  def backward_stacked(self, *args):
+    """``(dq, dkv, dbias)`` with dK/dV stacked ``(2, B, S, K, H)``."""
+    if self.backward_dkv is not None:
+      return self.backward_dkv(*args)
+    dq, dk, dv, dbias = self.backward(*args)
+    return dq, jnp.stack([dk, dv]), dbias
 
 
 XLA = Backend("xla", xla_backend.forward, xla_backend.backward,

@@ -64,6 +64,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxlib import xla_client
 
 from jax_ring._src import backends, xla_backend
 from jax_ring._src.xla_backend import MASK_VALUE
@@ -176,13 +177,21 @@ _RECORD: list | None = None
 
 def _sdpa(name, results, q, k, *operands, **attrs):
   """``jax.ffi.ffi_call`` of handler ``name`` (q and k lead the operands),
-  noted in the active recording."""
+  noted in the active recording.
+
+  The call's cuDNN graph is built here, at trace time, for its workspace
+  size: XLA allocates the workspace as one more (discarded) result, so the
+  handler allocates nothing, a compiled program's memory analysis counts
+  it, and the call can be traced into a CUDA graph (command buffer)."""
+  call = dict(backward=name.startswith("jax_ring_sdpa_bwd"), q=q.shape, k=k.shape,
+              dtype=jnp.dtype(q.dtype).name,
+              **{a: x.item() if hasattr(x, "item") else x
+                 for a, x in attrs.items()})
   if _RECORD is not None:
-    _RECORD.append(dict(backward=name == "jax_ring_sdpa_bwd",
-                        q=q.shape, k=k.shape, dtype=jnp.dtype(q.dtype).name,
-                        **{a: x.item() if hasattr(x, "item") else x
-                           for a, x in attrs.items()}))
-  return jax.ffi.ffi_call(name, results)(q, k, *operands, **attrs)
+    _RECORD.append(call)
+  workspace = jax.ShapeDtypeStruct((workspace_bytes(call),), jnp.uint8)
+  return jax.ffi.ffi_call(name, (*results, workspace))(q, k, *operands,
+                                                        **attrs)[:-1]
 
 
 @contextlib.contextmanager
@@ -200,9 +209,7 @@ def recording():
 
 def workspace_bytes(call: dict, device: int = 0) -> int:
   """cuDNN's workspace for one recorded call, from its graph (built and
-  cached as at run time; needs the GPU). The handlers take it from XLA's
-  allocator while they run, so a compiled program's memory analysis does
-  not count it."""
+  cached as at run time, on local GPU ``device``)."""
   if _cudnn is None:
     raise RuntimeError(f"the cuDNN extension is not loaded: {LOAD_ERROR}")
   (b, t, n, h), (_, s, k, _) = call["q"], call["k"]
@@ -362,37 +369,59 @@ def forward(q, k, v, bias, mask, config):
 
 
 def backward(q, k, v, bias, mask, out, lse, dout, dlse, config):
+  dq, (dk, dv) = _backward(q, k, v, bias, mask, out, lse, dout, dlse, config,
+                           stack=False)
+  return dq, dk, dv, None
+
+
+def backward_dkv(q, k, v, bias, mask, out, lse, dout, dlse, config):
+  """As :func:`backward`, with dK/dV written by cuDNN into one stacked
+  ``(2, B, S, K, H)`` buffer (the ring's wire layout): no stacking copy."""
+  dq, dkv = _backward(q, k, v, bias, mask, out, lse, dout, dlse, config,
+                      stack=True)
+  return dq, dkv, None
+
+
+def _backward(q, k, v, bias, mask, out, lse, dout, dlse, config, stack):
+  """(dq, dK/dV): a stacked (2, B, S, K, H) array if ``stack``, else a
+  (dk, dv) pair."""
+  pack = (lambda dk, dv: jnp.stack([dk, dv])) if stack else (
+      lambda dk, dv: (dk, dv))
   # No lse-cotangent input in cuDNN's backward; other options as forward.
   if dlse is not None or unsupported(config, q, k, bias, mask):
-    return xla_backend.backward(q, k, v, bias, mask, out, lse, dout, dlse,
-                                config)
+    dq, dk, dv, _ = xla_backend.backward(q, k, v, bias, mask, out, lse, dout,
+                                         dlse, config)
+    return dq, pack(dk, dv)
   b, t, _, _ = q.shape
   s = k.shape[1]
   bnd = band(config, mask.q_offset, mask.kv_offset, t, s)
   if bnd.empty:
-    return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), None
+    return jnp.zeros_like(q), pack(jnp.zeros_like(k), jnp.zeros_like(v))
   if mask.q_segment_ids is not None:
     docs = _documents(mask.q_segment_ids, mask.kv_ids())
-    return jax.lax.cond(
+    dq, dk, dv = jax.lax.cond(
         docs.fits,
         lambda: _packed_backward(q, k, v, docs, out, lse, dout, config, bnd),
         lambda: xla_backend.backward(q, k, v, None, mask, out, lse, dout,
-                                     None, config)[:3]) + (None,)
+                                     None, config)[:3])
+    return dq, pack(dk, dv)
   seq_q, seq_kv, padding = _window_lengths(mask, bnd, b, t, s)
   stats = jnp.swapaxes(lse[:, bnd.row_start:], 1, 2).astype(jnp.float32)
-  dq, dk, dv = _sdpa(
-      "jax_ring_sdpa_bwd",
-      (jax.ShapeDtypeStruct(q.shape, q.dtype),
-       jax.ShapeDtypeStruct(k.shape, k.dtype),
-       jax.ShapeDtypeStruct(v.shape, v.dtype)),
+  grads = (jax.ShapeDtypeStruct((2,) + k.shape, k.dtype),) if stack else (
+      jax.ShapeDtypeStruct(k.shape, k.dtype),
+      jax.ShapeDtypeStruct(v.shape, v.dtype))
+  dq, *dkv = _sdpa(
+      "jax_ring_sdpa_bwd_dkv" if stack else "jax_ring_sdpa_bwd",
+      (jax.ShapeDtypeStruct(q.shape, q.dtype),) + grads,
       q, k, v, out, stats, dout, seq_q, seq_kv, *_no_ragged(),
       **_attrs(config, bnd, padding))
+  dkv = dkv[0] if stack else tuple(dkv)
   if _rows_may_be_empty(bnd, padding, t, s):
     dq = jnp.where(_row_valid(bnd, seq_q, seq_kv, t)[:, :, None, None], dq, 0)
   if padding or bnd.col_start:
     keep = _col_valid(bnd, seq_kv, s)[:, :, None, None]
-    dk, dv = jnp.where(keep, dk, 0), jnp.where(keep, dv, 0)
-  return dq, dk, dv, None
+    dkv = jax.tree.map(lambda x: jnp.where(keep, x, 0), dkv)
+  return dq, dkv
 
 
 def unsupported(config, query, key, bias, mask) -> str | None:
@@ -444,7 +473,13 @@ def _packed_unsupported(config, query, key, mask) -> str | None:
 
 
 if _cudnn is not None:
-  for _name, _capsule in _cudnn.registrations().items():
-    jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+  # Stages: "initialize" builds the handle and plan before XLA runs or
+  # records the program; "execute" launches cuDNN, and may be traced into a
+  # command buffer (it allocates nothing and never syncs).
+  _TRAITS = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+  for _name, _stages in _cudnn.registrations().items():
+    jax.ffi.register_ffi_target(_name, _stages, platform="CUDA",
+                                traits=_TRAITS)
   backends.register(backends.Backend("cudnn", forward, backward, unsupported,
-                                     platform="cuda"))
+                                     platform="cuda",
+                                     backward_dkv=backward_dkv))

@@ -99,12 +99,18 @@ def _fwd_impl(*args, config, mask_tree, mask_static, has_bias, backend=None):
 
 
 def _bwd_impl(*args, config, mask_tree, mask_static, has_bias, has_dlse,
-              backend=None):
+              stack_dkv, backend=None):
   q, k, v, bias, out, lse, dout, dlse, mask = _unpack_bwd(
       args, mask_tree, mask_static, has_bias, has_dlse)
-  dq, dk, dv, dbias = (backend or backends.XLA).backward(
-      q, k, v, bias, mask, out, lse, dout, dlse, config)
-  return (dq, dk, dv) + (() if dbias is None else (dbias,))
+  backend = backend or backends.XLA
+  call = (q, k, v, bias, mask, out, lse, dout, dlse, config)
+  if stack_dkv:
+    dq, dkv, dbias = backend.backward_stacked(*call)
+    grads = (dq, dkv)
+  else:
+    dq, dk, dv, dbias = backend.backward(*call)
+    grads = (dq, dk, dv)
+  return grads + (() if dbias is None else (dbias,))
 
 
 def _platform_lowering(impl, platform):
@@ -130,16 +136,21 @@ def _fwd_abstract(*args, config, mask_tree, mask_static, has_bias):
   return q.update(), q.update(shape=q.shape[:3], dtype=jnp.float32)
 
 
-def _bwd_abstract(*args, config, mask_tree, mask_static, has_bias, has_dlse):
+def _bwd_abstract(*args, config, mask_tree, mask_static, has_bias, has_dlse,
+                  stack_dkv):
   del config, mask_tree, mask_static, has_dlse
-  return tuple(x.update() for x in args[:3 + has_bias])
+  q, k = args[:2]
+  dkv = (k.update(shape=(2,) + k.shape),) if stack_dkv else (
+      k.update(), args[2].update())
+  return (q.update(),) + dkv + ((args[3].update(),) if has_bias else ())
 
 
 for _p, _impl, _abstract, _static in (
     (_fwd_p, _fwd_impl, _fwd_abstract,
      ("config", "mask_tree", "mask_static", "has_bias")),
     (_bwd_p, _bwd_impl, _bwd_abstract,
-     ("config", "mask_tree", "mask_static", "has_bias", "has_dlse"))):
+     ("config", "mask_tree", "mask_static", "has_bias", "has_dlse",
+      "stack_dkv"))):
   _p.def_impl(jax.jit(_impl, static_argnames=_static))
   _p.def_abstract_eval(_abstract)
   # Every platform: a backend registered for all of them (platform None),
@@ -213,11 +224,17 @@ def _bwd_batch(args, dims, **params):
     bias, d = args[3], dims[3]
     bias_b = bias.shape[0] if d is None else jnp.moveaxis(bias, d, 0).shape[1]
     kinds[3] = "B"
-  outs, out_dims = _batch_rule(_bwd_p, kinds, args, dims, **params)
+  # Under vmap the stacked dK/dV come from separate ones (the batch rule
+  # folds the vmapped axis into B, the stacked buffer's axis 1).
+  stack = params.pop("stack_dkv")
+  outs, out_dims = _batch_rule(_bwd_p, kinds, args, dims, stack_dkv=False,
+                               **params)
+  outs = list(outs)
   if bias_b == 1:
-    outs = list(outs)
     outs[3] = outs[3].sum(1, keepdims=True)
-  return outs, out_dims
+  if stack:
+    outs[1:3] = [jnp.stack(outs[1:3], 1)]
+  return outs, out_dims[:len(outs)]
 
 
 batching.primitive_batchers[_fwd_p] = _fwd_batch
@@ -236,11 +253,24 @@ def _forward(q, k, v, bias, mask, config):
 def attention_backward(q, k, v, bias, mask: BlockMask, out, lse, dout, dlse,
                        config: AttentionConfig):
   """Block backward from given out/lse: ``(dq, dk, dv, dbias or None)``."""
-  args, params = _pack(bias, mask, out, lse, dout, dlse)
-  grads = _bwd_p.bind(*vma.match(q, k, v, *args), config=config,
-                      has_bias=bias is not None, has_dlse=dlse is not None,
-                      **params)
+  grads = _bind_bwd(q, k, v, bias, mask, out, lse, dout, dlse, config, False)
   return tuple(grads) + ((None,) if bias is None else ())
+
+
+def attention_backward_dkv(q, k, v, bias, mask: BlockMask, out, lse, dout,
+                           dlse, config: AttentionConfig):
+  """As :func:`attention_backward`, with dK/dV stacked: ``(dq, dkv (2, B,
+  S, K, H), dbias or None)``, the layout the ring sends them in. A backend
+  that can writes them there (cuDNN); the others are stacked after."""
+  grads = _bind_bwd(q, k, v, bias, mask, out, lse, dout, dlse, config, True)
+  return tuple(grads) + ((None,) if bias is None else ())
+
+
+def _bind_bwd(q, k, v, bias, mask, out, lse, dout, dlse, config, stack_dkv):
+  args, params = _pack(bias, mask, out, lse, dout, dlse)
+  return _bwd_p.bind(*vma.match(q, k, v, *args), config=config,
+                     has_bias=bias is not None, has_dlse=dlse is not None,
+                     stack_dkv=stack_dkv, **params)
 
 
 def attention(q, k, v, bias, mask: BlockMask, config: AttentionConfig):
