@@ -38,6 +38,28 @@ def ring_kwargs(args) -> dict:
   return dict(causal_step=args.causal_step, kv_sends=args.kv_sends)
 
 
+# XLA's CUDA-graph ("command buffer") settings a benchmark variant may be
+# compiled with, by the name after its "@" (``--loops unrolled@nocc``). With
+# no "@", XLA's default, which in jax 0.11.2 is FUSION, CUBLAS, CUBLASLT,
+# CUSTOM_CALL, CUDNN, CONDITIONAL and DYNAMIC_SLICE_FUSION (from XLA's log):
+#   nocc   the default less CUSTOM_CALL: jax_ring's cuDNN calls run outside
+#          graphs, and so does every lax.cond around one (a host round trip
+#          each), as before session 11 made the handlers graph-compatible
+#   while  the default plus WHILE: a scan's loop runs as a CUDA-graph node
+_DEFAULT = "FUSION,CUBLAS,CUBLASLT,CUDNN,CONDITIONAL,DYNAMIC_SLICE_FUSION"
+GRAPHS = {"nocc": _DEFAULT, "while": _DEFAULT + ",CUSTOM_CALL,WHILE"}
+
+
+def jit_variant(fn, variant: str):
+  """``jax.jit(fn)``, compiled with the command buffers that ``variant``'s
+  "@" suffix names (see GRAPHS)."""
+  _, _, graphs = variant.partition("@")
+  if not graphs:
+    return jax.jit(fn)
+  return jax.jit(fn, compiler_options={
+      "xla_gpu_enable_command_buffer": GRAPHS[graphs]})
+
+
 def random_qkv(seed, seq, heads, kv_heads, head_dim, dtype=jnp.bfloat16):
   """Random ``q, k, v, dout`` of batch 1 (never zeros: see METHOD)."""
   ks = jax.random.split(jax.random.key(seed), 4)

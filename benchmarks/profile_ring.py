@@ -38,7 +38,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_ring
-from common import environment, random_qkv, ring_args, ring_kwargs
+from common import (GRAPHS, environment, jit_variant, random_qkv, ring_args,
+                    ring_kwargs)
 
 ATTN = ("fmha", "flash", "sdpa", "cudnn", "attn")
 
@@ -141,11 +142,16 @@ def main():
   p.add_argument("--kv-chunk-heads", type=int, default=None,
                  help="all_gather: gather this many kv heads at a time")
   p.add_argument("--calls", type=int, default=3)
+  p.add_argument("--graphs", default="", choices=[""] + list(GRAPHS),
+                 help="compile with these command buffers (common.GRAPHS); "
+                 "default: XLA's")
   p.add_argument("--out", default=tempfile.mkdtemp())
   a = p.parse_args()
   if a.strategy != "ring" and a.path != "auto":
     p.error("--strategy other than ring needs --path auto")
   os.makedirs(a.out, exist_ok=True)
+  variant = f"@{a.graphs}" if a.graphs else ""
+  tag = f"-{a.graphs}" if a.graphs else ""  # file names: no "@"
   mesh = Mesh(np.array(jax.devices()), ("cp",))
   sh = NamedSharding(mesh, P(None, "cp"))
   table = []
@@ -165,13 +171,13 @@ def main():
             loop=a.loop, kv_chunk_heads=a.kv_chunk_heads, **ring_kwargs(a))
         ring = lambda q, k, v: jax_ring.dot_product_attention(
             q, k, v, is_causal=True, context_parallel=cpc)
-      fns = {"fwd": (jax.jit(ring), args[:3]),
-             "fwdbwd": (jax.jit(lambda q, k, v, do: jax.vjp(ring, q, k, v)[1](
-                 do)), args)}
+      fns = {"fwd": (jit_variant(ring, variant), args[:3]),
+             "fwdbwd": (jit_variant(lambda q, k, v, do: jax.vjp(
+                 ring, q, k, v)[1](do), variant), args)}
       for pas, (fn, xs) in fns.items():
         jax.block_until_ready(fn(*xs))
         jax.block_until_ready(fn(*xs))
-        name = f"{a.path}_{a.strategy}_{a.causal_step}_{s}_{kh}_{pas}"
+        name = f"{a.path}_{a.strategy}_{a.causal_step}{tag}_{s}_{kh}_{pas}"
         d = os.path.join(a.out, f"trace_{name}")
         with jax.profiler.trace(d, create_perfetto_trace=True):
           for _ in range(a.calls):
@@ -200,10 +206,11 @@ def main():
   for r in table:
     print(" ".join((f"{r[c]:.3f}" if isinstance(r[c], float) else
                     str(r[c])).rjust(9) for c in cols))
-  out = pathlib.Path(a.out, f"profile_ring_{a.path}_{a.strategy}.json")
+  out = pathlib.Path(a.out, f"profile_ring_{a.path}_{a.strategy}{tag}.json")
   out.write_text(json.dumps(
       dict(benchmark="profile_ring", **environment(), loop=a.loop,
            strategy=a.strategy, kv_chunk_heads=a.kv_chunk_heads,
+           command_buffers=a.graphs or "xla default",
            **ring_kwargs(a),
            heads=a.heads, head_dim=a.head_dim, dtype="bfloat16", batch=1,
            xla_flags=os.environ.get("XLA_FLAGS", ""), rows=table), indent=1))

@@ -8,7 +8,8 @@ ring-flash-attention), measured in the same process.
 B=1, N=32, D=128, bf16, dual-chunk causal and non-causal, both loop forms
 (``--loops``: ``unrolled`` and ``scan`` with ``--kv-sends``, by default
 jax_ring's; ``neighbour``, ``direct`` and ``gather`` = unrolled with that
-``kv_sends``).
+``kv_sends``; a suffix ``@nocc`` or ``@while`` compiles the variant with
+those CUDA-graph command buffers, see ``common.GRAPHS``).
 Efficiency = theoretic time / ring time (forward; forward+backward).
 Also checks the ring's output and its gradients (the worst of dq, dk, dv)
 against the single-GPU results (max relative error) for every shape.
@@ -28,8 +29,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_ring  # noqa: E402
-from common import (random_qkv, rel_err, ring_args,  # noqa: E402
-                    ring_kwargs, shape_args, time_fn, write)
+from common import (GRAPHS, jit_variant, random_qkv,  # noqa: E402
+                    rel_err, ring_args, ring_kwargs, shape_args, time_fn,
+                    write)
 
 
 def report(rows, a):
@@ -52,11 +54,12 @@ def main():
   p.add_argument("--causal-layout", default="dual_chunk",
                  help="load balance of the causal rows: dual_chunk or striped")
   p.add_argument("--tag", default="", help="suffix of the results file")
+  forms = ["unrolled", "scan", "neighbour", "direct", "gather"]
   p.add_argument("--loops", nargs="+", default=["unrolled", "scan"],
-                 choices=["unrolled", "scan", "neighbour", "direct",
-                          "gather"],
+                 choices=forms + [f"{f}@{g}" for f in forms for g in GRAPHS],
                  help="ring variants, timed side by side; neighbour, direct, "
-                 "gather = unrolled with that kv_sends")
+                 "gather = unrolled with that kv_sends; '@nocc'/'@while' "
+                 "compiles with those command buffers (common.GRAPHS)")
   ring_args(p)
   a = p.parse_args()
   cp = jax.device_count()
@@ -88,18 +91,19 @@ def main():
         qs, kss, vs, dos = (jax.device_put(re_(x), sharded)
                             for x in (q, k, v, do))
         for loop in a.loops:
-          kw = dict(ring_kwargs(a), loop=loop)
-          if loop in ("neighbour", "direct", "gather"):
-            kw.update(loop="unrolled", kv_sends=loop)
+          form = loop.partition("@")[0]
+          kw = dict(ring_kwargs(a), loop=form)
+          if form in ("neighbour", "direct", "gather"):
+            kw.update(loop="unrolled", kv_sends=form)
           ring = jax.shard_map(
               lambda q, k, v, kw=kw: jax_ring.ring_attention(
                   q, k, v, axis_name="cp", is_causal=causal, load_balance=lb,
                   implementation=a.implementation, **kw),
               mesh=mesh, in_specs=(P(None, "cp"),) * 3,
               out_specs=P(None, "cp"))
-          fr = jax.jit(ring)
-          fbr = jax.jit(lambda q, k, v, do, ring=ring: jax.vjp(
-              ring, q, k, v)[1](do))
+          fr = jit_variant(ring, loop)
+          fbr = jit_variant(lambda q, k, v, do, ring=ring: jax.vjp(
+              ring, q, k, v)[1](do), loop)
           err = rel_err(un_(fr(qs, kss, vs)), want)
           grad_err = max(rel_err(un_(g), w) for g, w in zip(
               fbr(qs, kss, vs, dos), want_g))

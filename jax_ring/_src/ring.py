@@ -247,24 +247,16 @@ def _paired(plan: ShardPlan, cfg: AttentionConfig) -> bool:
           plan.load_balance == "dual_chunk")
 
 
-def _part_dtype(plan: ShardPlan, cfg: AttentionConfig, kv_dtype):
-  """What a dK/dV part sent straight back to its owner travels in: K/V's
-  dtype where each step's part is one block call's output (the kernel
-  returned it in that dtype, so nothing rounds, and 16-bit halves float32's
-  bytes; a "paired" step sends its two pairs unplaced), float32 where a
-  step sums several calls (window pairs)."""
-  several = (cfg.local_window is not None and
-             plan.load_balance != "striped")
-  return jnp.float32 if several else kv_dtype
+def _f32(x):
+  return jax.tree.map(lambda a: a.astype(jnp.float32), x)
 
 
 def _add(carry, part):
   """``carry + part`` over a (dq, dkv) pair, in float32; None is the empty
   sum."""
-  f32 = lambda x: x.astype(jnp.float32)
   if carry is None:
-    return jax.tree.map(f32, part)
-  return jax.tree.map(lambda a, b: a + f32(b), carry, part)
+    return _f32(part)
+  return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry, part)
 
 
 def _cfgs(cfg: AttentionConfig):
@@ -279,8 +271,8 @@ def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   src_of = lambda step: (r - step) % plan.cp_size
   kv0 = blocks.held_kv(k, v, tm)
   if plan.load_balance == "striped":
-    first = lambda kv, _: striped.striped_fwd(q, tm, kv, r, r, (0,), cfg,
-                                              plan, tm.same_ids)
+    first = lambda kv, _: _f32(striped.striped_fwd(q, tm, kv, r, r, (0,),
+                                                   cfg, plan, tm.same_ids))
 
     def later(step, kv, carry):
       ds = striped.distances(step, plan.cp_size)
@@ -293,9 +285,11 @@ def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   else:
     cfgs = _cfgs(cfg)
     qc = blocks.chunk_ids(plan, r)
-    first = lambda kv, _: blocks.kind_fwd(
+    # The carry is float32 from the first step (a scan's carry keeps its
+    # type); the steps' parts come in q's dtype, and the merge widens them.
+    first = lambda kv, _: _f32(blocks.kind_fwd(
         "diag" if cfg.is_causal else "full", q, tm, kv, qc, qc, cfgs,
-        tm.same_ids)
+        tm.same_ids))
 
     def later(step, kv, carry):
       src = src_of(step)
@@ -320,9 +314,11 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   grads = (out, lse, dout)
   # Neighbour sends carry running dK/dV sums (float32); elsewhere (a static
   # shift: unrolled only) each step's part goes straight back to its owner,
-  # a permute by -step, in ``_part_dtype``, and the owner sums in float32.
+  # a permute by -step, as the step returned it, and the owner sums in
+  # float32. A step returns what its kernel call gave (K/V's dtype: one call
+  # per step, nothing rounds, 16-bit halves the bytes), float32 where it
+  # adds several calls (window pairs).
   direct = plan.kv_sends != "neighbour" and plan.loop == "unrolled"
-  wire = _part_dtype(plan, cfg, k.dtype) if direct else jnp.float32
   # A step's part as the held kv's float32 dK/dV; ``holder``: the device
   # that made it at ``step`` (paired parts are placed by its flag).
   placed = lambda step, part, holder: part.astype(jnp.float32)
@@ -331,7 +327,7 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
         q, tm, kv, r, r, (0,), *grads, cfg, plan, tm.same_ids)
     step_bwd = lambda step, kv: striped.striped_bwd(
         q, tm, kv, r, src_of(step), striped.distances(step, plan.cp_size),
-        *grads, cfg, plan, dtype=wire)
+        *grads, cfg, plan)
   elif cfg.local_window is not None:
     step_bwd = lambda step, kv: blocks.window_bwd(
         q, tm, kv, r, src_of(step), *grads, cfg, plan)
@@ -349,9 +345,10 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
       kc = blocks.chunk_ids(plan, src)
       if _paired(plan, cfg):
         return blocks.paired_bwd(q, tm, kv, qc, kc, src > r, *grads, cfgs[0])
+      # In the kernel's dtypes; the float32 sums widen them after the cond.
       return _step_call(lambda kind, kv: blocks.kind_bwd(
-          kind, q, tm, kv, qc, kc, *grads, cfgs, dtype=wire), plan,
-                        cfg.is_causal, r, src, kv)
+          kind, q, tm, kv, qc, kc, *grads, cfgs), plan, cfg.is_causal, r,
+                        src, kv)
 
     if _paired(plan, cfg):
       placed = lambda step, part, holder: blocks.paired_place(

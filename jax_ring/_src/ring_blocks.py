@@ -5,8 +5,9 @@ that calls them is in :mod:`jax_ring._src.ring`.
 Shapes, per device: ``q (B, T, N, H)``; the held ``kv`` is what travels the
 ring: (K/V, stacked ``(2, B, T, K, H)`` or a ``(k, v)`` pair, and the kv
 segment ids ``(B, T)`` or None; see :func:`held_kv`). dK/dV are always
-stacked ``(2, B, T, K, H)``, float32 unless a caller asks for the kernel's
-own dtype (a part sent as it is). C = T / 2 under the dual-chunk layout.
+stacked ``(2, B, T, K, H)``: in the kernel's dtype from one call per step
+(``kind_bwd``, ``paired_bwd``), float32 from window pairs, which add
+several calls. C = T / 2 under the dual-chunk layout.
 
 With a sliding window (contiguous and dual_chunk) the schedule works per
 (query chunk, kv chunk) pair: the pair's distance in chunks, ``k = q_chunk -
@@ -149,25 +150,28 @@ def _window_pairs(plan: ShardPlan, cfg: AttentionConfig, c: int):
 
 # --- forward and backward of one block, zero-filled to the full local q ----
 
-def masked(b, rows, n, h, like):
-  return vma.like((jnp.zeros((b, rows, n, h), jnp.float32),
+def masked(b, rows, n, h, like, dtype=jnp.float32):
+  """(out, lse) of ``rows`` query rows that see no key: zeros (``dtype``)
+  and MASK_VALUE, varying like the arrays ``like``."""
+  return vma.like((jnp.zeros((b, rows, n, h), dtype),
                    jnp.full((b, rows, n), MASK_VALUE, jnp.float32)), *like)
 
 
-def _fwd(blk: _Block, cfg):
-  """(out f32, lse) of a block, over the local q rows ``blk.rows`` of t."""
+def _fwd(blk: _Block, cfg, dtype=None):
+  """(out, lse f32) of a block, over the local q rows ``blk.rows`` of t;
+  out in ``dtype``, or the kernel's (q's) if None."""
   o, l = kernel.attention(blk.q_rows, *blk.kv_rows, None, blk.mask, cfg)
-  return o.astype(jnp.float32), l
+  return o.astype(dtype or o.dtype), l
 
 
-def _bwd(blk: _Block, out, lse, dout, cfg, dtype=jnp.float32):
-  """(dq of the block rows in float32, (dk, dv) of the block cols stacked
-  in ``dtype``)."""
+def _bwd(blk: _Block, out, lse, dout, cfg, dtype=None):
+  """(dq of the block rows, (dk, dv) of the block cols stacked), in
+  ``dtype``, or the kernel's (q's, k's) if None."""
   rows = blk.rows
-  dq, dk, dv, _ = kernel.attention_backward(
+  dq, dkv, _ = kernel.attention_backward_dkv(
       blk.q_rows, *blk.kv_rows, None, blk.mask, out[:, rows], lse[:, rows],
       dout[:, rows], None, cfg)
-  return dq.astype(jnp.float32), jnp.stack([dk, dv]).astype(dtype)
+  return dq.astype(dtype or dq.dtype), dkv.astype(dtype or dkv.dtype)
 
 
 def _place(x, sl, size, axis):
@@ -180,27 +184,37 @@ def _place(x, sl, size, axis):
   return jnp.pad(x, pad)
 
 
+# A step's kind_fwd/kind_bwd runs inside a lax.cond (ring._step_call), so
+# its results stay in the kernel's 16-bit dtype: each conversion to float32
+# is left to the merge or the sum after the cond, where XLA fuses it. Cast
+# inside a branch, it was a pass of its own over the block at every step
+# (23-26 us each on H200 at 4k tokens per device, 32 heads); without it the
+# non-attention kernels of one device's steps went from 0.166 to 0.108 ms
+# forward and 0.562 to 0.453 ms forward+backward (benchmarks/ring_steps.py,
+# README "One device's steps").
+
 def kind_fwd(kind, q, tm, kv, qc, kc, cfgs, own=False):
+  """(out in q's dtype, lse f32) of one step, over all t local rows."""
   b, t, n, h = q.shape
   if kind == "skip":
-    return masked(b, t, n, h, (q, kv[0][0]))
+    return masked(b, t, n, h, (q, kv[0][0]), q.dtype)
   blk = _kind_block(kind, q, tm, kv, qc, kc, own)
   o, l = _fwd(blk, cfgs[kind == "diag"])
   if blk.rows != slice(None):  # half_q: the first chunk saw nothing
-    zo, zl = masked(b, t - o.shape[1], n, h, (q, kv[0][0]))
+    zo, zl = masked(b, t - o.shape[1], n, h, (q, kv[0][0]), o.dtype)
     o, l = jnp.concatenate([zo, o], 1), jnp.concatenate([zl, l], 1)
   return o, l
 
 
-def kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs, own=False,
-             dtype=jnp.float32):
-  """(dq f32, stacked dK/dV of the held kv in ``dtype``) of one step."""
+def kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs, own=False):
+  """(dq, stacked dK/dV of the held kv) of one step, in the kernel's
+  dtypes (q's, k's)."""
   t = q.shape[1]
   if kind == "skip":
-    return vma.like((jnp.zeros(q.shape, jnp.float32),
-                     dkv_zeros(kv, dtype=dtype)), q, kv[0][0], out, dout)
+    return vma.like((jnp.zeros_like(q), dkv_zeros(kv, dtype=kv[0][0].dtype)),
+                    q, kv[0][0], out, dout)
   blk = _kind_block(kind, q, tm, kv, qc, kc, own)
-  dq, dkv = _bwd(blk, out, lse, dout, cfgs[kind == "diag"], dtype)
+  dq, dkv = _bwd(blk, out, lse, dout, cfgs[kind == "diag"])
   return _place(dq, blk.rows, t, 1), _place(dkv, blk.cols, t, 2)
 
 
@@ -261,13 +275,13 @@ def paired_bwd(q, tm, kv, qc, kc, later, out, lse, dout, cfg):
   b, t = q.shape[:2]
   c, i = t // 2, later.astype(jnp.int32)
   q2, kv2, mask = _paired_block(q, tm, kv, qc, kc, i)
-  dq, dk, dv, _ = kernel.attention_backward(
+  dq, dkv, _ = kernel.attention_backward_dkv(
       q2, *kv2, None, mask, _chunks(out, 1, i, c), _chunks(lse, 1, i, c),
       _chunks(dout, 1, i, c), None, cfg)
   dq = dq.astype(jnp.float32)
   dq = jnp.concatenate([jnp.where(i == 0, dq[b:], 0),
                         dq[:b] + jnp.where(i == 1, dq[b:], 0)], 1)
-  return dq, jnp.stack([dk, dv])
+  return dq, dkv
 
 
 def paired_place(pairs, later):
@@ -312,7 +326,7 @@ def window_fwd(q, tm, kv, r, src, cfg, plan, carry):
     part = None if carry is None else (carry[0][:, a * c:(a + 1) * c],
                                        carry[1][:, a * c:(a + 1) * c])
     for bb in range(m):
-      f = _pair_switch(lambda blk: _fwd(blk, cfg),
+      f = _pair_switch(lambda blk: _fwd(blk, cfg, jnp.float32),
                        lambda: masked(b, c, n, h, (q, kv[0][0])), plan, cfg, a,
                        bb, tm, kv, r, src, c)
       o = f(q, tm, kv)
@@ -329,7 +343,7 @@ def window_bwd(q, tm, kv, r, src, out, lse, dout, cfg, plan):
   for a in range(m):
     for bb in range(m):
       f = _pair_switch(
-          lambda blk: _bwd(blk, out, lse, dout, cfg),
+          lambda blk: _bwd(blk, out, lse, dout, cfg, jnp.float32),
           lambda: vma.like((jnp.zeros((b, c, n, h), jnp.float32),
                             dkv_zeros(kv, c)), q, kv[0][0], out, dout),
           plan, cfg, a, bb, tm, kv, r, src, c)

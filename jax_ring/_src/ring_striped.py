@@ -153,27 +153,28 @@ def _striped_call(fn, skip, q, tm: TokenMask, kv, r, src, ds, cfg, plan,
 
 
 def striped_fwd(q, tm, kv, r, src, ds, cfg, plan, own=False):
-  """(out f32, lse) of one striped step."""
+  """(out in q's dtype, lse f32) of one striped step (16-bit inside the
+  switch, as ring_blocks.kind_fwd says why)."""
   b, t, n, h = q.shape
 
   def fwd(kv, mask, c):
-    o, l = kernel.attention(q, kv[0][0], kv[0][1], None, mask, c)
-    return o.astype(jnp.float32), l
+    return kernel.attention(q, kv[0][0], kv[0][1], None, mask, c)
 
-  skip = lambda: blocks.masked(b, t, n, h, (q, kv[0][0]))
+  skip = lambda: blocks.masked(b, t, n, h, (q, kv[0][0]), q.dtype)
   return _striped_call(fwd, skip, q, tm, kv, r, src, ds, cfg, plan, own)
 
 
 def striped_bwd(q, tm, kv, r, src, ds, out, lse, dout, cfg, plan,
-                 own=False, dtype=jnp.float32):
-  """(dq f32, dK/dV (2, B, T, K, H) in ``dtype``) of one striped step."""
+                 own=False):
+  """(dq, dK/dV (2, B, T, K, H)) of one striped step, in the kernel's
+  dtypes (q's, k's)."""
 
   def bwd(kv, mask, c):
-    dq, dk, dv, _ = kernel.attention_backward(
+    dq, dkv, _ = kernel.attention_backward_dkv(
         q, kv[0][0], kv[0][1], None, mask, out, lse, dout, None, c)
-    return dq.astype(jnp.float32), jnp.stack([dk, dv]).astype(dtype)
+    return dq, dkv
 
   skip = lambda: vma.like(
-      (jnp.zeros(q.shape, jnp.float32), blocks.dkv_zeros(kv, dtype=dtype)),
+      (jnp.zeros_like(q), blocks.dkv_zeros(kv, dtype=kv[0][0].dtype)),
       q, kv[0][0], out, dout)
   return _striped_call(bwd, skip, q, tm, kv, r, src, ds, cfg, plan, own)

@@ -1,0 +1,232 @@
+"""One device's share of a dual-chunk causal ring, on one GPU, sends left out.
+
+  python benchmarks/ring_steps.py [--cp 4] [--seq 16384 32768 ...]
+      [--variants graphs nocc paired static]
+
+Device ``r`` of a ``cp``-way ring (``--rank``, default 1) runs cp block
+calls: the causal diagonal on its own K/V, then cp - 1 steps, each a
+``lax.cond`` between half-KV and half-Q on ``src < r`` (``ring.py``'s
+schedule table), merged in float32; the backward runs the same blocks from
+the global out and lse, and sends each step's dK/dV part back to its owner.
+Here the same calls run from the ring's own block functions
+(``ring_blocks``), with every step's K/V an input, the K/V device ``src``
+holds in the dual-chunk layout: no collective, and ``r`` a run-time operand,
+so every ``lax.cond`` is a real branch. The result is device r's rows of the
+full attention (checked against the single-GPU call) and its time is what a
+ring step costs besides communication: the block kernels, the merge, and the
+launch and branch overhead per step.
+
+Variants, compiled side by side in one process (common.GRAPHS):
+
+========  =================================================================
+graphs    XLA's default command buffers; they take jax_ring's cuDNN calls
+          (command-buffer compatible since session 11), so each cond is a
+          CUDA-graph conditional node: no host round trip
+nocc      the default less CUSTOM_CALL: the cuDNN calls, and each cond
+          around them, run outside graphs (a host round trip per cond), as
+          before session 11
+paired    ``causal_step="paired"`` (no branch), default command buffers
+static    the branches chosen at trace time (r a Python int): no cond, the
+          floor for this schedule
+========  =================================================================
+
+Efficiency = theoretic / time, theoretic = the single-GPU call over the
+full sequence / cp (ring-flash-attention's convention, as in
+ring_attention.py): the ceiling a ring with perfectly hidden sends reaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import pathlib
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_ring
+from jax_ring._src import ring, ring_blocks as blocks
+from jax_ring._src.config import AttentionConfig, ShardPlan
+from jax_ring._src.mask import TokenMask
+from common import (jit_variant, random_qkv, rel_err, shape_args,
+                    time_fn, write)
+
+VARIANTS = ("graphs", "nocc", "paired", "static")
+
+
+def _steps(kvs, r, cp, tm):
+  """Device r's steps, the own first: ``(plan, kind, src, held kv)``; kind
+  None after the first unless r is a Python int: chosen at run time."""
+  plan = ShardPlan("cp", cp, load_balance="dual_chunk")
+  for step in range(cp):
+    src = (r - step) % cp
+    kind = "diag" if step == 0 else None
+    if step and isinstance(r, int):
+      kind = "half_kv" if src < r else "half_q"
+    yield plan, kind, src, blocks.held_kv(*kvs[step], tm)
+
+
+def device_forward(q, kvs, r, *, cp, cfg, paired=False):
+  """(out f32, lse) of device ``r``'s queries ``q (B, T, N, H)`` from
+  ``kvs``: step i's (k, v), each ``(B, T, K, H)``, those of device
+  ``(r - i) % cp`` (dual-chunk layout). ``r`` traced: a cond per step."""
+  cfgs, tm = ring._cfgs(cfg), TokenMask()
+  carry = None
+  for plan, kind, src, kv in _steps(kvs, r, cp, tm):
+    qc, kc = blocks.chunk_ids(plan, r), blocks.chunk_ids(plan, src)
+    if kind is not None:
+      part = blocks.kind_fwd(kind, q, tm, kv, qc, kc, cfgs)
+    elif paired:
+      part = blocks.paired_fwd(q, tm, kv, qc, kc, src > r, cfgs[0])
+    else:
+      part = ring._step_call(lambda kind, kv: blocks.kind_fwd(
+          kind, q, tm, kv, qc, kc, cfgs), plan, True, r, src, kv)
+    carry = ring._f32(part) if carry is None else blocks.merge(*carry, *part)
+  return carry
+
+
+def device_backward(q, kvs, r, out, lse, dout, *, cp, cfg, paired=False):
+  """(dq f32, [dK/dV part of step i, stacked (2, B, T, K, H) float32]):
+  device r's dq and what it sends back to each step's owner."""
+  cfgs, tm = ring._cfgs(cfg), TokenMask()
+  dq, parts = 0.0, []
+  grads = (out, lse, dout)
+  for plan, kind, src, kv in _steps(kvs, r, cp, tm):
+    qc, kc = blocks.chunk_ids(plan, r), blocks.chunk_ids(plan, src)
+    if kind is not None:
+      dq_i, part = blocks.kind_bwd(kind, q, tm, kv, qc, kc, *grads, cfgs)
+    elif paired:
+      dq_i, part = blocks.paired_bwd(q, tm, kv, qc, kc, src > r, *grads,
+                                     cfgs[0])
+      part = blocks.paired_place(part, src > r)
+    else:
+      dq_i, part = ring._step_call(lambda kind, kv: blocks.kind_bwd(
+          kind, q, tm, kv, qc, kc, *grads, cfgs), plan, True, r, src, kv)
+    dq = dq + dq_i.astype(jnp.float32)
+    parts.append(part.astype(jnp.float32))
+  return dq, parts
+
+
+def device_inputs(q, k, v, dout, cp, r):
+  """Device r's q and dout, and the K/V it holds at each step, cut from the
+  full ``(B, S, ., H)`` arrays in natural order."""
+  re_ = lambda x: jnp.split(jax_ring.reorder_for_load_balance(
+      x, cp, layout="dual_chunk"), cp, 1)
+  qs, ks, vs, ds = map(re_, (q, k, v, dout))
+  kvs = [(ks[(r - i) % cp], vs[(r - i) % cp]) for i in range(cp)]
+  return qs[r], kvs, ds[r]
+
+
+def _fns(variant, cp, cfg, rank):
+  """(forward, forward+backward) of one variant, jitted."""
+  paired = variant == "paired"
+  pick = (lambda r: rank) if variant == "static" else (lambda r: r)
+
+  def fwd(q, kvs, r):
+    out, lse = device_forward(q, kvs, pick(r), cp=cp, cfg=cfg, paired=paired)
+    return out.astype(q.dtype), lse
+
+  def fwd_bwd(q, kvs, r, dout):
+    out, lse = fwd(q, kvs, r)
+    return device_backward(q, kvs, pick(r), out, lse, dout, cp=cp, cfg=cfg,
+                           paired=paired)
+
+  tag = "" if variant in ("graphs", "paired", "static") else "@" + variant
+  return jit_variant(fwd, tag), jit_variant(fwd_bwd, tag)
+
+
+def profile(name, fn, args, out_dir, calls=3) -> dict:
+  """profile_ring's kernel-time columns (per call) of ``calls`` calls of
+  ``fn``, prefixed with ``name``; its optimized HLO and GPU 0's kernel
+  timeline go to ``out_dir``."""
+  import profile_ring
+  out = pathlib.Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / f"hlo_{name}.txt").write_text(fn.lower(*args).compile().as_text())
+  trace = out / f"trace_{name}"
+  with jax.profiler.trace(str(trace), create_perfetto_trace=True):
+    for _ in range(calls):
+      res = fn(*args)
+    jax.block_until_ready(res)
+  path = glob.glob(os.path.join(trace, "**", "perfetto_trace.json.gz"),
+                   recursive=True)[0]
+  mean, _, timeline = profile_ring.summarise(profile_ring.gpu_events(path),
+                                             calls)
+  with open(out / f"timeline_{name}.txt", "w") as f:
+    f.write("start_us  dur_us  stream  kind  kernel (all calls)\n")
+    for t, d, st, k, n in timeline:
+      f.write(f"{t:9.1f} {d:8.1f}  {st}  {k}  {n}\n")
+  return {f"{name}_{k}": v for k, v in mean.items()}
+
+
+def main():
+  p = argparse.ArgumentParser()
+  shape_args(p, [16384, 32768, 65536])
+  p.add_argument("--cp", type=int, default=4)
+  p.add_argument("--rank", type=int, default=1)
+  p.add_argument("--variants", nargs="+", default=list(VARIANTS),
+                 choices=VARIANTS)
+  p.add_argument("--implementation", default="cudnn")
+  p.add_argument("--tag", default="")
+  p.add_argument("--profile", default=None, metavar="DIR",
+                 help="also profile each variant at the first shape: "
+                 "kernel-time columns in the row, HLO and timelines in DIR")
+  a = p.parse_args()
+  rows = []
+  for s in a.seq:
+    for kh in a.kv_heads:
+      q, k, v, do = random_qkv(s + kh, s, a.heads, kh, a.head_dim)
+      flops = 2 * s * s * a.heads * a.head_dim
+      cfg = AttentionConfig(scale=a.head_dim ** -0.5, is_causal=True,
+                            implementation=a.implementation)
+      single = lambda q, k, v: jax_ring.dot_product_attention(
+          q, k, v, is_causal=True, implementation=a.implementation)
+      f1 = jax.jit(single)
+      fb1 = jax.jit(lambda q, k, v, do: jax.vjp(single, q, k, v)[1](do))
+      t1, tb1 = time_fn(f1, q, k, v), time_fn(fb1, q, k, v, do)
+      want = np.split(np.asarray(jax_ring.reorder_for_load_balance(
+          f1(q, k, v), a.cp, layout="dual_chunk")), a.cp, 1)[a.rank]
+      want_dq = np.split(np.asarray(jax_ring.reorder_for_load_balance(
+          fb1(q, k, v, do)[0], a.cp, layout="dual_chunk")), a.cp, 1)[a.rank]
+      row = dict(seq=s, cp=a.cp, rank=a.rank, heads=a.heads, kv_heads=kh,
+                 single_fwd_ms=t1 * 1e3, single_fwdbwd_ms=tb1 * 1e3,
+                 single_fwd_tflops=flops / t1 / 1e12)
+      qr, kvs, dr = device_inputs(q, k, v, do, a.cp, a.rank)
+      r = jnp.int32(a.rank)
+      got = {}
+      for variant in a.variants:
+        f, fb = _fns(variant, a.cp, cfg, a.rank)
+        out = f(qr, kvs, r)[0]
+        dq = fb(qr, kvs, r, dr)[0]
+        got[variant] = (out, dq)
+        tf, tfb = time_fn(f, qr, kvs, r), time_fn(fb, qr, kvs, r, dr)
+        row.update({f"{variant}_fwd_ms": tf * 1e3,
+                    f"{variant}_fwdbwd_ms": tfb * 1e3,
+                    f"{variant}_fwd_eff": t1 / a.cp / tf,
+                    f"{variant}_fwdbwd_eff": tb1 / a.cp / tfb,
+                    f"{variant}_max_rel_err": rel_err(out, want),
+                    f"{variant}_dq_max_rel_err": rel_err(dq, want_dq)})
+        if a.profile and not rows:
+          row.update(profile(f"{variant}_fwd", f, (qr, kvs, r), a.profile))
+          row.update(profile(f"{variant}_fwdbwd", fb, (qr, kvs, r, dr),
+                             a.profile))
+      if {"graphs", "nocc"} <= set(got):
+        # The same kernels in the same order: command buffers should
+        # change no bit (recorded, not asserted: a GPU-only fact).
+        for i, name in enumerate(("out", "dq")):
+          row[f"graphs_{name}_equal_nocc"] = bool(jnp.array_equal(
+              got["graphs"][i], got["nocc"][i]))
+      rows.append(row)
+      print(row, flush=True)
+  cols = ["seq", "kv_heads", "single_fwd_ms"] + [
+      f"{v}_{m}" for v in a.variants for m in ("fwd_eff", "fwdbwd_eff")]
+  write(f"ring_steps{a.tag}", rows, cols,
+        extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
+                   implementation=a.implementation,
+                   efficiency="single-GPU time / cp over device r's steps "
+                   "(no sends)"))
+
+
+if __name__ == "__main__":
+  main()
