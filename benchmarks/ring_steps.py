@@ -41,6 +41,7 @@ import argparse
 import glob
 import os
 import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,7 +89,8 @@ def device_forward(q, kvs, r, *, cp, cfg, paired=False):
 
 def device_backward(q, kvs, r, out, lse, dout, *, cp, cfg, paired=False):
   """(dq f32, [dK/dV part of step i, stacked (2, B, T, K, H) float32]):
-  device r's dq and what it sends back to each step's owner."""
+  device r's dq and what it sends back to each step's owner (widened to
+  float32 here, as the owner does on receipt)."""
   cfgs, tm = ring._cfgs(cfg), TokenMask()
   dq, parts = 0.0, []
   grads = (out, lse, dout)
@@ -132,7 +134,7 @@ def _fns(variant, cp, cfg, rank):
     return device_backward(q, kvs, pick(r), out, lse, dout, cp=cp, cfg=cfg,
                            paired=paired)
 
-  tag = "" if variant in ("graphs", "paired", "static") else "@" + variant
+  tag = "@nocc" if variant == "nocc" else ""  # the rest: XLA's graphs
   return jit_variant(fwd, tag), jit_variant(fwd_bwd, tag)
 
 

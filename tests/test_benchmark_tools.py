@@ -1,8 +1,9 @@
 """The GPU benchmarks, checked where CI can run them: the longest-sequence
 search of ``benchmarks/lm_training.py``, the kernel-interval sums of
 ``benchmarks/profile_ring.py``, the one-device ring steps of
-``benchmarks/ring_steps.py`` against the reference, and dry runs of the attention benchmarks on
-all 8 simulated devices (the 8-GPU issue runs them unchanged on 8 GPUs)."""
+``benchmarks/ring_steps.py`` against the reference, and dry runs of the
+attention benchmarks on all 8 simulated devices (the 8-GPU issue runs them
+unchanged on 8 GPUs)."""
 
 import functools
 import json

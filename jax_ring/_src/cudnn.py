@@ -183,8 +183,8 @@ def _sdpa(name, results, q, k, *operands, **attrs):
   size: XLA allocates the workspace as one more (discarded) result, so the
   handler allocates nothing, a compiled program's memory analysis counts
   it, and the call can be traced into a CUDA graph (command buffer)."""
-  call = dict(backward=name.startswith("jax_ring_sdpa_bwd"), q=q.shape, k=k.shape,
-              dtype=jnp.dtype(q.dtype).name,
+  call = dict(backward=name.startswith("jax_ring_sdpa_bwd"), q=q.shape,
+              k=k.shape, dtype=jnp.dtype(q.dtype).name,
               **{a: x.item() if hasattr(x, "item") else x
                  for a, x in attrs.items()})
   if _RECORD is not None:
