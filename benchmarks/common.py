@@ -26,16 +26,15 @@ def shape_args(parser, seq):
 
 
 def ring_args(parser):
-  """The ring's tuning flags ``--causal-step`` and ``--kv-sends``; read them
-  back as ``ring_attention`` keywords with :func:`ring_kwargs`."""
-  from jax_ring._src.config import CAUSAL_STEPS, KV_SENDS
-  parser.add_argument("--causal-step", default="cond", choices=CAUSAL_STEPS)
+  """The ring's tuning flag ``--kv-sends``; read it back as
+  ``ring_attention`` keywords with :func:`ring_kwargs`."""
+  from jax_ring._src.config import KV_SENDS
   parser.add_argument("--kv-sends", default=None, choices=KV_SENDS,
                       help="default: jax_ring's (gather up to 2 GiB)")
 
 
 def ring_kwargs(args) -> dict:
-  return dict(causal_step=args.causal_step, kv_sends=args.kv_sends)
+  return dict(kv_sends=args.kv_sends)
 
 
 # XLA's CUDA-graph ("command buffer") settings a benchmark variant may be
@@ -44,7 +43,7 @@ def ring_kwargs(args) -> dict:
 # CUSTOM_CALL, CUDNN, CONDITIONAL and DYNAMIC_SLICE_FUSION (from XLA's log):
 #   nocc   the default less CUSTOM_CALL: jax_ring's cuDNN calls run outside
 #          graphs, and so does every lax.cond around one (a host round trip
-#          each), as before session 11 made the handlers graph-compatible
+#          each), as before the handlers were made graph-compatible
 #   while  the default plus WHILE: a scan's loop runs as a CUDA-graph node
 _DEFAULT = "FUSION,CUBLAS,CUBLASLT,CUDNN,CONDITIONAL,DYNAMIC_SLICE_FUSION"
 GRAPHS = {"nocc": _DEFAULT, "while": _DEFAULT + ",CUSTOM_CALL,WHILE"}

@@ -90,7 +90,7 @@ class Run:
 
   def compile_peak(self, seq: int) -> dict:
     """The step's peak at ``seq``: XLA's analysis, which counts cuDNN's
-    workspaces (each call's is one of its results, session 11)."""
+    workspaces (each call's is one of its results)."""
     t0 = time.perf_counter()
     try:
       compiled = self.compile(seq)

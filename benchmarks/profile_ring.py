@@ -177,7 +177,7 @@ def main():
       for pas, (fn, xs) in fns.items():
         jax.block_until_ready(fn(*xs))
         jax.block_until_ready(fn(*xs))
-        name = f"{a.path}_{a.strategy}_{a.causal_step}{tag}_{s}_{kh}_{pas}"
+        name = f"{a.path}_{a.strategy}{tag}_{s}_{kh}_{pas}"
         d = os.path.join(a.out, f"trace_{name}")
         with jax.profiler.trace(d, create_perfetto_trace=True):
           for _ in range(a.calls):

@@ -7,7 +7,7 @@ ring-flash-attention), measured in the same process.
 
 B=1, N=32, D=128, bf16, dual-chunk causal and non-causal, both loop forms
 (``--loops``: ``unrolled`` and ``scan`` with ``--kv-sends``, by default
-jax_ring's; ``neighbour``, ``direct`` and ``gather`` = unrolled with that
+jax_ring's; ``neighbour`` and ``gather`` = unrolled with that
 ``kv_sends``; a suffix ``@nocc`` or ``@while`` compiles the variant with
 those CUDA-graph command buffers, see ``common.GRAPHS``).
 Efficiency = theoretic time / ring time (forward; forward+backward).
@@ -54,10 +54,10 @@ def main():
   p.add_argument("--causal-layout", default="dual_chunk",
                  help="load balance of the causal rows: dual_chunk or striped")
   p.add_argument("--tag", default="", help="suffix of the results file")
-  forms = ["unrolled", "scan", "neighbour", "direct", "gather"]
+  forms = ["unrolled", "scan", "neighbour", "gather"]
   p.add_argument("--loops", nargs="+", default=["unrolled", "scan"],
                  choices=forms + [f"{f}@{g}" for f in forms for g in GRAPHS],
-                 help="ring variants, timed side by side; neighbour, direct, "
+                 help="ring variants, timed side by side; neighbour, "
                  "gather = unrolled with that kv_sends; '@nocc'/'@while' "
                  "compiles with those command buffers (common.GRAPHS)")
   ring_args(p)
@@ -93,7 +93,7 @@ def main():
         for loop in a.loops:
           form = loop.partition("@")[0]
           kw = dict(ring_kwargs(a), loop=form)
-          if form in ("neighbour", "direct", "gather"):
+          if form in ("neighbour", "gather"):
             kw.update(loop="unrolled", kv_sends=form)
           ring = jax.shard_map(
               lambda q, k, v, kw=kw: jax_ring.ring_attention(

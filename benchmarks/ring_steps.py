@@ -1,7 +1,7 @@
 """One device's share of a dual-chunk causal ring, on one GPU, sends left out.
 
   python benchmarks/ring_steps.py [--cp 4] [--seq 16384 32768 ...]
-      [--variants graphs nocc paired static]
+      [--variants graphs nocc static]
 
 Device ``r`` of a ``cp``-way ring (``--rank``, default 1) runs cp block
 calls: the causal diagonal on its own K/V, then cp - 1 steps, each a
@@ -20,12 +20,10 @@ Variants, compiled side by side in one process (common.GRAPHS):
 
 ========  =================================================================
 graphs    XLA's default command buffers; they take jax_ring's cuDNN calls
-          (command-buffer compatible since session 11), so each cond is a
-          CUDA-graph conditional node: no host round trip
+          (the FFI handlers are command-buffer compatible), so each cond is
+          a CUDA-graph conditional node: no host round trip
 nocc      the default less CUSTOM_CALL: the cuDNN calls, and each cond
-          around them, run outside graphs (a host round trip per cond), as
-          before session 11
-paired    ``causal_step="paired"`` (no branch), default command buffers
+          around them, run outside graphs (a host round trip per cond)
 static    the branches chosen at trace time (r a Python int): no cond, the
           floor for this schedule
 ========  =================================================================
@@ -53,7 +51,7 @@ from jax_ring._src.mask import TokenMask
 from common import (jit_variant, random_qkv, rel_err, shape_args,
                     time_fn, write)
 
-VARIANTS = ("graphs", "nocc", "paired", "static")
+VARIANTS = ("graphs", "nocc", "static")
 
 
 def _steps(kvs, r, cp, tm):
@@ -68,7 +66,7 @@ def _steps(kvs, r, cp, tm):
     yield plan, kind, src, blocks.held_kv(*kvs[step], tm)
 
 
-def device_forward(q, kvs, r, *, cp, cfg, paired=False):
+def device_forward(q, kvs, r, *, cp, cfg):
   """(out f32, lse) of device ``r``'s queries ``q (B, T, N, H)`` from
   ``kvs``: step i's (k, v), each ``(B, T, K, H)``, those of device
   ``(r - i) % cp`` (dual-chunk layout). ``r`` traced: a cond per step."""
@@ -78,8 +76,6 @@ def device_forward(q, kvs, r, *, cp, cfg, paired=False):
     qc, kc = blocks.chunk_ids(plan, r), blocks.chunk_ids(plan, src)
     if kind is not None:
       part = blocks.kind_fwd(kind, q, tm, kv, qc, kc, cfgs)
-    elif paired:
-      part = blocks.paired_fwd(q, tm, kv, qc, kc, src > r, cfgs[0])
     else:
       part = ring._step_call(lambda kind, kv: blocks.kind_fwd(
           kind, q, tm, kv, qc, kc, cfgs), plan, True, r, src, kv)
@@ -87,7 +83,7 @@ def device_forward(q, kvs, r, *, cp, cfg, paired=False):
   return carry
 
 
-def device_backward(q, kvs, r, out, lse, dout, *, cp, cfg, paired=False):
+def device_backward(q, kvs, r, out, lse, dout, *, cp, cfg):
   """(dq f32, [dK/dV part of step i, stacked (2, B, T, K, H) float32]):
   device r's dq and what it sends back to each step's owner (widened to
   float32 here, as the owner does on receipt)."""
@@ -98,10 +94,6 @@ def device_backward(q, kvs, r, out, lse, dout, *, cp, cfg, paired=False):
     qc, kc = blocks.chunk_ids(plan, r), blocks.chunk_ids(plan, src)
     if kind is not None:
       dq_i, part = blocks.kind_bwd(kind, q, tm, kv, qc, kc, *grads, cfgs)
-    elif paired:
-      dq_i, part = blocks.paired_bwd(q, tm, kv, qc, kc, src > r, *grads,
-                                     cfgs[0])
-      part = blocks.paired_place(part, src > r)
     else:
       dq_i, part = ring._step_call(lambda kind, kv: blocks.kind_bwd(
           kind, q, tm, kv, qc, kc, *grads, cfgs), plan, True, r, src, kv)
@@ -122,17 +114,15 @@ def device_inputs(q, k, v, dout, cp, r):
 
 def _fns(variant, cp, cfg, rank):
   """(forward, forward+backward) of one variant, jitted."""
-  paired = variant == "paired"
   pick = (lambda r: rank) if variant == "static" else (lambda r: r)
 
   def fwd(q, kvs, r):
-    out, lse = device_forward(q, kvs, pick(r), cp=cp, cfg=cfg, paired=paired)
+    out, lse = device_forward(q, kvs, pick(r), cp=cp, cfg=cfg)
     return out.astype(q.dtype), lse
 
   def fwd_bwd(q, kvs, r, dout):
     out, lse = fwd(q, kvs, r)
-    return device_backward(q, kvs, pick(r), out, lse, dout, cp=cp, cfg=cfg,
-                           paired=paired)
+    return device_backward(q, kvs, pick(r), out, lse, dout, cp=cp, cfg=cfg)
 
   tag = "@nocc" if variant == "nocc" else ""  # the rest: XLA's graphs
   return jit_variant(fwd, tag), jit_variant(fwd_bwd, tag)

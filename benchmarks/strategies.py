@@ -8,8 +8,8 @@ convention).
 B=1, N=32, D=128, bf16, causal, dual-chunk layout. Each strategy runs
 through the automatic path (jit + NamedSharding + ContextParallel), the way
 a model calls it. Names: ``ring`` (unrolled, ``--kv-sends``: by default
-jax_ring's), ``ring_scan``, ``ring_neighbour``, ``ring_direct`` and
-``ring_gather`` (unrolled, that ``kv_sends``), ``all_gather``,
+jax_ring's), ``ring_scan``, ``ring_neighbour`` and ``ring_gather``
+(unrolled, that ``kv_sends``), ``all_gather``,
 ``all_gather_gG`` (K/V gathered G kv heads at a time, ``kv_chunk_heads``),
 ``ulysses``, ``hybrid_UxR`` (U ulysses x R ring devices), ``auto``; the
 default is ring, all_gather, ulysses, every hybrid with U, R >= 2 (2x2 on 4
@@ -46,7 +46,7 @@ def default_strategies(cp: int) -> list[str]:
 def setup(name, cp, lb, **ring):
   """(ContextParallel, token sharding, reorder, inverse) for a strategy
   name (see the module docstring) under load balance ``lb``; ``ring``: the
-  ring's tuning (``causal_step``), for ring and hybrid."""
+  ring's tuning (``kv_sends``), for ring and hybrid."""
   if name.startswith("hybrid"):
     u, r = ((cp // 2, 2) if name == "hybrid" else
             map(int, name.split("_")[1].split("x")))
@@ -60,7 +60,7 @@ def setup(name, cp, lb, **ring):
     mesh = Mesh(np.array(jax.devices()), ("cp",))
     spec, ring_size = P(None, "cp"), cp
     strategy, scan, _ = name.partition("_scan")
-    if strategy in ("ring_neighbour", "ring_direct", "ring_gather"):
+    if strategy in ("ring_neighbour", "ring_gather"):
       strategy, ring = "ring", dict(ring, kv_sends=strategy[5:])
     grouped = re.fullmatch(r"(\w+)_g(\d+)", strategy)  # all_gather_g<G>
     cpc = jax_ring.ContextParallel(

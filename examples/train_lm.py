@@ -88,9 +88,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="token layout; none = contiguous shards")
   p.add_argument("--loop", choices=["scan", "unrolled"], default=None,
                  help="ring loop form (default: the library's)")
-  p.add_argument("--causal-step", default="cond",
-                 choices=_choices("causal_step"),
-                 help="the ring's dual-chunk causal steps")
   p.add_argument("--seq", type=int, default=None, help="sequence length")
   p.add_argument("--batch", type=int, default=None, help="global batch")
   p.add_argument("--steps", type=int, default=None)
@@ -236,7 +233,7 @@ def build(args, devices=None):
     cpc = jax_ring.ContextParallel(
         axis=("ulysses", "context") if hybrid else "context",
         strategy=args.strategy, load_balance=args.load_balance,
-        loop=args.loop, causal_step=args.causal_step)
+        loop=args.loop)
   seq = seq_axes if len(seq_axes) > 1 else (seq_axes or (None,))[0]
   preset = PRESETS[args.preset]
   gpu = jax.default_backend() == "gpu"

@@ -93,8 +93,11 @@ def test_logits_soft_cap():
   _check_reference(q, k, v, do, case, scale=1.0, logits_soft_cap=5.0)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+# Each dtype and each head dim in the default run; every pair with -m slow.
+@pytest.mark.parametrize("dtype, head_dim", [
+    pytest.param(d, h, marks=() if i == j else pytest.mark.slow)
+    for i, d in enumerate([jnp.float32, jnp.bfloat16, jnp.float16])
+    for j, h in enumerate([64, 128, 256])])
 def test_dtypes_and_head_dims(dtype, head_dim):
   q, k, v, do = ref.random_qkv(26, 1, 21, 21, 2, 1, head_dim, dtype)
   case = ref.Case(head_dim**-0.5, is_causal=True)

@@ -142,14 +142,67 @@ def test_auto_through_the_automatic_path_matches_reference():
     (jax_ring.ContextParallel(strategy="all_gather", kv_chunk_heads=3),
      "kv_chunk_heads must be None or a positive int dividing the key/value "
      "heads (2); got 3"),
-    (jax_ring.ContextParallel(causal_step="select"),
-     "causal_step must be one of ('cond', 'paired'); got 'select'"),
+    (jax_ring.ContextParallel(kv_sends="direct"),
+     "kv_sends must be None or one of ('neighbour', 'gather'); got 'direct'"),
 ])
 def test_context_parallel_errors(cpc, message):
   q = jnp.ones((B, S, 4, H))
   k = jnp.ones((B, S, 2, H))
   with pytest.raises(ValueError, match=re.escape(message)):
     jax_ring.dot_product_attention(q, k, k, context_parallel=cpc)
+
+
+def _cp_mesh():
+  """A 4-device mesh whose only axis is "cp", as ``jax.make_mesh`` gives."""
+  return jax.make_mesh((4,), ("cp",))
+
+
+@pytest.mark.parametrize("where", ["set_mesh", "sharded_inputs"])
+def test_an_axis_missing_from_the_mesh_is_named(where):
+  """ContextParallel(axis="seq") with a mesh whose only axis is "cp": a
+  ValueError at trace time naming the axis and the mesh's axes, whether
+  the mesh comes from jax.set_mesh or from the inputs' sharding."""
+  m = _cp_mesh()
+  q = jax.device_put(jnp.ones((B, S, 4, H)), NamedSharding(m, P(None, "cp")))
+  cpc = jax_ring.ContextParallel(axis="seq")
+  f = jax.jit(lambda q: jax_ring.dot_product_attention(
+      q, q, q, is_causal=True, context_parallel=cpc, implementation="xla"))
+  message = ("context_parallel.axis 'seq': 'seq' is not an axis of the mesh "
+             "in scope, whose axes are ('cp',) (sizes (4,)); got query "
+             f"({B}, {S}, 4, {H})")
+  with pytest.raises(ValueError, match=re.escape(message)):
+    if where == "set_mesh":
+      with jax.set_mesh(m):
+        f(q)
+    else:
+      f(q)
+
+
+def test_a_hybrid_axis_missing_from_the_mesh_is_named():
+  m = jax.make_mesh((2, 2), ("ulysses", "cp"))
+  q = jax.device_put(jnp.ones((B, S, 4, H)),
+                     NamedSharding(m, P(None, ("cp", "ulysses"))))
+  cpc = jax_ring.ContextParallel(axis=("ulysses", "ring"), strategy="hybrid")
+  with pytest.raises(ValueError, match=re.escape(
+      "context_parallel.axis ('ulysses', 'ring'): 'ring' is not an axis of "
+      "the mesh in scope, whose axes are ('ulysses', 'cp')")):
+    jax_ring.dot_product_attention(q, q, q, context_parallel=cpc)
+
+
+@pytest.mark.parametrize("under_jit", [False, True])
+def test_no_mesh_at_all_is_an_error_not_a_silent_single_device_run(
+    under_jit):
+  """Unsharded inputs and no jax.set_mesh: without the check this ran on
+  one device, without context parallelism, and said nothing."""
+  q = jnp.ones((B, S, 4, H))
+  cpc = jax_ring.ContextParallel(axis="cp")
+  f = lambda q: jax_ring.dot_product_attention(
+      q, q, q, is_causal=True, context_parallel=cpc, implementation="xla")
+  with pytest.raises(ValueError, match=re.escape(
+      f"context_parallel.axis 'cp' needs a mesh, and none is in scope: query "
+      f"({B}, {S}, 4, {H}) is not placed on a mesh and no jax.set_mesh is "
+      f"active")):
+    (jax.jit(f) if under_jit else f)(q)
 
 
 def test_auto_may_run_different_strategies_per_pass(monkeypatch):

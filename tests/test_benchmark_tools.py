@@ -70,6 +70,7 @@ def test_interval_sums():
       (25, 5, "Stream #1", "other"), (40, 10, "Stream #2", "comm")]
 
 
+@pytest.mark.slow
 def test_compile_peak_of_the_example_step_on_cpu():
   """The real step (micro preset, ring on 4 devices): XLA's peak, and no
   cuDNN call compiled on CPU."""
@@ -97,6 +98,7 @@ def dry_run(module, args, tmp_path, monkeypatch) -> list[dict]:
   return json.loads(path.read_text())["rows"]
 
 
+@pytest.mark.slow
 def test_strategies_benchmark_on_8_devices(tmp_path, monkeypatch):
   """Every default strategy for 8 devices (hybrid 2x4 and 4x2 included),
   and the all-gather by head groups, runs and matches the single-device
@@ -106,7 +108,7 @@ def test_strategies_benchmark_on_8_devices(tmp_path, monkeypatch):
   names = strategies.default_strategies(8)
   assert {"hybrid_2x4", "hybrid_4x2", "auto"} <= set(names)
   names.insert(2, "all_gather_g1")  # kv_chunk_heads=1
-  names[1:1] = ["ring_neighbour", "ring_direct"]  # "ring": kv_sends=None
+  names[1:1] = ["ring_neighbour", "ring_gather"]  # "ring": kv_sends=None
   (row,) = dry_run(strategies, TINY + ["--strategies", *names], tmp_path,
                    monkeypatch)
   for name in names:
@@ -115,8 +117,9 @@ def test_strategies_benchmark_on_8_devices(tmp_path, monkeypatch):
   assert row["auto_pick"].count("/") == 1
 
 
+@pytest.mark.slow
 def test_ring_benchmark_on_8_devices(tmp_path, monkeypatch):
-  loops = ("unrolled", "scan", "neighbour", "direct")
+  loops = ("unrolled", "scan", "neighbour", "gather")
   (row,) = dry_run(ring_attention, TINY + ["--causal-only", "--loops",
                                            *loops], tmp_path, monkeypatch)
   for loop in loops:
@@ -125,8 +128,9 @@ def test_ring_benchmark_on_8_devices(tmp_path, monkeypatch):
     assert all(row[f"{loop}_{p}_eff"] > 0 for p in ("fwd", "fwdbwd"))
 
 
+@pytest.mark.slow
 def test_ring_steps_benchmark_dry_run(tmp_path, monkeypatch):
-  variants = ("graphs", "paired", "static")  # "nocc" is a GPU flag
+  variants = ("graphs", "static")  # "nocc" is a GPU flag
   (row,) = dry_run(ring_steps, TINY[:2] + TINY[4:] + [
       "--kv-heads", "2", "--variants", *variants], tmp_path, monkeypatch)
   for v in variants:
@@ -134,10 +138,11 @@ def test_ring_steps_benchmark_dry_run(tmp_path, monkeypatch):
     assert row[f"{v}_fwd_eff"] > 0 and row[f"{v}_fwdbwd_eff"] > 0
 
 
-@pytest.mark.parametrize("variant", ["cond", "paired", "static"])
+@pytest.mark.parametrize("variant", [
+    "cond", pytest.param("static", marks=pytest.mark.slow)])
 def test_ring_steps_are_one_device_of_the_ring(variant):
   """ring_steps.py's device-r blocks, for every r of a 4-way dual-chunk
-  ring (r traced, so each step is a real lax.cond; or paired; or r static):
+  ring (r traced, so each step is a real lax.cond; or r static):
   each device's rows of out and dq are the float64 reference's, and the
   dK/dV parts they send back, summed at their owners, are the reference's
   dK/dV. Every device holds different random rows, so a wrong source
@@ -151,18 +156,15 @@ def test_ring_steps_are_one_device_of_the_ring(variant):
   case = ref.Case(h ** -0.5, is_causal=True)
   want, _, want_g = ref.attention(q, k, v, case, dout=do)
   cfg = ref.config(case)
-  paired = variant == "paired"
   shards = lambda x: jnp.split(jax_ring.reorder_for_load_balance(
       x, cp, layout="dual_chunk"), cp, 1)
   dkv = [0.0] * cp
   static = variant == "static"
 
   def run(qr, kvs, rank, dr):
-    out, lse = ring_steps.device_forward(qr, kvs, rank, cp=cp, cfg=cfg,
-                                         paired=paired)
+    out, lse = ring_steps.device_forward(qr, kvs, rank, cp=cp, cfg=cfg)
     return out, ring_steps.device_backward(
-        qr, kvs, rank, out.astype(qr.dtype), lse, dr, cp=cp, cfg=cfg,
-        paired=paired)
+        qr, kvs, rank, out.astype(qr.dtype), lse, dr, cp=cp, cfg=cfg)
 
   run = jax.jit(run, static_argnums=2 if static else ())
   for r in range(cp):

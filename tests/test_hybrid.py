@@ -52,22 +52,19 @@ def run(q, k, v, do, u, r, *ids, **kw):
 # kv heads against U: K = 2 over U = 2 (one each), K = 8 over U = 2 (four
 # each), K = 2 over U = 4 (each repeated twice) and MQA over U = 4 (repeated
 # four times). The causal dual_chunk case at U = 2, R = 4 is in the loop test.
-@pytest.mark.parametrize("ur, causal, load_balance, kv_heads, step", [
-    ((2, 2), True, "dual_chunk", 2, "cond"),
-    ((2, 4), True, None, 2, "cond"), ((2, 4), False, "dual_chunk", 8, "cond"),
-    ((4, 2), True, "dual_chunk", 2, "cond"), ((4, 2), True, None, 1, "cond"),
-    ((2, 4), True, "dual_chunk", 2, "paired")],
+@pytest.mark.parametrize("ur, causal, load_balance, kv_heads", [
+    ((2, 2), True, "dual_chunk", 2),
+    ((2, 4), True, None, 2), ((2, 4), False, "dual_chunk", 8),
+    ((4, 2), True, "dual_chunk", 2), ((4, 2), True, None, 1)],
                          ids=["u2_r2_causal_dual_chunk",
                               "u2_r4_causal_contiguous",
                               "u2_r4_full_dual_chunk_k8",
                               "u4_r2_causal_dual_chunk",
-                              "u4_r2_causal_contiguous_mqa",
-                              "u2_r4_causal_dual_chunk_paired"])
-def test_hybrid_matches_reference(ur, causal, load_balance, kv_heads, step):
+                              "u4_r2_causal_contiguous_mqa"])
+def test_hybrid_matches_reference(ur, causal, load_balance, kv_heads):
   u, r = ur
   q, k, v, do = coded_qkv(u * 10 + r, u * r, kv_heads)
-  got = run(q, k, v, do, u, r, is_causal=causal, load_balance=load_balance,
-            causal_step=step)
+  got = run(q, k, v, do, u, r, is_causal=causal, load_balance=load_balance)
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=causal))
 
 

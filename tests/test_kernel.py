@@ -90,7 +90,8 @@ def test_mask_cases_match_reference(name):
   check(q, k, v, do, CASES[name])
 
 
-@pytest.mark.parametrize("groups", [1, 2, 4, 8])
+@pytest.mark.parametrize("groups", [
+    1, 4, *(pytest.param(g, marks=pytest.mark.slow) for g in (2, 8))])
 def test_gqa_groups(groups):
   kh = 2
   q, k, v, do = ref.random_qkv(groups, B, T, S, kh * groups, kh, H)
@@ -105,8 +106,10 @@ def test_dtypes(dtype, name):
   assert out.dtype == dtype
 
 
-@pytest.mark.parametrize("bias_shape", [(B, N, T, S), (1, N, T, S),
-                                        (B, 1, T, S), (1, 1, T, S)])
+@pytest.mark.parametrize("bias_shape", [
+    (B, N, T, S), (1, 1, T, S),
+    *(pytest.param(s, marks=pytest.mark.slow)
+      for s in ((1, N, T, S), (B, 1, T, S)))])
 def test_bias_and_its_gradient(bias_shape):
   q, k, v, do = ref.random_qkv(7, B, T, S, N, K, H)
   bias = jax.random.normal(jax.random.key(8), bias_shape)

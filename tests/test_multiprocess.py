@@ -73,6 +73,7 @@ def test_ring_across_two_processes_matches_reference(tmp_path):
                        f"{path} d{name}")
 
 
+@pytest.mark.slow
 def test_example_under_jax_distributed_trains_like_one_process(tmp_path):
   """train_lm.py --distributed: each process builds the global batch and
   places its own shards; losses equal the single-process run's up to the

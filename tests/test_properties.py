@@ -4,6 +4,7 @@ import dataclasses
 
 import hypothesis.strategies as st
 import jax.numpy as jnp
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 import reference as ref
@@ -34,10 +35,19 @@ def problems(draw):
   return (b, t, s, kh * g, kh, h), case, tiles, draw(st.integers(0, 2**16))
 
 
-@settings(max_examples=30, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(problems())
-def test_random_problems_match_reference(problem):
+def _matches_reference(problem):
   shape, case, tiles, seed = problem
   q, k, v, do = ref.random_qkv(seed, *shape[:3], *shape[3:], jnp.float32)
   check(q, k, v, do, case, **tiles)
+
+
+def _examples(n):
+  """``n`` random problems; each is a fresh compile (2-3 s here)."""
+  return settings(max_examples=n, deadline=None,
+                  suppress_health_check=[HealthCheck.too_slow])
+
+
+test_random_problems_match_reference = _examples(10)(
+    given(problems())(_matches_reference))
+test_many_random_problems_match_reference = pytest.mark.slow(_examples(60)(
+    given(problems())(_matches_reference)))

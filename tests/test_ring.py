@@ -97,11 +97,20 @@ Q_LENGTHS = np.array([S - 7, 13], np.int32)
 KV_LENGTHS = np.array([S - 3, 29], np.int32)
 
 
+def _default_lane(cp, causal, load_balance, loop):
+  """The default run's share of the full matrix: every layout x mask x loop
+  at cp = 4, and every layout causal and unrolled at cp = 2 and 8 (rank-
+  coded shards make a misplaced shard show at any cp). The rest runs with
+  ``-m slow``."""
+  return cp == 4 or (causal and loop == "unrolled")
+
+
 @pytest.mark.parametrize(
     "cp, causal, load_balance, loop",
-    list(itertools.product([2, 4, 8], [True, False],
-                           [None, "dual_chunk", "striped"],
-                           ["scan", "unrolled"])),
+    [pytest.param(*c, marks=() if _default_lane(*c) else pytest.mark.slow)
+     for c in itertools.product([2, 4, 8], [True, False],
+                                [None, "dual_chunk", "striped"],
+                                ["scan", "unrolled"])],
     ids=case_id)
 def test_ring_matches_reference(cp, causal, load_balance, loop):
   q, k, v, do = rank_coded_qkv(cp, cp, load_balance=load_balance)
@@ -110,23 +119,32 @@ def test_ring_matches_reference(cp, causal, load_balance, loop):
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=causal))
 
 
+# A window's chunk pairs compile one static band per chunk distance, so the
+# larger rings and the dual-chunk scans (the slowest programs to compile
+# here) run with ``-m slow``; every layout x causal/full x window stays in
+# the default run.
+_SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(
     "cp, load_balance, causal, window, loop",
     [(4, "dual_chunk", True, (5, 0), "unrolled"),
-     (4, "dual_chunk", True, (13, 0), "scan"),
+     pytest.param(4, "dual_chunk", True, (13, 0), "scan", marks=_SLOW),
      (2, None, True, (7, 0), "scan"),
      (4, None, False, (9, 4), "unrolled"),
-     (4, "dual_chunk", False, (3, 11), "scan"),
+     pytest.param(2, "dual_chunk", False, (3, 11), "unrolled", marks=_SLOW),
+     pytest.param(4, "dual_chunk", False, (3, 11), "scan", marks=_SLOW),
      (4, "dual_chunk", True, None, "unrolled"),
      (4, None, True, None, "scan"),
-     (8, "dual_chunk", True, (4, 0), "unrolled"),
+     pytest.param(8, "dual_chunk", True, (4, 0), "unrolled", marks=_SLOW),
      (4, "striped", True, (5, 0), "unrolled"),
      (4, "striped", False, (3, 7), "scan"),
-     (8, "striped", True, (13, 0), "scan"),
+     pytest.param(8, "striped", True, (13, 0), "scan", marks=_SLOW),
      (4, "striped", True, None, "unrolled"),
      (4, "striped", False, None, "scan")],
     ids=["n4_dual_causal_w5", "n4_dual_causal_w13_scan", "n2_contig_w7",
-         "n4_contig_full_w9_4", "n4_dual_full_w3_11_scan",
+         "n4_contig_full_w9_4", "n2_dual_full_w3_11",
+         "n4_dual_full_w3_11_scan",
          "n4_dual_causal_pad_only", "n4_contig_causal_pad_only_scan",
          "n8_dual_causal_w4", "n4_striped_causal_w5", "n4_striped_full_w3_7",
          "n8_striped_causal_w13_scan", "n4_striped_causal_pad_only",
@@ -237,69 +255,62 @@ def test_backward_sends_no_kv_a_second_time(path, monkeypatch):
 
 @pytest.mark.parametrize("cp, causal, load_balance, extra", [
     (2, True, "dual_chunk", {}),
-    (4, True, "dual_chunk", dict(causal_step="paired")),
-    (8, True, "dual_chunk", {}),
+    (4, True, "dual_chunk", {}),
+    (4, True, "dual_chunk", dict(loop="scan")),
     (4, True, None, {}),
-    (4, True, "striped", {}),
-    (4, False, None, dict(local_window_size=(20, 9))),
+    (8, True, "striped", {}),
+    (4, False, None, dict(loop="scan", local_window_size=(20, 9))),
     (8, True, "dual_chunk", dict(query_seq_lengths=jnp.asarray(Q_LENGTHS),
                                  key_value_seq_lengths=jnp.asarray(
                                      KV_LENGTHS))),
-    (4, True, "dual_chunk", dict(kv_sends="gather")),
-    (4, True, "dual_chunk", dict(kv_sends="gather", loop="scan")),
-    (8, True, "striped", dict(kv_sends="gather")),
-    (4, False, None, dict(kv_sends="gather", loop="scan",
-                          local_window_size=(20, 9))),
-    (8, True, "dual_chunk", dict(kv_sends="gather", causal_step="paired")),
-], ids=["n2", "n4_paired", "n8", "n4_contiguous", "n4_striped",
-        "n4_window", "n8_padding", "gather_n4", "gather_n4_scan",
-        "gather_n8_striped", "gather_n4_window_scan", "gather_n8_paired"])
-def test_direct_and_gathered_kv_sends_match_reference(cp, causal,
-                                                      load_balance, extra):
-  """kv_sends="direct" (the default here): step i's K/V from its owner,
-  dK/dV parts straight back; "gather": from one all-gather, dK/dV straight
-  back (unrolled) or along the ring (scan). GQA (K < N) throughout."""
+], ids=["n2", "n4", "n4_scan", "n4_contiguous", "n8_striped",
+        "n4_window_scan", "n8_padding"])
+def test_gathered_kv_sends_match_reference(cp, causal, load_balance, extra):
+  """kv_sends="gather": each step's K/V from one all-gather, dK/dV parts
+  straight back to their owners (unrolled) or along the ring (scan). GQA
+  (K < N) throughout."""
   q, k, v, do = rank_coded_qkv(40 + cp, cp, load_balance=load_balance)
   case = ref.Case(H**-0.5, is_causal=causal,
                   window=extra.get("local_window_size"))
   if "query_seq_lengths" in extra:
     case = dataclasses.replace(case, q_lengths=Q_LENGTHS,
                                kv_lengths=KV_LENGTHS)
-  kw = dict(loop="unrolled", kv_sends="direct") | extra
+  kw = dict(loop="unrolled", kv_sends="gather") | extra
   got = run_ring(q, k, v, do, cp, is_causal=causal, load_balance=load_balance,
                  **kw)
   check(got, q, k, v, do, case)
 
 
-@pytest.mark.parametrize("path, kv_sends", [
-    ("shard_map", "direct"), ("automatic", "direct"),
-    ("shard_map", "gather"), ("automatic", "gather")])
-def test_direct_and_gathered_kv_sends_collectives(path, kv_sends):
-  """cp = 4, unrolled. Forward: 3 K/V permutes (by 1, 2, 3) for "direct",
-  one all-gather for "gather". Forward+backward: 3 dK/dV parts sent back,
-  with no final return. The backward's K/V come from the forward's sends
-  or gather (shard_map: one program) or from a gather of its own (the
-  automatic path's backward is a partitioned call of its own)."""
-  fwd, both = unrolled_ring_collectives(path, 16, kv_sends)
-  gather = kv_sends == "gather"
-  assert (fwd["collective-permute"], fwd["all-gather"]) == (
-      (0, 1) if gather else (3, 0)), fwd
-  assert both["collective-permute"] == (3 if gather else 6), both
-  assert both["all-gather"] == (path == "automatic") + gather, both
+@pytest.mark.parametrize("path", ["shard_map", "automatic"])
+def test_gathered_kv_sends_collectives(path):
+  """cp = 4, unrolled, kv_sends="gather". Forward: one all-gather, no
+  permute. Forward+backward: 3 dK/dV parts sent back, with no final
+  return. The backward's K/V come from the forward's gather (shard_map: one
+  program) or from a gather of its own (the automatic path's backward is a
+  partitioned call of its own)."""
+  fwd, both = unrolled_ring_collectives(path, 16, "gather")
+  assert (fwd["collective-permute"], fwd["all-gather"]) == (0, 1), fwd
+  assert both["collective-permute"] == 3, both
+  assert both["all-gather"] == 1 + (path == "automatic"), both
 
 
-@pytest.mark.parametrize("extra, part", [
-    ({}, ("bf16", f"2,{B},{S // 4},{K},{H}")),
-    (dict(causal_step="paired"), ("bf16", f"2,{2 * B},{S // 8},{K},{H}")),
-    (dict(local_window_size=(20, 0)), ("f32", f"2,{B},{S // 4},{K},{H}")),
-], ids=["cond", "paired", "window"])
-def test_dkv_parts_go_back_in_the_kernels_dtype(extra, part):
+_WINDOW_PART = (dict(local_window_size=(20, 0)),
+                ("f32", f"2,{B},{S // 4},{K},{H}"))
+
+
+@pytest.mark.parametrize("extra, part, values", [
+    ({}, ("bf16", f"2,{B},{S // 4},{K},{H}"), True),
+    (*_WINDOW_PART, False),
+    pytest.param(*_WINDOW_PART, True, marks=_SLOW),
+], ids=["cond", "window", "window_values"])
+def test_dkv_parts_go_back_in_the_kernels_dtype(extra, part, values):
   """kv_sends="gather", unrolled, bf16, cp = 4: each step's dK/dV part goes
   back to its owner in bf16, as the block kernel returned it (nothing
-  rounds): the held kv's (2, B, T, K, H), or a paired step's two C-row
-  pairs, unplaced (2, 2B, C, K, H); in float32 where a step adds several
-  calls (window pairs). The owner sums in float32; the grads hold bf16
-  tolerance against the float64 reference."""
+  rounds): the held kv's (2, B, T, K, H); in float32 where a step adds
+  several calls (window pairs). The owner sums in float32; the grads hold
+  bf16 tolerance against the float64 reference (for the window, a slow
+  compile, with ``-m slow``; its float32 values are checked in the
+  default run by test_gathered_kv_sends_match_reference)."""
   cp = 4
   q, k, v, do = (x.astype(jnp.bfloat16) for x in rank_coded_qkv(21, cp))
   kw = dict(is_causal=True, load_balance="dual_chunk", loop="unrolled",
@@ -315,6 +326,8 @@ def test_dkv_parts_go_back_in_the_kernels_dtype(extra, part):
   hlo = g.lower(q, k, v, do).compiler_ir("hlo").as_hlo_text()
   sent = re.findall(r"(\w+)\[([\d,]+)\][^\n]* collective-permute\(", hlo)
   assert sent == [part] * (cp - 1), sent
+  if not values:
+    return
   got = run_ring(q, k, v, do, cp, **kw)
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True,
                                    window=extra.get("local_window_size")))
@@ -353,53 +366,6 @@ def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):
   assert jax_ring._src.config.loop_from_environment() == "scan"
   monkeypatch.setenv("NVTE_FUSED_RING_ATTENTION_USE_SCAN", "0")
   assert jax_ring._src.config.loop_from_environment() == "unrolled"
-
-
-@pytest.mark.parametrize("cp, loop, kv_heads, extra", [
-    (2, "scan", K, {}),
-    (4, "unrolled", K, {}),
-    (8, "unrolled", K, {}),
-    (4, "scan", 1, dict(logits_soft_cap=3.0)),
-    (4, "unrolled", K, dict(query_seq_lengths=jnp.asarray(Q_LENGTHS),
-                            key_value_seq_lengths=jnp.asarray(KV_LENGTHS))),
-], ids=["n2_scan", "n4", "n8", "n4_mqa_softcap_scan", "n4_padding"])
-def test_paired_causal_step_matches_reference(cp, loop, kv_heads, extra):
-  """causal_step="paired" (dual-chunk causal steps without a lax.cond);
-  with packed documents: in the packed-segments test."""
-  q, k, v, do = rank_coded_qkv(30 + cp, cp, kv_heads, "dual_chunk")
-  case = ref.Case(H**-0.5, is_causal=True,
-                  soft_cap=extra.get("logits_soft_cap"))
-  if "query_seq_lengths" in extra:
-    case = dataclasses.replace(case, q_lengths=Q_LENGTHS,
-                               kv_lengths=KV_LENGTHS)
-  got = run_ring(q, k, v, do, cp, is_causal=True, load_balance="dual_chunk",
-                 loop=loop, causal_step="paired", **extra)
-  check(got, q, k, v, do, case)
-
-
-@pytest.mark.parametrize("loop", ["scan", "unrolled"])
-def test_paired_causal_step_runs_no_conditional(loop):
-  """The forward and backward of a paired ring compile without a
-  conditional (on GPU each one copies its predicate to the host); the
-  cond form has one per step after the first, in each pass."""
-  cp = 4
-  q, k, v, do = rank_coded_qkv(32, cp)
-  spec = P(None, "cp")
-
-  def conditionals(causal_step):
-    f = jax.shard_map(
-        lambda q, k, v: jax_ring.ring_attention(
-            q, k, v, axis_name="cp", is_causal=True,
-            load_balance="dual_chunk", loop=loop, causal_step=causal_step,
-            kv_sends="neighbour", implementation="xla"),
-        mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
-    g = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1](do))
-    return len(re.findall(r"\bconditional\(", g.lower(q, k, v).compile()
-                          .as_text()))
-
-  assert conditionals("paired") == 0
-  # Unrolled: cp - 1 steps; scan: the body's step and the peeled last one.
-  assert conditionals("cond") == 2 * (cp - 1 if loop == "unrolled" else 2)
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -483,14 +449,9 @@ def test_errors():
   for kw, message in [
       (dict(load_balance="zigzag"),
        "load_balance must be None, 'dual_chunk' or 'striped'; got 'zigzag'"),
-      (dict(causal_step="select"),
-       "causal_step must be one of ('cond', 'paired'); got 'select'"),
-      (dict(kv_sends="all"),
-       "kv_sends must be None or one of ('neighbour', 'direct', 'gather'); "
-       "got 'all'"),
-      (dict(kv_sends="direct", loop="scan"),
-       "kv_sends='direct' needs loop='unrolled' (each step's permute has its "
-       "own static shift); got loop='scan'")]:
+      (dict(kv_sends="direct"),
+       "kv_sends must be None or one of ('neighbour', 'gather'); "
+       "got 'direct'")]:
     g = jax.shard_map(lambda x, kw=kw: jax_ring.ring_attention(
         x, x, x, axis_name="cp", **kw),
                       mesh=mesh(2), in_specs=spec, out_specs=spec)
@@ -521,15 +482,12 @@ def test_2d_mesh_data_by_cp_with_heads_unsharded():
 
 
 @pytest.mark.parametrize(
-    "load_balance, causal_step, kv_sends",
-    [(None, "cond", "neighbour"), ("dual_chunk", "cond", "neighbour"),
-     ("striped", "cond", "neighbour"), ("dual_chunk", "paired", "neighbour"),
-     ("dual_chunk", "cond", "gather")],
-    ids=["contiguous", "dual_chunk", "striped", "dual_chunk_paired",
-         "dual_chunk_gather"])
+    "load_balance, kv_sends",
+    [(None, "neighbour"), ("dual_chunk", "neighbour"),
+     ("striped", "neighbour"), ("dual_chunk", "gather")],
+    ids=["contiguous", "dual_chunk", "striped", "dual_chunk_gather"])
 @pytest.mark.parametrize("loop", ["scan", "unrolled"])
-def test_ring_packed_segments_cross_shard_boundaries(load_balance,
-                                                     causal_step, kv_sends,
+def test_ring_packed_segments_cross_shard_boundaries(load_balance, kv_sends,
                                                      loop):
   cp = 4
   q, k, v, do = rank_coded_qkv(16, cp, load_balance=load_balance)
@@ -538,8 +496,8 @@ def test_ring_packed_segments_cross_shard_boundaries(load_balance,
   f = jax.shard_map(
       lambda q, k, v, ids: jax_ring.ring_attention(
           q, k, v, axis_name="cp", is_causal=True, load_balance=load_balance,
-          segment_ids=ids, loop=loop, causal_step=causal_step,
-          kv_sends=kv_sends, implementation="xla"),
+          segment_ids=ids, loop=loop, kv_sends=kv_sends,
+          implementation="xla"),
       mesh=mesh(cp), in_specs=(spec,) * 4, out_specs=spec)
   got = layout_vjp(f, cp, load_balance, q, k, v, do, jnp.asarray(ids))
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True, q_segment_ids=ids,
@@ -550,15 +508,15 @@ def test_ring_packed_segments_cross_shard_boundaries(load_balance,
     "segments, dp, loop, window_and_padding, load_balance, ring_options", [
         (False, 2, "scan", False, "dual_chunk", {}),
         (True, 2, "unrolled", False, "dual_chunk", {}),
-        (True, 1, "unrolled", False, "dual_chunk",
-         dict(causal_step="paired")),
-        (True, 2, "scan", True, "dual_chunk", {}),
+        pytest.param(True, 2, "scan", True, "dual_chunk", {}, marks=_SLOW),
         (True, 2, "unrolled", True, "striped", {}),
-        (True, 2, "unrolled", True, "dual_chunk", dict(kv_sends=None))],
+        (True, 2, "unrolled", False, "dual_chunk", dict(kv_sends=None)),
+        pytest.param(True, 2, "unrolled", True, "dual_chunk",
+                     dict(kv_sends=None), marks=_SLOW)],
     ids=["dp2_cp4_scan", "dp2_cp4_unrolled_packed",
-         "dp1_cp4_unrolled_packed_paired",
          "dp2_cp4_scan_packed_window_pad",
          "dp2_cp4_unrolled_striped_packed_window_pad",
+         "dp2_cp4_unrolled_packed_default_sends",
          "dp2_cp4_unrolled_packed_window_pad_default_sends"])
 def test_automatic_path_under_jit_matches_reference(segments, dp, loop,
                                                     window_and_padding,

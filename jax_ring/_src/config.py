@@ -66,27 +66,19 @@ LOAD_BALANCES: tuple[str, ...] = get_args(LoadBalance)
 Strategy = Literal["ring", "all_gather", "ulysses", "hybrid", "auto"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
-# How a dual-chunk causal ring step after the first picks its block: a
-# lax.cond between half-KV and half-Q (on GPU its predicate is copied to the
-# host), or "paired": no branch, the two C x C pairs of either block, one
-# of them shared, as one batch-stacked call (see ring_blocks).
-CausalStep = Literal["cond", "paired"]
-CAUSAL_STEPS: tuple[str, ...] = get_args(CausalStep)
-
 # Where the ring's step-i K/V comes from: passed on by the previous device
-# ("neighbour": each send waits for the one before), straight from its
-# owner ("direct": a permute by i, independent of the other steps; for
-# fully connected devices, e.g. GPUs on NVSwitch; unrolled loop only), or
-# from one all-gather of every device's K/V ("gather": cp x the memory).
+# ("neighbour": each send waits for the one before; two K/V blocks held),
+# or from one all-gather of every device's K/V ("gather": cp x the memory).
 # None (the default): "gather" while the gathered K/V stay within
 # GATHER_KV_MAX_BYTES, else "neighbour".
-KvSends = Literal["neighbour", "direct", "gather"]
+KvSends = Literal["neighbour", "gather"]
+Loop = Literal["scan", "unrolled"]
 KV_SENDS: tuple[str, ...] = get_args(KvSends)
 
 # The most K/V bytes (all devices' stacked K/V, as one device holds them
 # after a gather) that the ring gathers rather than passes around: 128k
 # tokens of 32 kv heads x 128 at bf16. On 4xH200 the gather beat the
-# neighbour ring at every length measured, 16k-256k (README, "K/V sends");
+# neighbour ring at every length measured, 16k-256k (docs/decisions.md);
 # the cap keeps the longest sequences' memory, whose sends hide behind
 # compute anyway (a step's work grows as T^2, its K/V as T).
 GATHER_KV_MAX_BYTES = 2 * 2**30
@@ -96,33 +88,40 @@ GATHER_KV_MAX_BYTES = 2 * 2**30
 class ContextParallel:
   """How ``dot_product_attention`` splits the sequence across devices.
 
+  Every field has a default that the measurements favour
+  (docs/performance.md); ``jax_ring.explain`` prints the ones it applies.
+
   Attributes:
     axis: the mesh axis the sequence dimension is sharded over; for
       ``"hybrid"`` a pair ``(ulysses_axis, ring_axis)``, with the sequence
       sharded ring-major: ``P(None, (ring_axis, ulysses_axis))``.
     strategy: ``"ring"``, ``"all_gather"``, ``"ulysses"``, ``"hybrid"`` or
       ``"auto"`` (chosen per call and per pass, forward and backward, from
-      the shapes and the mesh; see ``jax_ring.explain``).
-    load_balance: ``"dual_chunk"`` or ``"striped"`` (inputs must be in
-      that layout, see ``reorder_for_load_balance``; for ``"hybrid"`` with
-      cp_size = the ring axis size) or ``None`` (contiguous shards).
-    loop: the ring's ``"scan"``, ``"unrolled"`` or ``None`` (from the
-      environment).
+      the shapes and the mesh; within 1.2% of the fastest strategy on
+      4xH200 and 2.7% on 2xH200; see ``jax_ring.explain``).
+    load_balance: ``"dual_chunk"`` (the default: every device does the same
+      causal work), ``"striped"`` (token i on device i mod cp: needs only
+      S % cp == 0, and matches pipelines that stripe; 1-3 points under
+      dual-chunk on 4xH200) or ``None`` (contiguous shards: right for
+      non-causal attention, unbalanced for causal). Inputs must be in that
+      layout (``reorder_for_load_balance``; for ``"hybrid"`` with cp_size =
+      the ring axis size).
+    loop: the ring's ``"unrolled"`` or ``"scan"`` loop, as in
+      ``ring_attention``; ``None`` reads
+      ``NVTE_FUSED_RING_ATTENTION_USE_SCAN`` (default unrolled).
     kv_chunk_heads: ``"all_gather"`` only: gather this many kv heads at a
-      time, bounding the gathered KV held per device.
-    causal_step: the ring's dual-chunk causal steps, ``"cond"`` (a
-      ``lax.cond`` between half-KV and half-Q) or ``"paired"`` (no branch;
-      see ``jax_ring._src.ring_blocks``).
-    kv_sends: the ring's K/V sends, ``"neighbour"``, ``"direct"``,
-      ``"gather"`` or ``None`` (by size: see ``jax_ring._src.ring``).
+      time, so that one group's gathered K/V is live at once (a memory
+      bound; within 5% of the one-shot gather's time on 4xH200).
+    kv_sends: the ring's K/V sends, as in ``ring_attention``: ``None``
+      (gather up to 2 GiB, else neighbour), ``"gather"`` or
+      ``"neighbour"``.
   """
 
   axis: str | tuple[str, str] = "cp"
   strategy: Strategy = "ring"
   load_balance: LoadBalance | None = "dual_chunk"
-  loop: Literal["scan", "unrolled"] | None = None
+  loop: Loop | None = None
   kv_chunk_heads: int | None = None
-  causal_step: CausalStep = "cond"
   kv_sends: KvSends | None = None
 
 
@@ -137,7 +136,6 @@ class ShardPlan:
     load_balance: the token layout of the shards (``None`` = contiguous).
     loop: the ring's loop form; other strategies ignore it.
     kv_chunk_heads: all-gather only: gather this many kv heads at a time.
-    causal_step: the ring's dual-chunk causal steps (``ContextParallel``).
     backward_kv: where the ring's backward gets each step's K/V: ``"ring"``
       sends them around again (inside one ``shard_map`` program XLA merges
       those sends with the forward's), ``"gather"`` all-gathers them once
@@ -150,9 +148,8 @@ class ShardPlan:
   axis_name: str
   cp_size: int
   load_balance: LoadBalance | None = None
-  loop: Literal["scan", "unrolled"] = "unrolled"
+  loop: Loop = "unrolled"
   kv_chunk_heads: int | None = None
-  causal_step: CausalStep = "cond"
   backward_kv: Literal["ring", "gather"] = "ring"
   kv_sends: KvSends | None = None
 

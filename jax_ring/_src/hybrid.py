@@ -80,7 +80,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ring._src import ring, shard_call, ulysses, validate
-from jax_ring._src.config import (AttentionConfig, CausalStep, KvSends,
+from jax_ring._src.config import (AttentionConfig, KvSends, Loop,
                                   ShardPlan, loop_from_environment)
 from jax_ring._src.layout import LoadBalance
 from jax_ring._src.mask import TokenMask
@@ -167,8 +167,7 @@ def hybrid_attention(query, key, value, *, axis_name: tuple[str, str],
                      segment_ids=None, query_seq_lengths=None,
                      key_value_seq_lengths=None, local_window_size=None,
                      scale=None, logits_soft_cap=None, implementation=None,
-                     loop: ring.Loop | None = None,
-                     causal_step: CausalStep = "cond",
+                     loop: Loop | None = None,
                      kv_sends: KvSends | None = None):
   """Exact attention over a sequence sharded over a ulysses and a ring axis.
 
@@ -198,7 +197,6 @@ def hybrid_attention(query, key, value, *, axis_name: tuple[str, str],
     implementation: block backend, as in ``dot_product_attention``.
     loop: the ring's loop form, ``"scan"`` or ``"unrolled"``; default from
       ``NVTE_FUSED_RING_ATTENTION_USE_SCAN`` as in :func:`ring_attention`.
-    causal_step: the ring's causal steps, as in :func:`ring_attention`.
     kv_sends: the ring's K/V sends, as in :func:`ring_attention` (its size
       rule counts the ulysses group's K/V).
 
@@ -211,7 +209,7 @@ def hybrid_attention(query, key, value, *, axis_name: tuple[str, str],
   validate.ulysses_heads(query.shape[2], u_axis, u)
   # The ring sees the ulysses group's gathered T * U tokens.
   validate.ring_options(load_balance, loop, query.shape[1] * u, r,
-                        causal_step, kv_sends)
+                        kv_sends)
   tm, cfg = shard_call.prepare(
       query, key, value, segment_ids=segment_ids,
       lengths=(query_seq_lengths, key_value_seq_lengths),
@@ -219,5 +217,5 @@ def hybrid_attention(query, key, value, *, axis_name: tuple[str, str],
       logits_soft_cap=logits_soft_cap, implementation=implementation)
   plans = (ShardPlan(u_axis, u, None),
            ShardPlan(r_axis, r, load_balance, loop or loop_from_environment(),
-                     causal_step=causal_step, kv_sends=kv_sends))
+                     kv_sends=kv_sends))
   return hybrid(query, key, value, tm, cfg, plans)

@@ -83,20 +83,19 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
     u, r = mesh.shape[u_axis], mesh.shape[r_axis]
     validate.ulysses_heads(local_heads, u_axis, u)
     validate.ring_options(cpc.load_balance, cpc.loop, seq // r, r,
-                          cpc.causal_step, cpc.kv_sends)
+                          cpc.kv_sends)
     plan = (ShardPlan(u_axis, u),
             ShardPlan(r_axis, r, cpc.load_balance, cpc.loop,
-                      causal_step=cpc.causal_step, backward_kv=kv_source,
-                      kv_sends=cpc.kv_sends))
+                      backward_kv=kv_source, kv_sends=cpc.kv_sends))
     seq_axes = (r_axis, u_axis)  # ring-major
   else:
     if cpc.strategy == "ulysses":
       validate.ulysses_heads(local_heads, cpc.axis, cp)
     validate.ring_options(cpc.load_balance, cpc.loop, seq // cp, cp,
-                          cpc.causal_step, cpc.kv_sends)
+                          cpc.kv_sends)
     plan = ShardPlan(cpc.axis, cp, cpc.load_balance, cpc.loop,
-                     cpc.kv_chunk_heads, cpc.causal_step, kv_source,
-                     cpc.kv_sends)
+                     kv_chunk_heads=cpc.kv_chunk_heads, backward_kv=kv_source,
+                     kv_sends=cpc.kv_sends)
     seq_axes = cpc.axis
   return batch, heads, seq_axes, _strategy(cpc.strategy), plan
 

@@ -8,7 +8,7 @@ next device with one ``ppermute`` per step (K and V as two operands of the
 permute measured 3% slower, forward+backward on 4xH200 at 16k). The send
 for step i+1 is issued before step i's block compute (they do not depend
 on each other, so XLA can overlap them; whether it does depends on its
-cost model: README, "Overlap on GPU"), and the last step is peeled so
+cost model: docs/decisions.md, "Scheduler"), and the last step is peeled so
 that no permute is wasted.
 Partial results merge through their softmax statistics in float32; the output
 is cast to the input dtype once, at the end.
@@ -22,21 +22,17 @@ kv_sends   step i's K/V on device r            dK/dV of the held K/V
 neighbour  device r - 1's step i-1 K/V         travel with it; a last
            (each send waits for the one        permute returns them
            before: a chain)                    (cp sends)
-direct     device r - i's own K/V, a permute   each step's part goes
-           by i (no send waits for another)    straight back (cp-1 sends)
-gather     slice r - i of one all-gather of    as "direct" (unrolled), or
-           every device's K/V, which step 0    as "neighbour" (scan)
-           (own K/V) can overlap
+gather     slice r - i of one all-gather of    each step's part goes
+           every device's K/V, which step 0    straight back, a permute by
+           (own K/V) can overlap               -i (unrolled; cp-1 sends),
+                                               or as "neighbour" (scan)
 =========  ==================================  ============================
 
-All three move the same K/V bytes. "direct" needs every device pair linked
-(GPUs on NVSwitch), and lets the scheduler start any send early, which XLA's
-GPU scheduler does not do along the chain (README, "Overlap on GPU"); but
-XLA runs its sends one after another on one stream, each at one link's
-speed. "gather" moves them as one collective (NCCL's all-gather uses every
-link at once) and holds cp x the local K/V through the pass; on 4xH200 it
-was the fastest of the three from 16k to 256k tokens, and the default takes
-it up to a memory cap.
+Both move the same K/V bytes. "gather" moves them as one collective
+(NCCL's all-gather uses every link at once) and holds cp x the local K/V
+through the pass; on 4xH200 it was faster than the chain of sends at every
+length measured, 16k to 256k tokens, so the default takes it up to a memory
+cap (docs/decisions.md, "K/V sends").
 
 Schedule on device r, step i, holding the KV of device ``src = (r - i) % cp``
 (causal; without a causal mask every step is "full"; striped below):
@@ -54,12 +50,9 @@ contiguous  i > 0, src > r         skip (above the diagonal)
 
 Under dual_chunk every step after the first costs the same C x 2C block on
 every device. The local order [chunk r, chunk 2N-1-r] is increasing in global
-position, so the diagonal step is exactly a local causal mask. With
-``causal_step="paired"`` the half-KV/half-Q choice is not a branch: both
-blocks are the pair (second q chunk, first kv chunk) plus (q chunk i, kv
-chunk i), i = [src > r], run as one call of two C x C pairs stacked on the
-batch axis (``ring_blocks.paired_fwd``): on GPU a ``lax.cond`` copies its
-predicate to the host and waits for it, which this avoids.
+position, so the diagonal step is exactly a local causal mask. On GPUs the
+``lax.cond`` runs as a conditional node of the CUDA graph that holds the
+step's cuDNN calls, so choosing a branch costs no host round trip.
 
 Padding lengths are global positions; because every block's chunks are in
 increasing global order, the valid tokens of a block are a prefix of it, so
@@ -80,19 +73,17 @@ sends           what travels                 dtype
 ==============  ===========================  ================================
 neighbour       running dK/dV sums           float32: a 16-bit sum would
                                              round at every hop
-direct, gather  one step's dK/dV part, to    K/V's dtype, as the block
+gather          one step's dK/dV part, to    K/V's dtype, as the block
 (unrolled)      its owner, which sums the    kernel returned it (nothing
-                parts in float32             rounds; a "paired" step sends
-                                             its two pairs unplaced and the
-                                             owner places them); float32
-                                             where a step adds several calls
-                                             (window pairs)
+                parts in float32             rounds); float32 where a step
+                                             adds several calls (window
+                                             pairs)
 ==============  ===========================  ================================
 
 16-bit parts halve the backward's bytes on the wire and skip a float32
 stacking copy per step; at 16k tokens on 4xH200 the float32 sends had
-been what the backward waited on (README, "dK/dV parts in the kernel's
-dtype"). With direct or gather sends the backward runs the own step last,
+been what the backward waited on (docs/decisions.md, "Wire dtypes"). With
+gathered K/V the backward runs the own step last,
 so that the last part's send hides behind it, except where the backward
 gathers K/V itself (the automatic path's ``backward_kv="gather"``): there
 the own step runs first, beside the gather.
@@ -102,8 +93,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -111,12 +100,11 @@ from jax import lax
 from jax_ring._src import ring_blocks as blocks
 from jax_ring._src import ring_striped as striped
 from jax_ring._src import config, shard_call, validate
-from jax_ring._src.config import (AttentionConfig, CausalStep, KvSends,
-                                  ShardPlan, loop_from_environment)
+from jax_ring._src.config import (AttentionConfig, KvSends, Loop, ShardPlan,
+                                  loop_from_environment)
 from jax_ring._src.layout import LoadBalance
 from jax_ring._src.mask import TokenMask
 
-Loop = Literal["scan", "unrolled"]
 
 # Re-exported: the merge and the chunk layout are the ring's vocabulary.
 merge, chunk_ids = blocks.merge, blocks.chunk_ids
@@ -169,32 +157,13 @@ def _ring_loop(plan, first, later, kv, carry):
   return later(cp - 1, kv, carry)
 
 
-def _direct_loop(plan, first, later, kv, carry, own_last=False):
-  """``_ring_loop``'s steps with step i's KV sent straight from its owner (a
-  permute by i of the own KV, ``kv_sends="direct"``): no send waits for
-  another, so each may start as early as the scheduler likes. Step i+1's
-  send is still issued before step i's compute. ``own_last``: the step on
-  the own KV runs after the others, not before."""
-  cp = plan.cp_size
-  if cp == 1:
-    return first(kv, carry)
-  nxt = _shift(kv, plan, 1)
-  if not own_last:
-    carry = first(kv, carry)
-  for step in range(1, cp):
-    held = nxt
-    if step + 1 < cp:
-      nxt = _shift(kv, plan, step + 1)
-    carry = later(step, held, carry)
-  return first(kv, carry) if own_last else carry
-
-
 def _gathered_loop(plan, first, later, kv, carry, own_last=False):
   """``_ring_loop``'s steps with each step's KV read from one all-gather of
   every device's (``kv_sends="gather"``, and the automatic path's backward:
   see ``ShardPlan``); the first step, on the own KV, can overlap the
   gather. The gathered K/V (cp x this device's) live through the loop.
-  ``own_last`` (unrolled): the own step runs after the others instead."""
+  ``own_last`` (unrolled): the own step runs after the others instead,
+  so that it hides the last dK/dV part's send."""
   if plan.cp_size == 1:
     return first(kv, carry)
   every = jax.tree.map(lambda a: lax.all_gather(a, plan.axis_name), kv)
@@ -214,8 +183,7 @@ def _gathered_loop(plan, first, later, kv, carry, own_last=False):
 
 def _kv_loop(plan: ShardPlan):
   """The loop that brings each step's K/V (``plan.kv_sends``)."""
-  return dict(neighbour=_ring_loop, direct=_direct_loop,
-              gather=_gathered_loop)[plan.kv_sends]
+  return dict(neighbour=_ring_loop, gather=_gathered_loop)[plan.kv_sends]
 
 
 def _sends(plan: ShardPlan, k) -> ShardPlan:
@@ -239,12 +207,6 @@ def _step_call(fn, plan, causal, r, src, *args):
     return fn(before, *args)
   return lax.cond(src < r, functools.partial(fn, before),
                   functools.partial(fn, after), *args)
-
-
-def _paired(plan: ShardPlan, cfg: AttentionConfig) -> bool:
-  """Dual-chunk causal steps run branch-free (``causal_step="paired"``)."""
-  return (plan.causal_step == "paired" and cfg.is_causal and
-          plan.load_balance == "dual_chunk")
 
 
 def _f32(x):
@@ -294,11 +256,8 @@ def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
     def later(step, kv, carry):
       src = src_of(step)
       kc = blocks.chunk_ids(plan, src)
-      if _paired(plan, cfg):
-        part = blocks.paired_fwd(q, tm, kv, qc, kc, src > r, cfgs[0])
-      else:
-        part = _step_call(lambda kind, kv: blocks.kind_fwd(
-            kind, q, tm, kv, qc, kc, cfgs), plan, cfg.is_causal, r, src, kv)
+      part = _step_call(lambda kind, kv: blocks.kind_fwd(
+          kind, q, tm, kv, qc, kc, cfgs), plan, cfg.is_causal, r, src, kv)
       return blocks.merge(*carry, *part)
 
   out, lse = _kv_loop(plan)(plan, first, later, kv0, None)
@@ -312,16 +271,13 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   r = lax.axis_index(plan.axis_name)
   src_of = lambda step: (r - step) % plan.cp_size
   grads = (out, lse, dout)
-  # Neighbour sends carry running dK/dV sums (float32); elsewhere (a static
-  # shift: unrolled only) each step's part goes straight back to its owner,
+  # Neighbour sends carry running dK/dV sums (float32); gathered K/V (a
+  # static shift: unrolled only) send each step's part straight back to its owner,
   # a permute by -step, as the step returned it, and the owner sums in
   # float32. A step returns what its kernel call gave (K/V's dtype: one call
   # per step, nothing rounds, 16-bit halves the bytes), float32 where it
   # adds several calls (window pairs).
-  direct = plan.kv_sends != "neighbour" and plan.loop == "unrolled"
-  # A step's part as the held kv's float32 dK/dV; ``holder``: the device
-  # that made it at ``step`` (paired parts are placed by its flag).
-  placed = lambda step, part, holder: part.astype(jnp.float32)
+  parts_back = plan.kv_sends == "gather" and plan.loop == "unrolled"
   if plan.load_balance == "striped":
     first_bwd = lambda kv: striped.striped_bwd(
         q, tm, kv, r, r, (0,), *grads, cfg, plan, tm.same_ids)
@@ -343,16 +299,11 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
     def step_bwd(step, kv):
       src = src_of(step)
       kc = blocks.chunk_ids(plan, src)
-      if _paired(plan, cfg):
-        return blocks.paired_bwd(q, tm, kv, qc, kc, src > r, *grads, cfgs[0])
       # In the kernel's dtypes; the float32 sums widen them after the cond.
       return _step_call(lambda kind, kv: blocks.kind_bwd(
           kind, q, tm, kv, qc, kc, *grads, cfgs), plan, cfg.is_causal, r,
                         src, kv)
 
-    if _paired(plan, cfg):
-      placed = lambda step, part, holder: blocks.paired_place(
-          part, (holder - step) % plan.cp_size > holder)
 
   # Neighbour sends: the carry is (dq, dkv), and dkv belongs to the KV held
   # at this step, so it moves with it after the step's compute.
@@ -360,22 +311,21 @@ def _backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
     dq, dkv = carry
     dkv = _send_next(dkv, plan)
     dq_i, part = step_bwd(step, kv)
-    return dq + dq_i, dkv + placed(step, part, r)
+    return dq + dq_i, dkv + part.astype(jnp.float32)
 
-  def later_direct(step, kv, carry):
+  def later_parts(step, kv, carry):
     dq_i, part = step_bwd(step, kv)
     back = _shift(part, plan, -step)  # made on device r + step
-    return _add(carry, (dq_i, placed(step, back,
-                                     (r + step) % plan.cp_size)))
+    return _add(carry, (dq_i, back))
 
   loop = _gathered_loop if plan.backward_kv == "gather" else _kv_loop(plan)
   kv0 = blocks.held_kv(k, v, tm)
   own = lambda kv, carry: _add(carry, first_bwd(kv))
-  if direct:
+  if parts_back:
     # The own step's part stays here: run last, it hides the last part's
     # send. Not where this backward gathers K/V itself (the automatic
     # path): there the own step runs first, beside the gather.
-    dq, dkv = loop(plan, own, later_direct, kv0, None,
+    dq, dkv = loop(plan, own, later_parts, kv0, None,
                    own_last=plan.backward_kv == "ring")
   else:
     dq, dkv = loop(plan, own, later, kv0, None)
@@ -394,7 +344,6 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
                    key_value_seq_lengths=None, local_window_size=None,
                    scale=None, logits_soft_cap=None, implementation=None,
                    loop: Loop | None = None,
-                   causal_step: CausalStep = "cond",
                    kv_sends: KvSends | None = None):
   """Exact attention over a sequence sharded along mesh axis ``axis_name``.
 
@@ -420,17 +369,20 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
     scale: logit multiplier; default ``1 / sqrt(H)``.
     logits_soft_cap: Gemma-2 soft cap, as in ``dot_product_attention``.
     implementation: block backend, as in ``dot_product_attention``.
-    loop: ``"scan"`` or ``"unrolled"``; default from the environment
-      variable ``NVTE_FUSED_RING_ATTENTION_USE_SCAN`` (1 = scan, 0 =
-      unrolled, as in TransformerEngine), else ``"unrolled"``.
-    causal_step: dual-chunk causal steps after the first: ``"cond"`` (a
-      ``lax.cond`` between the half-KV and half-Q blocks) or ``"paired"``
-      (no branch: their two C x C pairs as one batch-stacked block call).
-    kv_sends: ``"neighbour"`` (each step's K/V from the previous device),
-      ``"direct"`` (from its owner, a permute by the step; unrolled only),
-      ``"gather"`` (one all-gather of every device's K/V, held through the
-      pass: cp x the local K/V) or ``None``: ``"gather"`` while that is at
-      most ``GATHER_KV_MAX_BYTES`` (2 GiB), else ``"neighbour"``.
+    loop: ``"unrolled"`` (the default: the backward reuses the forward's
+      K/V sends, and was 0.4-3.8% faster on 8xH200) or ``"scan"`` (one
+      step's program, so compiles stay small at large cp; its forward was
+      faster on the automatic path on 8xH200 up to 128k tokens). Default
+      from ``NVTE_FUSED_RING_ATTENTION_USE_SCAN`` (1 = scan, as in
+      TransformerEngine), else ``"unrolled"``.
+    kv_sends: where each step's K/V come from. ``None`` (the default):
+      ``"gather"`` while cp x the local K/V are at most
+      ``GATHER_KV_MAX_BYTES`` (2 GiB), else ``"neighbour"``. ``"gather"``:
+      one all-gather of every device's K/V, held through the pass (the
+      fastest at every length measured on 4xH200, 16k-256k tokens; name it
+      to gather past the cap when memory allows). ``"neighbour"``: each
+      step's K/V from the previous device, two K/V blocks held at a time
+      (name it to keep memory flat below the cap).
 
   Returns:
     ``(B, T, N, H)`` in the input dtype: this device's rows of the output.
@@ -438,13 +390,11 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   cp = validate.mesh_axis(axis_name)
   loop = loop or loop_from_environment()
-  validate.ring_options(load_balance, loop, query.shape[1], cp, causal_step,
-                        kv_sends)
+  validate.ring_options(load_balance, loop, query.shape[1], cp, kv_sends)
   tm, cfg = shard_call.prepare(
       query, key, value, segment_ids=segment_ids,
       lengths=(query_seq_lengths, key_value_seq_lengths),
       local_window_size=local_window_size, is_causal=is_causal, scale=scale,
       logits_soft_cap=logits_soft_cap, implementation=implementation)
-  plan = ShardPlan(axis_name, cp, load_balance, loop,
-                   causal_step=causal_step, kv_sends=kv_sends)
+  plan = ShardPlan(axis_name, cp, load_balance, loop, kv_sends=kv_sends)
   return ring(query, key, value, tm, cfg, plan)

@@ -6,7 +6,7 @@ Shapes, per device: ``q (B, T, N, H)``; the held ``kv`` is what travels the
 ring: (K/V, stacked ``(2, B, T, K, H)`` or a ``(k, v)`` pair, and the kv
 segment ids ``(B, T)`` or None; see :func:`held_kv`). dK/dV are always
 stacked ``(2, B, T, K, H)``: in the kernel's dtype from one call per step
-(``kind_bwd``, ``paired_bwd``), float32 from window pairs, which add
+(``kind_bwd``), float32 from window pairs, which add
 several calls. C = T / 2 under the dual-chunk layout.
 
 With a sliding window (contiguous and dual_chunk) the schedule works per
@@ -216,84 +216,6 @@ def kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs, own=False):
   blk = _kind_block(kind, q, tm, kv, qc, kc, own)
   dq, dkv = _bwd(blk, out, lse, dout, cfgs[kind == "diag"])
   return _place(dq, blk.rows, t, 1), _place(dkv, blk.cols, t, 2)
-
-
-# --- a dual-chunk causal step without a branch ("paired") ----------------
-#
-# With q chunks (q0, q1) and held kv chunks (k0, k1) of C tokens, half-KV
-# (src < r) is the pairs (q0, k0) + (q1, k0) and half-Q (src > r) is
-# (q1, k0) + (q1, k1): both are (q1, k0) plus (q_i, k_i), i = [src > r].
-# The two unmasked C x C pairs run as one block call, stacked on the batch
-# axis (2B rows of C), with i a traced index: no lax.cond, so no predicate
-# copied to the host, the same kernel on every device at every step, and
-# selects (not branches) place the results.
-
-def _chunks(x, fixed, i, c):
-  """Chunks ``fixed`` (static) and ``i`` (traced) of C tokens along axis 1,
-  stacked on the batch axis: ``(2B, C, ...)``; None stays None."""
-  if x is None:
-    return None
-  return jnp.concatenate([x[:, fixed * c:(fixed + 1) * c],
-                          lax.dynamic_slice_in_dim(x, i * c, c, 1)])
-
-
-def _paired_block(q, tm, kv, qc, kc, i):
-  """The batch-stacked block of the pairs (q1, k0) and (q_i, k_i)."""
-  c = q.shape[1] // 2
-  (k, v), kv_seg = (kv[0][0], kv[0][1]), kv[1]
-  pick = lambda ids: jnp.where(i == 0, ids[0], ids[1])
-  lengths = lambda n, ids: None if n is None else jnp.concatenate(
-      [prefix(n, [ids[0]], c), prefix(n, [ids[1]], c)])
-  mask = BlockMask(
-      q_segment_ids=_chunks(tm.q_segment_ids, 1, i, c),
-      kv_segment_ids=_chunks(kv_seg, 0, i, c),
-      q_lengths=lengths(tm.q_lengths, (qc[1], pick(qc))),
-      kv_lengths=lengths(tm.kv_lengths, (kc[0], pick(kc))))
-  return (_chunks(q, 1, i, c),
-          (_chunks(k, 0, i, c), _chunks(v, 0, i, c)), mask)
-
-
-def paired_fwd(q, tm, kv, qc, kc, later, cfg):
-  """(out f32, lse) over the local q of a dual-chunk causal step after the
-  first; ``later``: traced ``src > r``. ``cfg`` is the unmasked config."""
-  b, i = q.shape[0], later.astype(jnp.int32)
-  q2, kv2, mask = _paired_block(q, tm, kv, qc, kc, i)
-  o, l = kernel.attention(q2, *kv2, None, mask, cfg)
-  o = o.astype(jnp.float32)
-  shared, own = (o[:b], l[:b]), (o[b:], l[b:])
-  keep = lambda x, on: (jnp.where(on, x[0], 0),
-                        jnp.where(on, x[1], MASK_VALUE))
-  second = merge(*shared, *keep(own, i == 1))
-  first = keep(own, i == 0)
-  return tuple(jnp.concatenate(x, 1) for x in zip(first, second))
-
-
-def paired_bwd(q, tm, kv, qc, kc, later, out, lse, dout, cfg):
-  """(dq f32 of the local q, the pairs' dK/dV as the kernel gave them:
-  stacked ``(2, 2B, C, K, H)``, rows [(k0 of q1), (k_i of q_i)]; place
-  them on the held kv with :func:`paired_place`)."""
-  b, t = q.shape[:2]
-  c, i = t // 2, later.astype(jnp.int32)
-  q2, kv2, mask = _paired_block(q, tm, kv, qc, kc, i)
-  dq, dkv, _ = kernel.attention_backward_dkv(
-      q2, *kv2, None, mask, _chunks(out, 1, i, c), _chunks(lse, 1, i, c),
-      _chunks(dout, 1, i, c), None, cfg)
-  dq = dq.astype(jnp.float32)
-  dq = jnp.concatenate([jnp.where(i == 0, dq[b:], 0),
-                        dq[:b] + jnp.where(i == 1, dq[b:], 0)], 1)
-  return dq, dkv
-
-
-def paired_place(pairs, later):
-  """A paired step's dK/dV ``pairs`` (from :func:`paired_bwd`, run where
-  ``later`` = src > r) as the held kv's stacked float32 (2, B, 2C, K, H);
-  wherever the pairs went, ``later`` is the flag of the step that made
-  them."""
-  b, i = pairs.shape[1] // 2, later.astype(jnp.int32)
-  pairs = pairs.astype(jnp.float32)
-  shared, own = pairs[:, :b], pairs[:, b:]
-  return jnp.concatenate([shared + jnp.where(i == 0, own, 0),
-                          jnp.where(i == 1, own, 0)], 2)
 
 
 def _pair_switch(fn, skip, plan, cfg, a, b, tm, kv, r, src, c):

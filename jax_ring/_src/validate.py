@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ring._src.config import (CAUSAL_STEPS, IMPLEMENTATIONS, KV_SENDS,
-                                  LOAD_BALANCES)
+from jax_ring._src.config import IMPLEMENTATIONS, KV_SENDS, LOAD_BALANCES
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                 jnp.dtype(jnp.float16))
@@ -154,22 +153,15 @@ def kv_chunk_heads(kv_chunk_heads, kv_heads: int) -> None:
         f"key/value heads ({kv_heads}); got {kv_chunk_heads!r}")
 
 
-def ring_choices(load_balance, loop, causal_step="cond",
-                 kv_sends=None) -> None:
+def ring_choices(load_balance, loop, kv_sends=None) -> None:
   if load_balance is not None and load_balance not in LOAD_BALANCES:
     raise ValueError(f"load_balance must be None, 'dual_chunk' or 'striped'; "
                      f"got {load_balance!r}")
   if loop not in (None, "scan", "unrolled"):
     raise ValueError(f"loop must be None, 'scan' or 'unrolled'; got {loop!r}")
-  if causal_step not in CAUSAL_STEPS:
-    raise ValueError(f"causal_step must be one of {CAUSAL_STEPS}; got "
-                     f"{causal_step!r}")
   if kv_sends is not None and kv_sends not in KV_SENDS:
     raise ValueError(f"kv_sends must be None or one of {KV_SENDS}; got "
                      f"{kv_sends!r}")
-  if kv_sends == "direct" and loop == "scan":
-    raise ValueError("kv_sends='direct' needs loop='unrolled' (each step's "
-                     "permute has its own static shift); got loop='scan'")
 
 
 def strategy_layout(strategy: str, load_balance) -> None:
@@ -181,11 +173,11 @@ def strategy_layout(strategy: str, load_balance) -> None:
 
 
 def ring_options(load_balance, loop, local_len, cp_size,
-                 causal_step="cond", kv_sends=None) -> None:
+                 kv_sends=None) -> None:
   """Layout and loop of local shards of ``local_len`` tokens on cp_size
   devices. ``"striped"`` needs only S % cp_size == 0, which local shards
   already are; ``"dual_chunk"`` also needs an even local length."""
-  ring_choices(load_balance, loop, causal_step, kv_sends)
+  ring_choices(load_balance, loop, kv_sends)
   if load_balance == "dual_chunk" and local_len % 2:
     raise ValueError(
         f"load_balance='dual_chunk' needs the global sequence length "
@@ -212,7 +204,7 @@ def context_parallel(cp, query, key, *, bias, mask, return_residual) -> None:
   if cp.strategy != "hybrid" and not isinstance(cp.axis, str):
     raise ValueError(f"context_parallel.axis must be one axis name for "
                      f"strategy {cp.strategy!r}; got {cp.axis!r}")
-  ring_choices(cp.load_balance, cp.loop, cp.causal_step, cp.kv_sends)
+  ring_choices(cp.load_balance, cp.loop, cp.kv_sends)
   kv_chunk_heads(cp.kv_chunk_heads, key.shape[2])
   unsupported = [name for name, value in (("bias", bias), ("mask", mask))
                  if value is not None]
@@ -223,3 +215,37 @@ def context_parallel(cp, query, key, *, bias, mask, return_residual) -> None:
         f"context_parallel does not support {', '.join(unsupported)}: they "
         f"are not sharded along the sequence; got query "
         f"{tuple(query.shape)}, key {tuple(key.shape)}")
+  mesh_axes(cp.axis, query)
+
+
+def _mesh_in_scope(x):
+  """The mesh that a call on ``x`` runs on, as far as tracing can see it:
+  the one of ``jax.set_mesh``, else the one ``x``'s sharding names (jit
+  arguments placed with a ``NamedSharding`` carry it in their type)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", mesh)
+  return mesh
+
+
+def mesh_axes(axis, query) -> None:
+  """The context-parallel axis (or both axes of a hybrid pair) exist on the
+  mesh in scope. Without this check a wrong name fails inside XLA's
+  partitioner, and a call with no mesh at all runs on one device, silently
+  without context parallelism."""
+  mesh = _mesh_in_scope(query)
+  names = axis if isinstance(axis, tuple) else (axis,)
+  if mesh.empty:
+    raise ValueError(
+        f"context_parallel.axis {axis!r} needs a mesh, and none is in scope: "
+        f"query {tuple(query.shape)} is not placed on a mesh and no "
+        f"jax.set_mesh is active; shard q, k, v's sequence dimension over "
+        f"{axis!r} with a NamedSharding, or call under jax.set_mesh(mesh)")
+  missing = [a for a in names if a not in mesh.axis_names]
+  if missing:
+    raise ValueError(
+        f"context_parallel.axis {axis!r}: {', '.join(map(repr, missing))} "
+        f"is not an axis of the mesh in scope, whose axes are "
+        f"{tuple(mesh.axis_names)} (sizes {tuple(mesh.axis_sizes)}); got "
+        f"query {tuple(query.shape)}")
