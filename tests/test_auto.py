@@ -50,6 +50,30 @@ def test_auto_decisions_match_the_table(case, want):
     assert min(times, key=times.get) == pick
 
 
+@pytest.mark.parametrize("seq, sends", [(32768, "gather"),
+                                        (262144, "neighbour")])
+def test_explain_states_every_default_it_applies(seq, sends, monkeypatch):
+  """The K/V sends follow the one size rule (2 B S K H bytes against
+  GATHER_KV_MAX_BYTES: 128 MiB and 4 GiB here), the loop comes from the
+  environment, and options the caller set are reported as given."""
+  monkeypatch.delenv("NVTE_FUSED_RING_ATTENTION_USE_SCAN", raising=False)
+  choice = jax_ring.explain((1, seq, 32, 128), (1, seq, 32, 128), cp_size=4,
+                            is_causal=True)
+  d = {k: v for k, (v, _) in choice.defaults.items()}
+  assert d == dict(load_balance="dual_chunk", loop="unrolled", kv_sends=sends,
+                   backward_kv="gather" if sends == "gather" else "ring",
+                   kv_chunk_heads=32, implementation=None)
+  assert f"kv_sends = {sends!r}" in str(choice)
+  monkeypatch.setenv("NVTE_FUSED_RING_ATTENTION_USE_SCAN", "1")
+  given = jax_ring.explain(
+      (1, seq, 32, 128), (1, seq, 32, 128), cp_size=4,
+      context_parallel=jax_ring.ContextParallel(kv_sends="gather",
+                                                kv_chunk_heads=8))
+  assert given.defaults["loop"][0] == "scan"
+  assert given.defaults["kv_sends"] == ("gather", "as given")
+  assert given.defaults["kv_chunk_heads"] == (8, "as given")
+
+
 def test_auto_is_within_5_percent_of_the_fastest_measured():
   """Every shape of the stored 4x H200 run: the modelled forward pick's
   measured forward, the backward pick's backward (forward+backward minus
@@ -217,6 +241,7 @@ def test_auto_may_run_different_strategies_per_pass(monkeypatch):
   inputs, args, attn, fwd_bwd, back = _auto_on_4_devices(61)
   fwd_hlo = jax.jit(attn).lower(*args[:3]).compile().as_text()
   assert "all-to-all" in fwd_hlo and "collective-permute" not in fwd_hlo
-  hlo = fwd_bwd.lower(*args).compile().as_text()
+  compiled = fwd_bwd.lower(*args).compile()  # run and inspected once
+  hlo = compiled.as_text()
   assert "all-to-all" in hlo and "collective-permute" in hlo
-  _check_auto(inputs, fwd_bwd, args, back)
+  _check_auto(inputs, compiled, args, back)

@@ -145,10 +145,13 @@ def cp_setup(strategy, load_balance="dual_chunk"):
   return mesh, cpc, jrf.logical_rules(length=seq), P("data", seq)
 
 
+# Each strategy once in the default run (its masks and layouts are tested
+# against the reference in its own module); the other ring cases with
+# -m slow.
 @pytest.mark.parametrize("strategy, load_balance, kw, segments", [
-    ("ring", "dual_chunk", dict(), False),
+    pytest.param("ring", "dual_chunk", dict(), False, marks=pytest.mark.slow),
     ("ring", "dual_chunk", dict(sliding_window=7, logits_soft_cap=2.0), True),
-    ("ring", "striped", dict(), True),
+    pytest.param("ring", "striped", dict(), True, marks=pytest.mark.slow),
     ("all_gather", "dual_chunk", dict(sliding_window=7), True),
     ("ulysses", "dual_chunk", dict(), True),
     ("hybrid", "dual_chunk", dict(), True),

@@ -54,8 +54,10 @@ def run(q, k, v, do, u, r, *ids, **kw):
 # four times). The causal dual_chunk case at U = 2, R = 4 is in the loop test.
 @pytest.mark.parametrize("ur, causal, load_balance, kv_heads", [
     ((2, 2), True, "dual_chunk", 2),
-    ((2, 4), True, None, 2), ((2, 4), False, "dual_chunk", 8),
-    ((4, 2), True, "dual_chunk", 2), ((4, 2), True, None, 1)],
+    pytest.param((2, 4), True, None, 2, marks=pytest.mark.slow),
+    ((2, 4), False, "dual_chunk", 8),
+    pytest.param((4, 2), True, "dual_chunk", 2, marks=pytest.mark.slow),
+    ((4, 2), True, None, 1)],
                          ids=["u2_r2_causal_dual_chunk",
                               "u2_r4_causal_contiguous",
                               "u2_r4_full_dual_chunk_k8",

@@ -47,25 +47,30 @@ Ulysses is a candidate only when the local query heads divide by cp, and
 all-gather only without the striped layout. The smallest modelled time wins
 each pass; ties keep the order ring, all_gather, ulysses. A pair of axes
 means ``hybrid``. The three communication constants were fit to the 4x H200
-strategies run (``benchmarks/results/strategies_NVIDIA_H200.json``): with
+strategies run (``benchmarks/results/strategies_4xH200.json``): with
 them every pass's pick there, forward, backward and their sum, is within
-4.7% of the fastest measured. On runs not used to fit them (2 and 8 H200s,
-``strategies_{x2,x8,x8_512k}``) its forward+backward picks stay within
-3.2%; per pass, the 8-GPU forward at 128k MHA misses by 7.9% (ring picked,
-Ulysses faster). On other machines the model keeps its shape but the
-crossover points move. The ring row is the neighbour ring it was fit to;
-the ring's default since session 9 gathers K/V up to 2 GiB and ran 1-12
-points faster on 4 H200s (README, "K/V sends"): at 32k still short of
-Ulysses (73/73% against 80/84%, forward / forward+backward, measured in
-different sessions), so the picks there stand, but the model overstates
-the ring's time and was not refit.
+4.7% of the fastest measured. On runs not used to fit them (2 and 8 H200s)
+its forward+backward picks stay within 3.2%; per pass, the 8-GPU forward
+at 128k MHA misses by 7.9% (ring picked, Ulysses faster). On other
+machines the model keeps its shape but the crossover points move. The
+ring row is the neighbour ring it was fit to; the ring's default gathers
+K/V up to 2 GiB and ran 1-12 points faster on 4 H200s
+(docs/decisions.md, "K/V sends"): at 32k still short of Ulysses (73/73%
+against 80/84%, forward / forward+backward, from two separate runs), so
+the picks there stand, but the model overstates the ring's time and was
+not refit.
+
+:func:`explain` also states every default the call would apply (layout,
+loop form, K/V sends, the backward's K/V source, the all-gather's head
+groups, the block backend), so nothing the library chooses is hidden.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jax_ring._src.config import ContextParallel
+from jax_ring._src import config
+from jax_ring._src.config import ContextParallel, loop_from_environment
 
 FWD_TFLOPS, FWD_L_HALF, FWD_L_SLOW = 610.0, 750.0, 1.5e6
 BWD_TFLOPS, BWD_L_HALF = 540.0, 1250.0
@@ -78,13 +83,50 @@ PASSES = ("forward", "backward")
 @dataclasses.dataclass(frozen=True)
 class Choice:
   """What ``auto`` picks for each pass, the modelled milliseconds of every
-  candidate (``{strategy: {"forward": ms, "backward": ms}}``) and a
-  one-line reason."""
+  candidate (``{strategy: {"forward": ms, "backward": ms}}``), a one-line
+  reason, and the defaults the call applies (``{option: (value, why)}``;
+  empty from :func:`estimate`, filled by :func:`explain`)."""
 
   forward: str
   backward: str
   times_ms: dict
   reason: str
+  defaults: dict = dataclasses.field(default_factory=dict)
+
+  def __str__(self):
+    lines = [f"auto: forward {self.forward}, backward {self.backward}",
+             f"  why: {self.reason}"]
+    lines += [f"  {k} = {v!r}: {why}" for k, (v, why) in
+              self.defaults.items()]
+    return "\n".join(lines)
+
+
+def defaults(*, batch, seq, kv_heads, head_dim, dtype_bytes, load_balance,
+             loop, kv_sends, kv_chunk_heads) -> dict:
+  """``{option: (value, why)}``: what a context-parallel call with these
+  global shapes and ``ContextParallel`` fields (None = unset) runs with."""
+  gathered = 2 * batch * seq * kv_heads * head_dim * dtype_bytes
+  fits = gathered <= config.GATHER_KV_MAX_BYTES
+  size = (f"the gathered K/V, {gathered / 2**20:.0f} MiB, "
+          f"{'fit' if fits else 'exceed'} GATHER_KV_MAX_BYTES "
+          f"({config.GATHER_KV_MAX_BYTES / 2**30:g} GiB)")
+  env = loop_from_environment()
+  return {
+      "load_balance": (load_balance, "as given (ContextParallel's default "
+                       "'dual_chunk' balances causal work)"),
+      "loop": (loop or env, "as given" if loop else
+               f"from {config.RING_LOOP_ENV} (unset or 0: unrolled)"),
+      "kv_sends": (kv_sends or ("gather" if fits else "neighbour"),
+                   "as given" if kv_sends else f"ring: {size}"),
+      "backward_kv": ("gather" if fits else "ring",
+                      f"the automatic path's ring backward gathers K/V, or "
+                      f"sends them around again: {size}"),
+      "kv_chunk_heads": (kv_chunk_heads or kv_heads, "as given" if
+                         kv_chunk_heads else "all-gather: every kv head at "
+                         "once"),
+      "implementation": (None, "per shard: cuDNN where it serves the "
+                         "shard's dtype and mask, else the pure-JAX kernel"),
+  }
 
 
 def _tflops(length, backward):
@@ -161,14 +203,23 @@ def resolve(cpc: ContextParallel, mesh, q_shape, local_heads, kv_heads=None,
 
 
 def explain(query_shape, key_shape, *, cp_size, is_causal=False,
-            local_window_size=None, dtype_bytes=2) -> Choice:
+            local_window_size=None, dtype_bytes=2,
+            context_parallel: ContextParallel | None = None) -> Choice:
   """What ``ContextParallel(strategy="auto")`` picks, for the forward and
   for the backward pass, for global shapes ``query (B, S, N, H)`` and
-  ``key (B, S, K, H)`` on ``cp_size`` devices, and the modelled time of
-  each candidate (see the module docstring)."""
+  ``key (B, S, K, H)`` on ``cp_size`` devices, the modelled time of each
+  candidate (see the module docstring), and every default the call
+  applies, given ``context_parallel`` (default ``ContextParallel()``).
+  ``print(explain(...))`` shows it all."""
   from jax_ring._src import validate
   window = validate.window(local_window_size)
+  cpc = context_parallel or ContextParallel()
   b, s, n, h = query_shape
-  return estimate(batch=b, seq=s, heads=n, kv_heads=key_shape[2],
-                  head_dim=h, cp=cp_size, is_causal=is_causal,
-                  window=window, dtype_bytes=dtype_bytes)
+  choice = estimate(batch=b, seq=s, heads=n, kv_heads=key_shape[2],
+                    head_dim=h, cp=cp_size, is_causal=is_causal,
+                    window=window, dtype_bytes=dtype_bytes,
+                    load_balance=cpc.load_balance)
+  return dataclasses.replace(choice, defaults=defaults(
+      batch=b, seq=s, kv_heads=key_shape[2], head_dim=h,
+      dtype_bytes=dtype_bytes, load_balance=cpc.load_balance, loop=cpc.loop,
+      kv_sends=cpc.kv_sends, kv_chunk_heads=cpc.kv_chunk_heads))
