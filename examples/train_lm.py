@@ -32,6 +32,12 @@ import typing
 
 import numpy as np
 
+# XLA's C++ log: on GPUs each compile of this step logs thousands of
+# harmless "Invalid stack_frame_id" warnings (from re-parsing HLO metadata).
+# Level 2 keeps errors and drops warnings; set TF_CPP_MIN_LOG_LEVEL yourself
+# (0) to see everything. It must be set before jax starts.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
 # Model presets: the model's shape and the defaults that go with it.
 PRESETS = {
     # 0.85M params, the CPU default: loss 6.4 -> ~2.5 nats/byte in ~2 min.
@@ -297,12 +303,14 @@ def _run_record(args, built) -> dict:
               sliding_window=args.sliding_window, soft_cap=args.soft_cap)
 
 
-def _manager(run_dir: str, every: int):
+def _manager(run_dir: str):
+  """Orbax's manager, saving in a background thread (its default); the
+  loop decides which steps to save."""
   import orbax.checkpoint as ocp
   return ocp.CheckpointManager(
       os.path.abspath(os.path.join(run_dir, "checkpoints")),
       options=ocp.CheckpointManagerOptions(max_to_keep=2,
-                                           save_interval_steps=every))
+                                           enable_async_checkpointing=True))
 
 
 def restore(manager, state, record):
@@ -330,32 +338,57 @@ def restore(manager, state, record):
 # The loop.
 
 
-class ProgressBar:
-  """One line, redrawn in place on a terminal; a line per 10% otherwise."""
+class StepClock:
+  """Training throughput from the times at which steps *finish*.
 
-  def __init__(self, total: int, enabled: bool):
-    self.total, self.enabled = total, enabled
-    self.tty = sys.stderr.isatty()
+  Dispatch is asynchronous, so the time a step call takes on the host says
+  nothing about the device; the loop reads each step's loss one step late
+  (the device always has the next step queued) and ticks here when it has
+  it. The intervals between ticks are the real step times. The first tick
+  of a run ends the compiling step and starts the clock.
 
-  def update(self, step: int, loss: float, step_times: list[float],
-             tokens_per_step: int):
-    if not self.enabled:
-      return
-    bar = ("#" * int(30 * step / self.total)).ljust(30)
-    if step_times:  # after the first (compiling) step of this run
-      mean = sum(step_times) / len(step_times)
-      rate = f"{tokens_per_step / step_times[-1] / 1e3:6.1f}k tok/s"
-      left = int(mean * (self.total - step))
-      eta = f"eta {left // 60}m{left % 60:02d}s"
-    else:
-      rate, eta = "compiling    ", ""
-    line = (f"step {step:>5}/{self.total} [{bar}] loss {loss:6.3f} | "
-            f"{rate} | {eta}")
-    if self.tty:
-      sys.stderr.write("\r" + line + ("\n" if step == self.total else ""))
-      sys.stderr.flush()
-    elif step == self.total or step % max(self.total // 10, 1) == 0:
-      print(line, file=sys.stderr, flush=True)
+  ``smoothed``: tokens/s over an exponential moving average of the intervals
+  (what the progress bar shows); ``steady``: tokens/s at the median interval
+  (what ``benchmarks/lm_training.py`` reports, so the two compare).
+  """
+
+  def __init__(self, tokens_per_step: int, smoothing: float = 0.3):
+    self.tokens, self.smoothing = tokens_per_step, smoothing
+    self.last, self.ema, self.intervals = None, None, []
+
+  def tick(self, now: float | None = None) -> None:
+    now = time.perf_counter() if now is None else now
+    if self.last is not None:
+      dt = now - self.last
+      self.intervals.append(dt)
+      self.ema = dt if self.ema is None else (
+          self.smoothing * dt + (1 - self.smoothing) * self.ema)
+    self.last = now
+
+  @property
+  def smoothed(self) -> float | None:
+    return self.tokens / self.ema if self.ema else None
+
+  @property
+  def median_step_s(self) -> float | None:
+    return float(np.median(self.intervals)) if self.intervals else None
+
+  @property
+  def steady(self) -> float | None:
+    return self.tokens / self.median_step_s if self.intervals else None
+
+
+def _progress(total: int, done: int, enabled: bool):
+  """A tqdm bar over steps, opened once the compiling step has finished so
+  that its rate and eta are the steady ones."""
+  from tqdm.auto import tqdm
+  return tqdm(total=total, initial=done, unit="step", disable=not enabled,
+              dynamic_ncols=True, smoothing=0.3)
+
+
+def _dir_bytes(path: str) -> int:
+  return sum(f.stat().st_size for f in pathlib.Path(path).rglob("*")
+             if f.is_file())
 
 
 def train(args) -> dict:
@@ -369,7 +402,7 @@ def train(args) -> dict:
   mesh, state = built["mesh"], built["state"]
   record = _run_record(args, built)
   lead = jax.process_index() == 0
-  manager = _manager(args.run_dir, args.checkpoint_every)
+  manager = _manager(args.run_dir)
   start, losses = 0, []
   if args.resume:
     start, state, losses = restore(manager, state, record)
@@ -389,31 +422,62 @@ def train(args) -> dict:
           f"{args.load_balance}, batch {built['batch']} x seq {args.seq}, "
           f"{cfg.dtype.name}"
           + (f", resuming at step {start}" if start else ""), flush=True)
-  bar = ProgressBar(args.steps, lead and not args.quiet)
+  show = lead and not args.quiet
   stop = min(args.steps, args.stop_after or args.steps)
-  times = []
+  clock, bar, pending = StepClock(tokens_per_step), None, None
+  saves = dict(count=0, blocked_s=0.0, bytes=0, final_wait_s=0.0)
+  if show and start < stop:
+    print("compiling the training step...", file=sys.stderr, flush=True)
+
+  def finish(loss):
+    """Read a dispatched step's loss (this waits for that step)."""
+    nonlocal bar
+    losses.append(float(loss))
+    clock.tick()
+    if bar is None:
+      bar = _progress(args.steps, len(losses), show)
+    else:
+      bar.update(1)
+    rate = clock.smoothed
+    bar.set_postfix_str(f"loss {losses[-1]:.3f}" + (
+        f", {rate / 1e3:.1f}k tok/s" if rate else ""), refresh=False)
+
   with jax.set_mesh(mesh):
     for step in range(start, stop):
       tokens, seg = corpus.batch(step, args.seed, built["batch"], args.seq)
       batch = jrf.prepare_lm_batch(
           tokens, seg, mesh=mesh, spec=built["spec"],
           context_parallel=built["cfg"].context_parallel)
-      t0 = time.perf_counter()
       state, loss = built["train_step"](state, batch)
-      losses.append(float(loss))
-      dt = time.perf_counter() - t0
-      if step > start:  # the first step of a run compiles
-        times.append(dt)
-      bar.update(step + 1, losses[-1], times, tokens_per_step)
-      manager.save(step + 1, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state),
-          meta=ocp.args.JsonSave({"record": record, "losses": losses})),
-          force=step + 1 == stop)
-  manager.wait_until_finished()
+      if pending is not None:  # the previous step, while this one runs
+        finish(pending)
+      pending = loss
+      last = step + 1 == stop
+      if last or (step + 1) % args.checkpoint_every == 0:
+        finish(pending)  # the checkpoint records this step's loss too
+        pending = None
+        # Orbax copies the state to host memory here, then writes it in a
+        # background thread: the loop waits only for the copy.
+        t0 = time.perf_counter()
+        manager.save(step + 1, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            meta=ocp.args.JsonSave({"record": record, "losses": losses})),
+            force=True)
+        saves["blocked_s"] += time.perf_counter() - t0
+        saves["count"] += 1
+  if bar is not None:
+    bar.close()
+  t0 = time.perf_counter()
+  manager.wait_until_finished()  # only the last write can still be running
+  saves["final_wait_s"] = time.perf_counter() - t0
+  if manager.latest_step() is not None and lead:
+    saves["bytes"] = _dir_bytes(os.path.join(
+        str(manager.directory), str(manager.latest_step())))
   manager.close()
   return dict(losses=losses, start=start, state=state,
-              tokens_per_s=tokens_per_step * len(times) / sum(times)
-              if times else None, seconds=sum(times))
+              tokens_per_s=clock.steady, smoothed_tokens_per_s=clock.smoothed,
+              median_step_s=clock.median_step_s,
+              steps_timed=len(clock.intervals), checkpoints=saves)
 
 
 # --------------------------------------------------------------------------
@@ -440,12 +504,23 @@ def report(result, args):
   losses = result["losses"]
   print("\nloss curve (nats/byte):\n" + ascii_curve(losses))
   k = min(10, len(losses))
-  print(f"final loss {np.mean(losses[-k:]):.4f} (mean of the last {k} steps)"
-        + (f", {result['tokens_per_s']:,.0f} tokens/s after compilation"
-           if result["tokens_per_s"] else ""))
+  print(f"final loss {np.mean(losses[-k:]):.4f} (mean of the last {k} steps)")
+  if result["tokens_per_s"]:
+    print(f"throughput {result['tokens_per_s']:,.0f} tokens/s at the median "
+          f"step, {result['median_step_s']:.3f} s, of {result['steps_timed']}"
+          f" steps after compilation (the statistic of "
+          f"benchmarks/lm_training.py)")
+  c = result["checkpoints"]
+  if c["count"]:
+    print(f"checkpoints: {c['count']} saved in the background, "
+          f"{c['bytes'] / 1e9:.2f} GB each on disk; saving held the loop "
+          f"{c['blocked_s']:.1f} s in all (copies to host memory); the last "
+          f"write finished {c['final_wait_s']:.1f} s after the last step")
   os.makedirs(args.run_dir, exist_ok=True)
   with open(os.path.join(args.run_dir, "losses.json"), "w") as f:
-    json.dump({"losses": losses, "tokens_per_s": result["tokens_per_s"]}, f)
+    json.dump({"losses": losses, "tokens_per_s": result["tokens_per_s"],
+               "median_step_s": result["median_step_s"],
+               "checkpoints": c}, f)
   try:
     import matplotlib
     matplotlib.use("Agg")

@@ -98,7 +98,7 @@ class ContextParallel:
     strategy: ``"ring"``, ``"all_gather"``, ``"ulysses"``, ``"hybrid"`` or
       ``"auto"`` (chosen per call and per pass, forward and backward, from
       the shapes and the mesh; within 1.2% of the fastest strategy on
-      4xH200 and 2.7% on 2xH200; see ``jax_ring.explain``).
+      4xH200 and 5.7% on 2xH200; see ``jax_ring.explain``).
     load_balance: ``"dual_chunk"`` (the default: every device does the same
       causal work), ``"striped"`` (token i on device i mod cp: needs only
       S % cp == 0, and matches pipelines that stripe; 1-3 points under
