@@ -17,12 +17,16 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 
 
 def shape_args(parser, seq):
-  """The attention benchmarks' shape flags: ``--seq`` (default ``seq``),
-  ``--kv-heads`` (32 8), ``--heads`` (32), ``--head-dim`` (128); B = 1."""
+  """The attention benchmarks' flags: ``--seq`` (default ``seq``),
+  ``--kv-heads`` (32 8), ``--heads`` (32), ``--head-dim`` (128), B = 1;
+  and ``--mode``, the run's name in the results file."""
   parser.add_argument("--seq", type=int, nargs="+", default=list(seq))
   parser.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
   parser.add_argument("--heads", type=int, default=32)
   parser.add_argument("--head-dim", type=int, default=128)
+  parser.add_argument("--mode", default="default",
+                      help="this run's name in the results file (the file "
+                      "keeps its other modes)")
 
 
 def ring_args(parser):
@@ -115,8 +119,28 @@ def environment():
   return env
 
 
-def write(name, rows, columns, extra=None):
-  """Print `rows` (dicts) as a table of `columns`, save JSON, return path."""
+def device_kind(device: str, platform: str) -> str:
+  """A short GPU name for file names: "NVIDIA H200" -> "H200", "NVIDIA
+  H100 80GB HBM3" -> "H100"; "CPU" for the host."""
+  if platform == "cpu":
+    return "CPU"
+  words = [w for w in device.split() if w.upper() not in ("NVIDIA", "TESLA")]
+  return words[0] if words else device.replace(" ", "_")
+
+
+def results_path(name: str, env: dict) -> pathlib.Path:
+  """``results/<name>_<count>x<kind>.json``: one current file per benchmark,
+  device kind and device count."""
+  kind = device_kind(env["device"], env["platform"])
+  return RESULTS / f"{name}_{env['device_count']}x{kind}.json"
+
+
+def write(name, rows, columns, extra=None, mode="default", path=None):
+  """Print ``rows`` (dicts) as a table of ``columns`` and record them as
+  ``mode`` of this benchmark's results file (:func:`results_path`): the
+  file keeps its other modes (a benchmark's flag comparisons, a memory
+  search beside a throughput run) and the run replaces its own mode's
+  record. Returns the path."""
   env = environment()
   widths = [max(len(c), 10) for c in columns]
   print(" ".join(c.rjust(w) for c, w in zip(columns, widths)))
@@ -126,10 +150,14 @@ def write(name, rows, columns, extra=None):
       v = r.get(c, "")
       cells.append((f"{v:.3f}" if isinstance(v, float) else str(v)).rjust(w))
     print(" ".join(cells))
-  tag = env["device"].replace(" ", "_").replace("/", "_")
-  path = RESULTS / f"{name}_{tag}.json"
-  RESULTS.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(dict(benchmark=name, **env, **(extra or {}),
-                                  rows=rows), indent=2) + "\n")
-  print(f"wrote {path}")
+  path = pathlib.Path(path) if path else results_path(name, env)
+  data = json.loads(path.read_text()) if path.exists() else {}
+  runs = data.get("runs", {})
+  runs[mode] = dict(**env, date=time.strftime("%Y-%m-%d"), **(extra or {}),
+                    rows=rows)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(dict(
+      benchmark=name, device=env["device"], device_count=env["device_count"],
+      runs=dict(sorted(runs.items()))), indent=2) + "\n")
+  print(f"wrote {path} ({mode})")
   return path

@@ -4,7 +4,7 @@
 
 B=1, D=128, bf16; N=32 query heads with 32 (MHA) or 8 (GQA) kv heads;
 causal and non-causal. FLOPs: 4*S^2*N*D (halved for causal); forward+backward
-counts 3.5x the forward. Writes benchmarks/results/cudnn_attention_<gpu>.json.
+counts 3.5x the forward. Writes benchmarks/results/cudnn_attention_<count>x<gpu>.json.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def main():
          "jax_nn_fwdbwd_tflops", "fwdbwd_ratio"],
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
                    flops="4*S^2*N*D (x0.5 causal); fwd+bwd = 3.5x fwd",
-                   ratio="jax.nn time / jax_ring time (>1: jax_ring faster)"))
+                   ratio="jax.nn time / jax_ring time (>1: jax_ring faster)"),
+        mode=a.mode)
 
 
 if __name__ == "__main__":

@@ -182,7 +182,9 @@ def main():
   p.add_argument("--example-args", default="",
                  help="more flags for examples/train_lm.py, e.g. "
                  "--example-args=--no-remat")
-  p.add_argument("--tag", default="", help="suffix of the results file")
+  p.add_argument("--mode", default="default",
+                 help="this run's name in the results file (other modes "
+                 "stay)")
   p.add_argument("--no-packing", action="store_true",
                  help="batches without segment ids (one stream per row)")
   p.add_argument("--analyse", type=int, nargs="+", default=None,
@@ -226,9 +228,9 @@ def main():
     if len(longest_rows) == 2 and longest_rows[0]["longest_seq"]:
       extra["longest_ratio"] = (longest_rows[1]["longest_seq"] /
                                 longest_rows[0]["longest_seq"])
-    write("lm_training" + a.tag + ("_cpu" if a.cpu else ""), rows,
+    write("lm_training", rows,
           ["devices", "seq", "step_s", "tokens_per_s", "mfu", "loss"],
-          extra=extra)
+          extra=extra, mode=a.mode)
     return extra
 
   if a.analyse:
@@ -244,12 +246,12 @@ def main():
                          temp_gb=m.temp_size_in_bytes / 1e9,
                          compile_s=time.perf_counter() - t0))
         print(rows[-1], flush=True)
-    name = f"lm_training_memory_{a.strategy}{a.tag}"
-    write(name + ("_cpu" if a.cpu else ""),
-          rows, ["devices", "seq", "packed", "argument_gb", "temp_gb"],
+    write("lm_training", rows,
+          ["devices", "seq", "packed", "argument_gb", "temp_gb"],
           extra=dict(preset=a.preset, strategy=a.strategy,
                      example_args=a.example_args,
-                     xla_flags=os.environ.get("XLA_FLAGS", "")))
+                     xla_flags=os.environ.get("XLA_FLAGS", "")),
+          mode=f"memory_{a.strategy}_{a.mode}")
     return
 
   # Throughput first (both meshes), then the compile-only length search, so

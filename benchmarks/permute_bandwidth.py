@@ -49,8 +49,9 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--mib", type=int, nargs="+", default=[64, 128, 256])
   p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 4, 8])
-  p.add_argument("--tag", default="", help="suffix of the results file "
-                 "(e.g. per NCCL_* setting, which the JSON records)")
+  p.add_argument("--mode", default="default",
+                 help="this run's name in the results file, e.g. per NCCL_* "
+                 "setting (which the JSON records)")
   a = p.parse_args()
   cp = jax.device_count()
   mesh = Mesh(np.array(jax.devices()), ("cp",))
@@ -80,9 +81,9 @@ def main():
         rows.append(row)
         print(row, flush=True)
   nccl = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
-  write("permute_bandwidth" + a.tag, rows,
+  write("permute_bandwidth", rows,
         ["mib", "mode", "parts", "ms", "gb_per_s"],
-        extra=dict(cp=cp, dtype="bfloat16", nccl_env=nccl))
+        extra=dict(cp=cp, dtype="bfloat16", nccl_env=nccl), mode=a.mode)
 
 
 if __name__ == "__main__":

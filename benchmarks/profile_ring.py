@@ -38,8 +38,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_ring
-from common import (GRAPHS, environment, jit_variant, random_qkv, ring_args,
-                    ring_kwargs)
+from common import (GRAPHS, environment, jit_variant, random_qkv,
+                    results_path, ring_args, ring_kwargs, write)
 
 ATTN = ("fmha", "flash", "sdpa", "cudnn", "attn")
 
@@ -202,18 +202,16 @@ def main():
   cols = ["path", "strategy", "seq", "kv_heads", "pass_", "wall_ms",
           "busy_ms", "attn_ms",
           "comm_ms", "comm_only_ms", "other_ms", "idle_ms"]
-  print(" ".join(c.rjust(9) for c in cols))
-  for r in table:
-    print(" ".join((f"{r[c]:.3f}" if isinstance(r[c], float) else
-                    str(r[c])).rjust(9) for c in cols))
-  out = pathlib.Path(a.out, f"profile_ring_{a.path}_{a.strategy}{tag}.json")
-  out.write_text(json.dumps(
-      dict(benchmark="profile_ring", **environment(), loop=a.loop,
-           strategy=a.strategy, kv_chunk_heads=a.kv_chunk_heads,
-           command_buffers=a.graphs or "xla default",
-           **ring_kwargs(a),
-           heads=a.heads, head_dim=a.head_dim, dtype="bfloat16", batch=1,
-           xla_flags=os.environ.get("XLA_FLAGS", ""), rows=table), indent=1))
+  # Next to the traces; copy it to benchmarks/results/ to keep it.
+  out = pathlib.Path(a.out, results_path("profile_ring", environment()).name)
+  write("profile_ring", table, cols, path=out,
+        mode=f"{a.path}_{a.strategy}{tag}",
+        extra=dict(loop=a.loop, strategy=a.strategy,
+                   kv_chunk_heads=a.kv_chunk_heads,
+                   command_buffers=a.graphs or "xla default",
+                   **ring_kwargs(a), heads=a.heads, head_dim=a.head_dim,
+                   dtype="bfloat16", batch=1,
+                   xla_flags=os.environ.get("XLA_FLAGS", "")))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ those CUDA-graph command buffers, see ``common.GRAPHS``).
 Efficiency = theoretic time / ring time (forward; forward+backward).
 Also checks the ring's output and its gradients (the worst of dq, dk, dv)
 against the single-GPU results (max relative error) for every shape.
-Writes benchmarks/results/ring_attention_<gpu>.json.
+Writes benchmarks/results/ring_attention_<count>x<gpu>.json.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from common import (GRAPHS, jit_variant, random_qkv,  # noqa: E402
 
 
 def report(rows, a):
-  write("ring_attention" + a.tag, rows,
+  write("ring_attention", rows,
         ["seq", "kv_heads", "causal", "load_balance", "single_fwd_tflops"] +
         [f"{v}_{c}" for v in a.loops for c in ("fwd_eff", "fwdbwd_eff")] +
         [f"{v}_{c}" for v in a.loops[:1]
@@ -43,7 +43,8 @@ def report(rows, a):
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
                    **ring_kwargs(a),
                    xla_flags=os.environ.get("XLA_FLAGS", ""),
-                   efficiency="(single-GPU cuDNN time / cp) / ring time"))
+                   efficiency="(single-GPU cuDNN time / cp) / ring time"),
+        mode=a.mode)
 
 
 def main():
@@ -53,7 +54,6 @@ def main():
   p.add_argument("--implementation", default="cudnn")
   p.add_argument("--causal-layout", default="dual_chunk",
                  help="load balance of the causal rows: dual_chunk or striped")
-  p.add_argument("--tag", default="", help="suffix of the results file")
   forms = ["unrolled", "scan", "neighbour", "gather"]
   p.add_argument("--loops", nargs="+", default=["unrolled", "scan"],
                  choices=forms + [f"{f}@{g}" for f in forms for g in GRAPHS],

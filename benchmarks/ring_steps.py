@@ -160,7 +160,6 @@ def main():
   p.add_argument("--variants", nargs="+", default=list(VARIANTS),
                  choices=VARIANTS)
   p.add_argument("--implementation", default="cudnn")
-  p.add_argument("--tag", default="")
   p.add_argument("--profile", default=None, metavar="DIR",
                  help="also profile each variant at the first shape: "
                  "kernel-time columns in the row, HLO and timelines in DIR")
@@ -213,11 +212,11 @@ def main():
       print(row, flush=True)
   cols = ["seq", "kv_heads", "single_fwd_ms"] + [
       f"{v}_{m}" for v in a.variants for m in ("fwd_eff", "fwdbwd_eff")]
-  write(f"ring_steps{a.tag}", rows, cols,
+  write("ring_steps", rows, cols,
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
                    implementation=a.implementation,
                    efficiency="single-GPU time / cp over device r's steps "
-                   "(no sends)"))
+                   "(no sends)"), mode=a.mode)
 
 
 if __name__ == "__main__":

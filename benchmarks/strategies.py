@@ -16,7 +16,8 @@ default is ring, all_gather, ulysses, every hybrid with U, R >= 2 (2x2 on 4
 GPUs; 2x4 and 4x2 on 8) and auto, timed like the others; the row records
 auto's forward/backward picks and its time over the fastest other
 strategy's, for the forward and for forward+backward. Writes
-benchmarks/results/strategies<tag>_<gpu>.json.
+benchmarks/results/strategies_<count>x<gpu>.json (``--mode``: the run's name
+there).
 """
 
 from __future__ import annotations
@@ -94,13 +95,14 @@ def report(rows, a):
   cols = ["seq", "kv_heads"]
   for n in a.strategies:
     cols += [f"{n}_fwd_eff", f"{n}_fwdbwd_eff"]
-  write("strategies" + a.tag, rows,
+  write("strategies", rows,
         cols + ["auto_pick", "best_fwd", "auto_vs_best_fwd", "best_fwdbwd",
                 "auto_vs_best_fwdbwd"],
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
                    **ring_kwargs(a), xla_flags=os.environ.get("XLA_FLAGS", ""),
                    efficiency="(single-GPU cuDNN time / cp) / strategy time",
-                   path="automatic (jit + NamedSharding + ContextParallel)"))
+                   path="automatic (jit + NamedSharding + ContextParallel)"),
+        mode=a.mode)
 
 
 def main():
@@ -108,7 +110,6 @@ def main():
   shape_args(p, [16384, 32768, 65536, 131072, 262144])
   p.add_argument("--strategies", nargs="+", default=None,
                  help="names as above (default: see the module docstring)")
-  p.add_argument("--tag", default="", help="suffix of the results file")
   ring_args(p)
   p.add_argument("--implementation", default="cudnn",
                  help="single-GPU baseline backend (xla for a CPU dry run)")

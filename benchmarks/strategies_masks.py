@@ -6,7 +6,7 @@ max |error| / max(1, max |expected|).
 
 B=2, S=8192 (--seq), N=8, K=2, D=128, bf16, cuDNN blocks where they apply, the
 automatic path (names and meshes as in strategies.py). Writes
-benchmarks/results/strategies_masks_<gpu>.json.
+benchmarks/results/strategies_masks_<count>x<gpu>.json.
 """
 
 from __future__ import annotations

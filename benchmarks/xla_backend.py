@@ -7,7 +7,7 @@ and the process's peak RSS next to both.
   python benchmarks/xla_backend.py --seq 32768 --heads 8 --head-dim 128
 
 Run one S per process for a per-S peak RSS. Writes
-benchmarks/results/xla_backend_<device>.json and prints a table.
+benchmarks/results/xla_backend_<count>x<device>.json and prints a table.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def dry_run(module, args, tmp_path, monkeypatch) -> list[dict]:
   monkeypatch.setattr(sys, "argv", [module.__name__] + args)
   module.main()
   (path,) = tmp_path.glob("*.json")
-  return json.loads(path.read_text())["rows"]
+  return json.loads(path.read_text())["runs"]["default"]["rows"]
 
 
 @pytest.mark.slow
@@ -178,3 +178,22 @@ def test_ring_steps_are_one_device_of_the_ring(variant):
     got = jax_ring.reorder_from_load_balance(
         jnp.concatenate([d[i] for d in dkv], 1), cp, layout="dual_chunk")
     ref.assert_close(got, want_g[name], q.dtype, "d" + name)
+
+
+def test_results_file_per_benchmark_kind_and_count_keeps_other_modes(
+    tmp_path, monkeypatch):
+  """``common.write``: one file per benchmark x device kind x count; a run
+  replaces its own mode's record and keeps the others."""
+  env = dict(device="NVIDIA H200", platform="gpu", device_count=2)
+  monkeypatch.setattr(common, "environment", lambda: dict(env))
+  monkeypatch.setattr(common, "RESULTS", tmp_path)
+  assert common.device_kind("NVIDIA H100 80GB HBM3", "gpu") == "H100"
+  assert common.device_kind("cpu", "cpu") == "CPU"
+  path = common.write("bench", [dict(a=1.0)], ["a"])
+  assert path == tmp_path / "bench_2xH200.json"
+  common.write("bench", [dict(a=2.0)], ["a"], mode="flags")
+  common.write("bench", [dict(a=3.0)], ["a"])  # replaces "default"
+  data = json.loads(path.read_text())
+  assert data["benchmark"] == "bench" and data["device_count"] == 2
+  assert {m: r["rows"] for m, r in data["runs"].items()} == {
+      "default": [dict(a=3.0)], "flags": [dict(a=2.0)]}

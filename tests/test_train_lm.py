@@ -148,14 +148,18 @@ def test_resume_continues_the_uninterrupted_trajectory(tmp_path):
 
 def test_step_clock_reports_the_rate_at_which_steps_finish():
   """Ticks at step completions: the first tick (the compiling step's end)
-  only starts the clock; the smoothed rate follows the recent intervals;
-  the steady rate is the median's (an outlier, such as a step that waited
-  for a checkpoint's copy to host memory, does not move it)."""
+  only starts the clock, and so does the first after a pause (a checkpoint
+  save); the smoothed rate follows the recent intervals; the steady rate is
+  the median's (an outlier step does not move it)."""
   clock = train_lm.StepClock(tokens_per_step=1000, smoothing=0.5)
   for t in (30.0, 31.0, 32.0, 33.0, 38.0, 39.0, 40.0):
-    assert clock.steady is None or t > 31.0
     clock.tick(t)
-  assert clock.intervals == [1.0, 1.0, 1.0, 5.0, 1.0, 1.0]
+    if t == 32.0:
+      assert clock.steady == 1000.0 and clock.smoothed == 1000.0
+  clock.pause()  # a save held the loop from 40 s to 47 s
+  clock.tick(48.0)
+  clock.tick(49.0)
+  assert clock.intervals == [1.0, 1.0, 1.0, 5.0, 1.0, 1.0, 1.0]
   assert clock.median_step_s == 1.0 and clock.steady == 1000.0
-  # EMA of the intervals: 1, 1, 1, 3, 2, 1.5
-  assert abs(clock.smoothed - 1000 / 1.5) < 1e-9
+  # EMA of the intervals: 1, 1, 1, 3, 2, 1.5, 1.25
+  assert abs(clock.smoothed - 1000 / 1.25) < 1e-9

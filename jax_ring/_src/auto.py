@@ -49,9 +49,12 @@ each pass; ties keep the order ring, all_gather, ulysses. A pair of axes
 means ``hybrid``. The three communication constants were fit to the 4x H200
 strategies run (``benchmarks/results/strategies_4xH200.json``): with
 them every pass's pick there, forward, backward and their sum, is within
-4.7% of the fastest measured. On runs not used to fit them (2 and 8 H200s)
-its forward+backward picks stay within 3.2%; per pass, the 8-GPU forward
-at 128k MHA misses by 7.9% (ring picked, Ulysses faster). On other
+4.7% of the fastest measured. On runs not used to fit them (8 H200s, and
+2 H200s with the neighbour ring) its forward+backward picks stay within
+3.2%; per pass, the 8-GPU forward at 128k MHA misses by 7.9% (ring picked,
+Ulysses faster). On 2 H200s with the gathering ring (the default), the
+picks at 16k and 32k GQA (all-gather / Ulysses) are 5.6-6.5% slower than
+the ring (``strategies_2xH200.json``). On other
 machines the model keeps its shape but the crossover points move. The
 ring row is the neighbour ring it was fit to; the ring's default gathers
 K/V up to 2 GiB and ran 1-12 points faster on 4 H200s
