@@ -14,7 +14,7 @@ of one file and the start of the next (``segment_ids``, positions restart).
 
 On GPUs the compute dtype defaults to bfloat16, so ``implementation=None``
 picks the cuDNN backend. Under ``jax.distributed`` (one process per host)
-add ``--distributed``; see the README.
+add ``--distributed``; see docs/design.md.
 """
 
 from __future__ import annotations
@@ -345,7 +345,9 @@ class StepClock:
   nothing about the device; the loop reads each step's loss one step late
   (the device always has the next step queued) and ticks here when it has
   it. The intervals between ticks are the real step times. The first tick
-  of a run ends the compiling step and starts the clock.
+  of a run ends the compiling step and starts the clock; so does the first
+  tick after :meth:`pause` (a checkpoint's copy to host memory is reported
+  on its own, not as a slow step).
 
   ``smoothed``: tokens/s over an exponential moving average of the intervals
   (what the progress bar shows); ``steady``: tokens/s at the median interval
@@ -364,6 +366,10 @@ class StepClock:
       self.ema = dt if self.ema is None else (
           self.smoothing * dt + (1 - self.smoothing) * self.ema)
     self.last = now
+
+  def pause(self) -> None:
+    """Leave the time until the next tick out of the step times."""
+    self.last = None
 
   @property
   def smoothed(self) -> float | None:
@@ -465,6 +471,7 @@ def train(args) -> dict:
             force=True)
         saves["blocked_s"] += time.perf_counter() - t0
         saves["count"] += 1
+        clock.pause()
   if bar is not None:
     bar.close()
   t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Test session setup, before jax initialises its backends:
+"""Test setup, before jax initialises its backends:
 
 * 8 simulated CPU devices, so that the context-parallel tests run on one
   machine;

@@ -118,7 +118,8 @@ def test_auto_training_step_is_within_5_percent_on_other_runs(name, mode):
   """The stored runs the model was not fitted to (2 and 8 GPUs, and a
   second 4-GPU run): the forward pick's measured forward plus the backward
   pick's backward is within 5% of the fastest strategy's forward+backward.
-  (Per pass the 8-GPU forward misses: 7.9% at 128k MHA, see the README.)"""
+  (Per pass the 8-GPU forward misses: 7.9% at 128k MHA, see
+  docs/decisions.md.)"""
   data = measured(name, mode)
   assert len(data["rows"]) >= 2
   for row in data["rows"]:

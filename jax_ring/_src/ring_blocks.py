@@ -191,7 +191,7 @@ def _place(x, sl, size, axis):
 # (23-26 us each on H200 at 4k tokens per device, 32 heads); without it the
 # non-attention kernels of one device's steps went from 0.166 to 0.108 ms
 # forward and 0.562 to 0.453 ms forward+backward (benchmarks/ring_steps.py,
-# README "One device's steps").
+# docs/decisions.md, "Wire dtypes").
 
 def kind_fwd(kind, q, tm, kv, qc, kc, cfgs, own=False):
   """(out in q's dtype, lse f32) of one step, over all t local rows."""

@@ -1,4 +1,4 @@
-"""The test session itself: the simulated devices later issues rely on."""
+"""The simulated CPU devices that the context-parallel tests rely on."""
 
 import jax
 
