@@ -4,7 +4,8 @@
 
 B=1, D=128, bf16; N=32 query heads with 32 (MHA) or 8 (GQA) kv heads;
 causal and non-causal. FLOPs: 4*S^2*N*D (halved for causal); forward+backward
-counts 3.5x the forward. Writes benchmarks/results/cudnn_attention_<count>x<gpu>.json.
+counts 3.5x the forward. Writes
+benchmarks/results/cudnn_attention_<count>x<gpu>.json.
 """
 
 from __future__ import annotations

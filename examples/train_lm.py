@@ -32,12 +32,6 @@ import typing
 
 import numpy as np
 
-# XLA's C++ log: on GPUs each compile of this step logs thousands of
-# harmless "Invalid stack_frame_id" warnings (from re-parsing HLO metadata).
-# Level 2 keeps errors and drops warnings; set TF_CPP_MIN_LOG_LEVEL yourself
-# (0) to see everything. It must be set before jax starts.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
 # Model presets: the model's shape and the defaults that go with it.
 PRESETS = {
     # 0.85M params, the CPU default: loss 6.4 -> ~2.5 nats/byte in ~2 min.
@@ -350,11 +344,13 @@ class StepClock:
   on its own, not as a slow step).
 
   ``smoothed``: tokens/s over an exponential moving average of the intervals
-  (what the progress bar shows); ``steady``: tokens/s at the median interval
-  (what ``benchmarks/lm_training.py`` reports, so the two compare).
+  (what the progress bar shows; a weight of 0.1 spans about the last 10
+  steps, whose cost varies with how documents pack into each window);
+  ``steady``: tokens/s at the median interval (what
+  ``benchmarks/lm_training.py`` reports, so the two compare).
   """
 
-  def __init__(self, tokens_per_step: int, smoothing: float = 0.3):
+  def __init__(self, tokens_per_step: int, smoothing: float = 0.1):
     self.tokens, self.smoothing = tokens_per_step, smoothing
     self.last, self.ema, self.intervals = None, None, []
 
@@ -389,7 +385,7 @@ def _progress(total: int, done: int, enabled: bool):
   that its rate and eta are the steady ones."""
   from tqdm.auto import tqdm
   return tqdm(total=total, initial=done, unit="step", disable=not enabled,
-              dynamic_ncols=True, smoothing=0.3)
+              dynamic_ncols=True, smoothing=0.1)
 
 
 def _dir_bytes(path: str) -> int:
@@ -555,6 +551,15 @@ def report(result, args):
 
 
 def main(argv=None):
+  # XLA's C++ log, read once when jax's backend starts: on GPUs each compile
+  # of the step logs thousands of harmless "Invalid stack_frame_id" warnings
+  # (XLA re-parsing its own HLO metadata; not the traceback locations, which
+  # setup_jax already trims). Level 2 drops XLA's info and warning lines,
+  # its other warnings too (e.g. a rematerialisation that missed the memory
+  # limit), and keeps errors. A value you set is kept (0 shows everything).
+  # Set here rather than at import, so importing this module (the tests,
+  # benchmarks/lm_training.py) leaves the process's logging alone.
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   # Process-level flags first: jax's devices must be set up before anything
   # (importing jax_ring included) may touch them.
   process_flags = argparse.ArgumentParser(add_help=False)
