@@ -31,13 +31,22 @@ TOLERANCES = {
 }
 
 
+def relative_error(actual, expected) -> float:
+  """max |actual - expected| / max(1, max |expected|), the measure that
+  ``TOLERANCES`` bounds."""
+  actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+  expected = np.asarray(expected, np.float64)
+  return float(np.abs(actual - expected).max() /
+               max(np.abs(expected).max(), 1.0))
+
+
 def assert_close(actual, expected, dtype, name=""):
   actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
   expected = np.asarray(expected, np.float64)
   assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
   assert np.all(np.isfinite(actual)), f"{name}: non-finite values"
   scale = max(np.abs(expected).max(), 1.0)
-  err = np.abs(actual - expected).max() / scale
+  err = relative_error(actual, expected)
   assert err <= TOLERANCES[jnp.dtype(dtype)], (
       f"{name}: max error {err:.3g} x max|expected| ({scale:.3g}) exceeds "
       f"{TOLERANCES[jnp.dtype(dtype)]} for {jnp.dtype(dtype)}")
@@ -92,7 +101,7 @@ def attention(q, k, v, case: Case, *, bias=None, dout=None, dlse=None):
   s, kh = k.shape[1], k.shape[2]
   g = n // kh
   kr, vr = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
-  z = np.einsum("btnh,bsnh->bnts", q, kr) * case.scale
+  z = np.einsum("btnh,bsnh->bnts", q, kr, optimize=True) * case.scale
   tcap = None
   if case.soft_cap is not None:
     tcap = np.tanh(z / case.soft_cap)
@@ -105,14 +114,14 @@ def attention(q, k, v, case: Case, *, bias=None, dout=None, dlse=None):
   e = np.where(vis, np.exp(np.where(vis, z, 0.0) - m[..., None]), 0.0)
   l = e.sum(-1)
   p = e / np.where(seen, l, 1.0)[..., None]
-  out = np.einsum("bnts,bsnh->btnh", p, vr)
+  out = np.einsum("bnts,bsnh->btnh", p, vr, optimize=True)
   lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)),
                  jax_ring.MASK_VALUE).transpose(0, 2, 1)
   if dout is None:
     return out, lse
   do = np.asarray(jnp.asarray(dout, jnp.float32), np.float64)
-  dv = np.einsum("bnts,btnh->bsnh", p, do)
-  dp = np.einsum("btnh,bsnh->bnts", do, vr)
+  dv = np.einsum("bnts,btnh->bsnh", p, do, optimize=True)
+  dp = np.einsum("btnh,bsnh->bnts", do, vr, optimize=True)
   ds = p * (dp - (dp * p).sum(-1, keepdims=True))
   if dlse is not None:
     ds = ds + p * np.asarray(dlse, np.float64).transpose(0, 2, 1)[..., None]
@@ -123,9 +132,9 @@ def attention(q, k, v, case: Case, *, bias=None, dout=None, dlse=None):
   if tcap is not None:
     ds = ds * (1 - tcap**2)
   ds = ds * case.scale
-  grads["q"] = np.einsum("bnts,bsnh->btnh", ds, kr)
+  grads["q"] = np.einsum("bnts,bsnh->btnh", ds, kr, optimize=True)
   sum_groups = lambda x: x.reshape(b, s, kh, g, h).sum(3)
-  grads["k"] = sum_groups(np.einsum("bnts,btnh->bsnh", ds, q))
+  grads["k"] = sum_groups(np.einsum("bnts,btnh->bsnh", ds, q, optimize=True))
   grads["v"] = sum_groups(dv)
   return out, lse, grads
 
@@ -154,6 +163,19 @@ def random_qkv(seed, b, t, s, n, kh, h, dtype=jnp.float32):
   v = jax.random.normal(ks[2], (b, s, kh, h), jnp.float32).astype(dtype)
   do = jax.random.normal(ks[3], (b, t, n, h), jnp.float32).astype(dtype)
   return q, k, v, do
+
+
+def shard_code(s, devices, layout=None, layout_cp=None, step=0.5):
+  """(1, S, 1, 1) float32, in natural token order: ``r * step`` on the
+  tokens device r holds when the sequence, put in ``layout`` (for
+  ``layout_cp`` devices, default ``devices``; None: contiguous), is split
+  evenly over ``devices``. Added to test inputs, it makes a shard that
+  lands on the wrong device change the numbers."""
+  owner = jnp.repeat(jnp.arange(devices), s // devices)[None]  # layout order
+  if layout:
+    owner = jax_ring.reorder_from_load_balance(owner, layout_cp or devices,
+                                               layout=layout)
+  return (owner[0] * step).astype(jnp.float32)[None, :, None, None]
 
 
 def random_segments(seed, b, length, num_segments):

@@ -197,3 +197,40 @@ def test_results_file_per_benchmark_kind_and_count_keeps_other_modes(
   assert data["benchmark"] == "bench" and data["device_count"] == 2
   assert {m: r["rows"] for m, r in data["runs"].items()} == {
       "default": [dict(a=3.0)], "flags": [dict(a=2.0)]}
+
+
+def test_gpu_lane_summary_counts_outcomes_errors_and_calls(tmp_path):
+  """benchmarks/gpu_tests.py on a hand-made report: totals, the CP cases
+  by strategy, the worst error against its dtype's tolerance, the calls."""
+  import gpu_tests
+  ids = ["n2-ring_gather_scan-packed-striped-jit-mha8x8_h128_t512_bfloat16",
+         "n2-ulysses-window-dual_chunk-shard_map-gqa8x2_h64_t1000_float16"]
+  junit = tmp_path / "report.xml"
+  junit.write_text(
+      '<testsuites><testsuite>'
+      f'<testcase classname="tests.test_gpu_cp" '
+      f'name="test_cuda_blocks_match_reference[{ids[0]}]"/>'
+      f'<testcase classname="tests.test_gpu_cp" '
+      f'name="test_cuda_blocks_match_reference[{ids[1]}]">'
+      '<failure message="AssertionError: dk: max error 5e-3">x</failure>'
+      '</testcase>'
+      '<testcase classname="tests.test_cudnn" name="test_mask_cases[full]"/>'
+      '<testcase classname="tests.test_cudnn" name="test_x">'
+      '<skipped message="needs an NVIDIA GPU"/></testcase>'
+      '</testsuite></testsuites>')
+  record = tmp_path / "cases.jsonl"
+  record.write_text(json.dumps(dict(
+      case=ids[0], seconds=2.5, ffi_calls={"jax_ring_sdpa_fwd": 3,
+                                           "jax_ring_sdpa_bwd_dkv": 2},
+      errors=dict(out=3e-3, dq=6e-3, dk=4e-3, dv=1e-3))) + "\n")
+  path = gpu_tests.main(["--junit", str(junit), "--record", str(record),
+                         "--seconds", "12", "--out", str(tmp_path)])
+  text = path.read_text()
+  assert path.name == "gpu_tests_8xCPU.txt"
+  assert "totals: 2 passed, 1 failed, 0 error, 1 skipped" in text
+  assert "test_cudnn: 1 passed, 1 skipped" in text
+  assert "context-parallel cases with cuDNN blocks: 1 passed of 2" in text
+  assert "n2-ring_gather_scan 1/1; n2-ulysses 0/1" in text
+  assert "bfloat16 (tolerance 0.03): out 3.00e-03 (0.10), dq 6.00e-03" in text
+  assert "forward 3-3, backward 2-2" in text
+  assert f"{ids[1]}]: AssertionError: dk: max error 5e-3" in text

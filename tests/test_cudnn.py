@@ -14,8 +14,9 @@ import jax_ring
 from jax_ring._src import cudnn, kernel
 import reference as ref
 
-pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
-                                reason="needs an NVIDIA GPU")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(jax.default_backend() != "gpu",
+                                 reason="needs an NVIDIA GPU")]
 
 B, T, S, N, K, H = 2, 197, 229, 8, 2, 64
 SCALE = 0.125

@@ -1,5 +1,5 @@
-"""Multi-process runs: 2 processes x 4 CPU devices on localhost under
-``jax.distributed`` (gloo CPU collectives).
+"""Multi-process runs on localhost under ``jax.distributed``: 2 processes x 4
+CPU devices (gloo collectives), or 2 processes x 1 GPU (NCCL; ``-m gpu``).
 
 * Ring attention with the context axis spanning both processes, against the
   float64 reference.
@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -55,22 +56,35 @@ def launch(command):
   return logs
 
 
-def test_ring_across_two_processes_matches_reference(tmp_path):
+@pytest.mark.parametrize("platform", [
+    "cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_ring_across_two_processes_matches_reference(platform, tmp_path):
+  """cpu: 2 x 4 CPU devices, float32, pure-JAX blocks; gpu: 2 x 1 GPU,
+  bfloat16, cuDNN blocks (its FFI calls in both compiled programs)."""
+  if platform == "gpu" and _gpus() < NUM_PROCESSES:
+    pytest.skip(f"needs {NUM_PROCESSES} NVIDIA GPUs")
   out = tmp_path / "result.npz"
   launch(lambda i, port: [str(HERE / "multiprocess_worker.py"), str(i),
-                          str(NUM_PROCESSES), str(port), str(out)])
+                          str(NUM_PROCESSES), str(port), str(out), platform])
 
   r = np.load(out)
-  assert int(r["num_devices"]) == 8
+  assert int(r["num_devices"]) == (8 if platform == "cpu" else 2)
   q, k, v, do, ids = (r[n] for n in ("q", "k", "v", "do", "ids"))
+  dtype = np.float32 if platform == "cpu" else jnp.bfloat16
   case = ref.Case(q.shape[-1]**-0.5, is_causal=True, q_segment_ids=ids,
                   kv_segment_ids=ids)
   want_out, _, grads = ref.attention(q, k, v, case, dout=do)
   for path in ("shard_map", "jit"):
-    ref.assert_close(r[f"{path}_out"], want_out, q.dtype, f"{path} out")
+    assert (int(r[f"{path}_cudnn_calls"]) > 0) == (platform == "gpu"), path
+    ref.assert_close(r[f"{path}_out"], want_out, dtype, f"{path} out")
     for name in ("q", "k", "v"):
-      ref.assert_close(r[f"{path}_d{name}"], grads[name], q.dtype,
+      ref.assert_close(r[f"{path}_d{name}"], grads[name], dtype,
                        f"{path} d{name}")
+
+
+def _gpus() -> int:
+  import jax
+  return len(jax.devices("gpu")) if jax.default_backend() == "gpu" else 0
 
 
 @pytest.mark.slow

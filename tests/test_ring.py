@@ -28,10 +28,7 @@ def rank_coded_qkv(seed, cp, kv_heads=K, load_balance=None):
   under ``load_balance`` shifted by r / 2, so that a shard landing on the
   wrong device changes the numbers."""
   q, k, v, do = ref.random_qkv(seed, B, S, S, N, kv_heads, H)
-  owner = jnp.repeat(jnp.arange(cp), S // cp)[None]  # in layout order
-  if load_balance:
-    owner = jax_ring.reorder_from_load_balance(owner, cp, layout=load_balance)
-  code = (owner[0] * 0.5)[None, :, None, None]
+  code = ref.shard_code(S, cp, load_balance)
   return q + code, k - code, v + code, do
 
 

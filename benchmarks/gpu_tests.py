@@ -1,0 +1,126 @@
+"""Summary of a GPU-lane run (``benchmarks/gpu_tests.sh``): counts, time,
+versions, and the context-parallel cases' errors and cuDNN calls, as
+``results/gpu_tests_<count>x<GPU>.txt``.
+
+  python benchmarks/gpu_tests.py --junit gpu_tests.xml \\
+      --record gpu_cases.jsonl --seconds 312 [--out DIR]
+
+``--junit`` is pytest's ``--junitxml`` report; ``--record`` the lines that
+``tests/test_gpu_cp.py`` appends under ``JAX_RING_TEST_RECORD``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import common  # noqa: E402
+
+# tests/reference.py's TOLERANCES, by the dtype name in a case id.
+TOLERANCES = {"bfloat16": 3e-2, "float16": 4e-3, "float32": 2e-5}
+
+
+def outcomes(junit: pathlib.Path) -> list[tuple[str, str, str, str]]:
+  """(module, test id, outcome, message) of every test case in the report;
+  outcome is passed, failed, error or skipped."""
+  out = []
+  for tc in ET.parse(junit).getroot().iter("testcase"):
+    module = tc.get("classname", "").rpartition(".")[2] or "?"
+    outcome, message = "passed", ""
+    for tag in ("failure", "error", "skipped"):
+      node = tc.find(tag)
+      if node is not None:
+        outcome = "failed" if tag == "failure" else tag
+        message = ((node.get("message") or "").splitlines() or [""])[0][:160]
+    out.append((module, tc.get("name", ""), outcome, message))
+  return out
+
+
+def summary(results, records, seconds, env, command) -> str:
+  counts = collections.Counter(o for _, _, o, _ in results)
+  lines = [
+      "jax_ring GPU lane",
+      f"command: {command}",
+      f"date: {time.strftime('%Y-%m-%d')}",
+      f"devices: {env['device_count']} x {env['device']}; jax {env['jax']}; "
+      f"cuDNN {env.get('cudnn', 'not loaded')}; jax_ring {env['jax_ring']}",
+      f"wall time: {seconds:.0f} s",
+      "totals: " + ", ".join(f"{counts[k]} {k}" for k in (
+          "passed", "failed", "error", "skipped")),
+      "", "by module:"]
+  by_module = collections.defaultdict(collections.Counter)
+  for module, _, outcome, _ in results:
+    by_module[module][outcome] += 1
+  for module, c in sorted(by_module.items()):
+    lines.append(f"  {module}: " + ", ".join(
+        f"{n} {k}" for k, n in sorted(c.items())))
+  cp = [(name, o) for m, name, o, _ in results if m == "test_gpu_cp"
+        and name.startswith("test_cuda_blocks")]
+  if cp:
+    lines += ["", f"context-parallel cases with cuDNN blocks: "
+              f"{sum(o == 'passed' for _, o in cp)} passed of {len(cp)}"]
+    for label, index in (("by cp x strategy", (0, 1)), ("by mask", (2,)),
+                         ("by layout", (3,)), ("by entry", (4,))):
+      tally = collections.defaultdict(collections.Counter)
+      for name, o in cp:
+        parts = name[name.index("[") + 1:-1].split("-")
+        tally["-".join(parts[i] for i in index)][o] += 1
+      lines.append(f"  {label}: " + "; ".join(
+          f"{k} {c['passed']}/{sum(c.values())}"
+          for k, c in sorted(tally.items())))
+  if records:
+    lines += ["", "largest error / tolerance over the passed cases, by "
+              "dtype (error = max|got - float64| / max(1, max|float64|)):"]
+    worst = collections.defaultdict(dict)
+    for r in records:
+      dtype = r["case"].rsplit("_", 1)[1]
+      for name, err in r["errors"].items():
+        worst[dtype][name] = max(worst[dtype].get(name, 0.0), err)
+    for dtype, errs in sorted(worst.items()):
+      tol = TOLERANCES[dtype]
+      lines.append(f"  {dtype} (tolerance {tol:g}): " + ", ".join(
+          f"{k} {v:.2e} ({v / tol:.2f})" for k, v in errs.items()))
+    fwd = sorted(r["ffi_calls"].get("jax_ring_sdpa_fwd", 0) for r in records)
+    bwd = sorted(sum(n for t, n in r["ffi_calls"].items() if "bwd" in t)
+                 for r in records)
+    lines.append(f"cuDNN FFI calls per compiled program: forward "
+                 f"{fwd[0]}-{fwd[-1]}, backward {bwd[0]}-{bwd[-1]}; case "
+                 f"times {min(r['seconds'] for r in records):.1f}-"
+                 f"{max(r['seconds'] for r in records):.1f} s")
+  failed = [(n, m) for _, n, o, m in results if o in ("failed", "error")]
+  if failed:
+    lines += ["", "failed:"] + [f"  {n}: {m}" for n, m in failed]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--junit", type=pathlib.Path, required=True)
+  p.add_argument("--record", type=pathlib.Path)
+  p.add_argument("--seconds", type=float, required=True)
+  p.add_argument("--command", default="python -m pytest tests -m gpu")
+  p.add_argument("--out", type=pathlib.Path, default=common.RESULTS)
+  args = p.parse_args(argv)
+  records = []
+  if args.record and args.record.exists():
+    records = [json.loads(line) for line in args.record.read_text().split(
+        "\n") if line]
+  env = common.environment()
+  text = summary(outcomes(args.junit), records, args.seconds, env,
+                 args.command)
+  kind = common.device_kind(env["device"], env["platform"])
+  path = args.out / f"gpu_tests_{env['device_count']}x{kind}.txt"
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(text)
+  print(text + f"wrote {path}")
+  return path
+
+
+if __name__ == "__main__":
+  main()

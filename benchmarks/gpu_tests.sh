@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One device-tool call: build the cuDNN extension, run the GPU lane
+# (python -m pytest tests -m gpu: the cuDNN tests, every context-parallel
+# strategy with cuDNN blocks on this machine's GPUs, the 2-process GPU ring)
+# and write its summary, results/gpu_tests_<count>x<GPU>.txt, to $OUT.
+#   bash benchmarks/gpu_tests.sh [WORKERS]    # pytest-xdist processes, 4
+# The workers share the GPUs (no preallocation); each compiles on the host.
+set -uo pipefail
+. benchmarks/gpu_setup.sh || exit 1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export JAX_RING_TEST_RECORD="$OUT/gpu_cases.jsonl"
+rm -f "$JAX_RING_TEST_RECORD"
+command="python -m pytest tests -m gpu -n ${1:-4}"
+start=$(date +%s)
+$command -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 \
+  | tee "$OUT/gpu_tests.log" | tail -40
+status=${PIPESTATUS[0]}
+python3 benchmarks/gpu_tests.py --junit "$OUT/gpu_tests.xml" \
+  --record "$JAX_RING_TEST_RECORD" --seconds $(( $(date +%s) - start )) \
+  --command "$command" --out "$OUT"
+exit "$status"

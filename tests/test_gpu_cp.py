@@ -1,0 +1,397 @@
+"""Every context-parallel strategy with cuDNN blocks, on the machine's real
+devices, against the float64 reference: the GPU lane.
+
+  python -m pytest tests -m gpu        # on a machine with >= 2 NVIDIA GPUs
+
+The matrix, for each cp that divides the device count (cp >= 2):
+
+==========  ==================================================  ===========
+axis        values                                              entry
+==========  ==================================================  ===========
+strategy    ring: neighbour / gather sends x unrolled / scan;   shard_map
+            all_gather (one-shot / ``kv_chunk_heads=1``);       and jit
+            ulysses; hybrid (U=2, R=cp/2; cp >= 4); auto (jit)
+mask        causal, full, window (crosses shards), padding
+            lengths (odd), packed documents (odd lengths,
+            crossing shards), soft cap
+layout      dual_chunk, striped (all_gather: dual_chunk,
+            contiguous)
+shape       MHA / GQA / MQA, head dim 64 / 128, bf16 / fp16,
+            local lengths 256-2048, cycled through the cases
+==========  ==================================================  ===========
+
+Each case runs forward and backward with ``implementation=None`` (cuDNN
+wherever it serves), rank-codes the shards (device r's tokens shifted by r
+/ 2, so a misplaced shard is a wrong number), and checks output and
+gradients against ``reference.attention`` at the dtype's tolerance. It also
+proves which backend ran: the compiled program must hold cuDNN's FFI custom
+calls (forward and backward), and no block may have been lowered through
+the pure-JAX backend or fallen back inside the cuDNN backend (a spy counts
+both while the program lowers), so a silent fallback fails the case.
+
+Without GPUs the same harness runs a few cases with the pure-JAX blocks in
+float32 on the simulated CPU devices (``test_harness_on_cpu``), where the
+spy must see every block go through XLA and the program hold no FFI call.
+With ``JAX_RING_TEST_RECORD=path`` each GPU case appends one JSON line
+(id, seconds, FFI calls, errors) for ``benchmarks/gpu_tests.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_ring
+import reference as ref
+from jax_ring._src import backends, cudnn
+
+GPUS = len(jax.devices("gpu")) if jax.default_backend() == "gpu" else 0
+
+# name -> (strategy, its options, the layouts it runs in). The options are
+# ``ContextParallel`` fields, passed the same to the shard_map functions.
+STRATEGIES = {
+    "ring_neighbour_unrolled": ("ring", dict(kv_sends="neighbour",
+                                             loop="unrolled")),
+    "ring_neighbour_scan": ("ring", dict(kv_sends="neighbour", loop="scan")),
+    "ring_gather_unrolled": ("ring", dict(kv_sends="gather",
+                                          loop="unrolled")),
+    "ring_gather_scan": ("ring", dict(kv_sends="gather", loop="scan")),
+    "all_gather": ("all_gather", {}),
+    "all_gather_chunked": ("all_gather", dict(kv_chunk_heads=1)),
+    "ulysses": ("ulysses", {}),
+    "hybrid": ("hybrid", {}),
+    "auto": ("auto", {}),
+}
+LAYOUTS = {"all_gather": ("dual_chunk", None)}  # others: dual_chunk, striped
+MASKS = ("causal", "full", "window", "padding", "packed", "soft_cap")
+SHARD_MAP_FUNCTIONS = {"ring": jax_ring.ring_attention,
+                       "all_gather": jax_ring.all_gather_attention,
+                       "ulysses": jax_ring.ulysses_attention,
+                       "hybrid": jax_ring.hybrid_attention}
+HYBRID_AXES = ("ulysses", "ring")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """B batch, N query heads, K kv heads, H head dim, T tokens per device."""
+
+  name: str
+  b: int
+  n: int
+  k: int
+  h: int
+  t: int
+  dtype: object
+
+  def __str__(self):
+    return (f"{self.name}{self.n}x{self.k}_h{self.h}_t{self.t}_"
+            f"{jnp.dtype(self.dtype).name}")
+
+
+# Cycled through the cases of each strategy. N = 8 serves Ulysses up to cp =
+# 8; B x N x S^2 stays <= 2^26 at cp = 2 so the float64 reference is quick.
+GPU_SHAPES = (
+    Shape("mha", 1, 8, 8, 128, 512, jnp.bfloat16),
+    Shape("gqa", 1, 8, 2, 64, 1000, jnp.float16),
+    Shape("mqa", 2, 8, 1, 64, 256, jnp.bfloat16),
+    Shape("gqa", 1, 4, 2, 128, 2048, jnp.bfloat16),
+    Shape("mha", 1, 8, 8, 64, 640, jnp.float16),
+    Shape("mqa", 1, 8, 1, 128, 384, jnp.float16),
+)
+CPU_SHAPES = (Shape("gqa", 2, 8, 2, 16, 12, jnp.float32),)
+
+
+@dataclasses.dataclass(frozen=True)
+class CpCase:
+  strategy: str  # a key of STRATEGIES
+  mask: str
+  layout: str | None
+  entry: str  # "shard_map" or "jit"
+  cp: int
+  shape: Shape
+
+  def __str__(self):
+    return (f"n{self.cp}-{self.strategy}-{self.mask}-"
+            f"{self.layout or 'contiguous'}-{self.entry}-{self.shape}")
+
+
+def cases(devices: int, shapes=GPU_SHAPES) -> list[CpCase]:
+  """The lane's matrix on ``devices`` devices."""
+  out = []
+  for cp in (c for c in range(2, devices + 1) if devices % c == 0):
+    for i, name in enumerate(STRATEGIES):
+      kind = STRATEGIES[name][0]
+      if kind == "hybrid" and (cp < 4 or cp % 2):
+        continue
+      entries = ("jit",) if kind == "auto" else ("shard_map", "jit")
+      combos = itertools.product(MASKS, LAYOUTS.get(kind, (
+          "dual_chunk", "striped")), entries)
+      for j, (mask, layout, entry) in enumerate(combos):
+        shape = shapes[(i + j) % len(shapes)]
+        out.append(CpCase(name, mask, layout, entry, cp, shape))
+  return out
+
+
+# ---------------------------------------------------------------------------
+# Inputs and the reference problem
+
+
+def odd_documents(seed, b, s):
+  """(B, S) int32 packed-document ids: documents of odd lengths (the last
+  takes what is left) of about S/5 tokens, so most cross a shard border."""
+  rng = np.random.default_rng(seed)
+  ids = np.zeros((b, s), np.int32)
+  for row in range(b):
+    start, doc = 0, 0
+    while start < s:
+      length = int(rng.integers(s // 10, s // 4)) | 1
+      ids[row, start:start + length] = doc
+      start, doc = start + length, doc + 1
+  return ids
+
+
+def problem(case: CpCase, seed: int):
+  """(q, k, v, dout in natural order, rank-coded; the reference Case; the
+  call's options; the segment ids or None)."""
+  sh, cp = case.shape, case.cp
+  s = sh.t * cp
+  q, k, v, do = ref.random_qkv(seed, sh.b, s, s, sh.n, sh.k, sh.h)
+  code = ref.shard_code(s, cp, case.layout, layout_cp(case))
+  q, k, v, do = (x.astype(sh.dtype) for x in (q + code, k - code, v + code,
+                                               do))
+  scale = sh.h**-0.5
+  rcase = ref.Case(scale, is_causal=case.mask != "full")
+  kw = dict(is_causal=rcase.is_causal)
+  ids = None
+  if case.mask == "window":
+    window = (sh.t * 3 // 4 + 1, 0)  # reaches into the previous shard
+    rcase = dataclasses.replace(rcase, window=window)
+    kw["local_window_size"] = window
+  elif case.mask == "padding":
+    lengths = np.array([s - 2 * sh.t // 3 - 1, sh.t // 2 + 3][:sh.b],
+                       np.int32), np.array([s - 5, sh.t + 7][:sh.b], np.int32)
+    rcase = dataclasses.replace(rcase, q_lengths=lengths[0],
+                                kv_lengths=lengths[1])
+    kw["query_seq_lengths"] = jnp.asarray(lengths[0])
+    kw["key_value_seq_lengths"] = jnp.asarray(lengths[1])
+  elif case.mask == "packed":
+    ids = odd_documents(seed, sh.b, s)
+    # cuDNN's ragged path takes SLOTS documents a row; past that it runs
+    # the pure-JAX blocks at run time, which no compiled program shows.
+    assert ids.max() < cudnn.SLOTS, ids.max()
+    rcase = dataclasses.replace(rcase, q_segment_ids=ids, kv_segment_ids=ids)
+  elif case.mask == "soft_cap":
+    rcase = dataclasses.replace(rcase, soft_cap=5.0)
+    kw["logits_soft_cap"] = 5.0
+  return (q, k, v, do), rcase, kw, ids
+
+
+# ---------------------------------------------------------------------------
+# Which backend ran
+
+
+@dataclasses.dataclass
+class BackendSpy:
+  """What lowered while it was installed: blocks through the pure-JAX
+  backend, and the reasons cuDNN gave for blocks it passed on to it."""
+
+  xla_blocks: int = 0
+  cudnn_fallbacks: list = dataclasses.field(default_factory=list)
+
+
+@contextlib.contextmanager
+def backend_spy():
+  spy = BackendSpy()
+  xla, unsupported = backends.XLA, cudnn.unsupported
+
+  def counted(fn):
+    def wrapper(*args):
+      spy.xla_blocks += 1
+      return fn(*args)
+    return wrapper
+
+  def reasons(*args):
+    why = unsupported(*args)
+    if why is not None:
+      spy.cudnn_fallbacks.append(why)
+    return why
+
+  backends.XLA = dataclasses.replace(xla, forward=counted(xla.forward),
+                                     backward=counted(xla.backward))
+  cudnn.unsupported = reasons
+  try:
+    yield spy
+  finally:
+    backends.XLA, cudnn.unsupported = xla, unsupported
+
+
+def ffi_calls(hlo: str) -> dict[str, int]:
+  """cuDNN FFI custom calls in a compiled program, by target."""
+  found = re.findall(r'custom_call_target="(jax_ring_sdpa_\w+)"', hlo)
+  return {t: found.count(t) for t in sorted(set(found))}
+
+
+# ---------------------------------------------------------------------------
+# Running one case
+
+
+def layout_cp(case: CpCase) -> int:
+  """The cp_size of the load-balance layout: the ring axis for hybrid."""
+  return case.cp // 2 if STRATEGIES[case.strategy][0] == "hybrid" else case.cp
+
+
+def case_mesh(case: CpCase):
+  devices = np.array(jax.devices()[:case.cp])
+  if STRATEGIES[case.strategy][0] == "hybrid":
+    return Mesh(devices.reshape(case.cp // 2, 2), ("ring", "ulysses"))
+  return Mesh(devices, ("cp",))
+
+
+def attention_fn(case: CpCase, kw, implementation, mesh):
+  """(f(q, k, v, ids) on global arrays in the layout, the token spec)."""
+  kind, options = STRATEGIES[case.strategy]
+  hybrid = kind == "hybrid"
+  axis = HYBRID_AXES if hybrid else "cp"
+  spec = P(None, ("ring", "ulysses")) if hybrid else P(None, "cp")
+  call = dict(kw, load_balance=case.layout, implementation=implementation)
+  if case.entry == "jit":
+    cpc = jax_ring.ContextParallel(axis=axis, strategy=kind,
+                                   load_balance=case.layout, **options)
+    del call["load_balance"]
+    f = lambda q, k, v, ids: jax_ring.dot_product_attention(
+        q, k, v, segment_ids=ids, context_parallel=cpc, **call)
+    return f, spec
+  fn = SHARD_MAP_FUNCTIONS[kind]
+
+  def f(q, k, v, ids):
+    inner = lambda q, k, v, *ids: fn(
+        q, k, v, axis_name=axis, segment_ids=ids[0] if ids else None,
+        **options, **call)
+    nids = 0 if ids is None else 1
+    return jax.shard_map(inner, mesh=mesh, in_specs=(spec,) * (3 + nids),
+                         out_specs=spec)(q, k, v, *(() if ids is None else
+                                                     (ids,)))
+  return f, spec
+
+
+def run_case(case: CpCase, implementation, seed=0):
+  """Forward and backward of ``case`` on its mesh. Returns (inputs, the
+  reference Case, out, grads, the backend spy, FFI calls by target)."""
+  inputs, rcase, kw, ids = problem(case, seed)
+  mesh = case_mesh(case)
+  f, spec = attention_fn(case, kw, implementation, mesh)
+  n = layout_cp(case)
+  to = lambda x: (jax_ring.reorder_for_load_balance(x, n, layout=case.layout)
+                  if case.layout else x)
+  back = lambda x: (jax_ring.reorder_from_load_balance(
+      x, n, layout=case.layout) if case.layout else x)
+  tok = NamedSharding(mesh, spec)
+  q, k, v, do = (jax.device_put(to(x), tok) for x in inputs)
+  seg = None if ids is None else jax.device_put(to(jnp.asarray(ids)), tok)
+
+  @jax.jit
+  def go(q, k, v, do, seg):
+    out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, seg), q, k, v)
+    return out, vjp(do)
+
+  with backend_spy() as spy:
+    compiled = go.lower(q, k, v, do, seg).compile()
+  out, grads = compiled(q, k, v, do, seg)
+  return (inputs, rcase, back(out), tuple(back(g) for g in grads), spy,
+          ffi_calls(compiled.as_text()))
+
+
+def check_values(inputs, rcase, out, grads):
+  """Max relative errors, after asserting each within the dtype's
+  tolerance against the float64 reference."""
+  q, k, v, do = inputs
+  r_out, _, r_g = ref.attention(q, k, v, rcase, dout=do)
+  errors = {}
+  for name, got, want in (("out", out, r_out), ("dq", grads[0], r_g["q"]),
+                          ("dk", grads[1], r_g["k"]),
+                          ("dv", grads[2], r_g["v"])):
+    ref.assert_close(got, want, q.dtype, name)
+    errors[name] = ref.relative_error(got, want)
+  return errors
+
+
+# ---------------------------------------------------------------------------
+# The lane
+
+
+def _gpu_params():
+  # Collected on every machine, run where the devices are: ids of the
+  # 2-GPU matrix without GPUs, so that `-m gpu` lists what it would run.
+  return [pytest.param(c, id=str(c)) for c in cases(max(GPUS, 2))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _gpu_params())
+def test_cuda_blocks_match_reference(case):
+  if GPUS < case.cp:
+    pytest.skip(f"needs {case.cp} NVIDIA GPUs; found {GPUS}")
+  assert cudnn.LOAD_ERROR is None, cudnn.LOAD_ERROR
+  start = time.perf_counter()
+  inputs, rcase, out, grads, spy, calls = run_case(case, None)
+  assert spy.xla_blocks == 0, (
+      f"{spy.xla_blocks} blocks lowered through the pure-JAX backend")
+  assert not spy.cudnn_fallbacks, spy.cudnn_fallbacks
+  fwd = calls.get("jax_ring_sdpa_fwd", 0)
+  bwd = sum(n for t, n in calls.items() if t.startswith("jax_ring_sdpa_bwd"))
+  assert fwd and bwd, f"no cuDNN forward/backward call in the program: {calls}"
+  errors = check_values(inputs, rcase, out, grads)
+  record = os.environ.get("JAX_RING_TEST_RECORD")
+  if record:
+    with open(record, "a") as fh:
+      fh.write(json.dumps(dict(case=str(case), ffi_calls=calls,
+                               seconds=round(time.perf_counter() - start, 2),
+                               errors=errors)) + "\n")
+
+
+def test_lane_covers_the_matrix():
+  """The 2-GPU lane: every strategy x mask x layout x entry, each shape at
+  least once per strategy, at least 150 cases."""
+  two = cases(2)
+  assert len(two) >= 150, len(two)
+  assert len({str(c) for c in two}) == len(two)
+  for name, (kind, _) in STRATEGIES.items():
+    mine = [c for c in two if c.strategy == name]
+    if kind == "hybrid":
+      assert not mine  # needs 4 devices
+      assert {c.cp for c in cases(4) if c.strategy == name} == {4}
+      continue
+    assert {c.mask for c in mine} == set(MASKS), name
+    assert {c.shape.name for c in mine} == {"mha", "gqa", "mqa"}, name
+    assert {c.entry for c in mine} == (
+        {"jit"} if kind == "auto" else {"shard_map", "jit"}), name
+  assert {c.cp for c in cases(8)} == {2, 4, 8}
+
+
+@pytest.mark.parametrize("case", [
+    CpCase("ring_gather_unrolled", "packed", "dual_chunk", "shard_map", 4,
+           CPU_SHAPES[0]),
+    CpCase("ring_neighbour_scan", "padding", "striped", "jit", 2,
+           CPU_SHAPES[0]),
+    CpCase("all_gather_chunked", "window", None, "jit", 4, CPU_SHAPES[0]),
+    CpCase("hybrid", "soft_cap", "dual_chunk", "shard_map", 4, CPU_SHAPES[0]),
+], ids=str)
+def test_harness_on_cpu(case):
+  """The lane's own code (inputs, layouts, both entry points, the spy, the
+  FFI count) on simulated CPU devices with the pure-JAX blocks."""
+  if len(jax.devices()) < case.cp:
+    pytest.skip(f"needs {case.cp} devices")
+  inputs, rcase, out, grads, spy, calls = run_case(case, "xla")
+  assert spy.xla_blocks > 0 and not spy.cudnn_fallbacks, spy
+  assert calls == {}, calls
+  check_values(inputs, rcase, out, grads)
