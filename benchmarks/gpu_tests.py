@@ -63,8 +63,10 @@ def summary(results, records, seconds, env, command) -> str:
   cp = [(name, o) for m, name, o, _ in results if m == "test_gpu_cp"
         and name.startswith("test_cuda_blocks")]
   if cp:
-    lines += ["", f"context-parallel cases with cuDNN blocks: "
-              f"{sum(o == 'passed' for _, o in cp)} passed of {len(cp)}"]
+    c = collections.Counter(o for _, o in cp)
+    lines += ["", f"context-parallel cases with cuDNN blocks: {len(cp)}, of "
+              "which " + ", ".join(f"{c[k]} {k}" for k in (
+                  "passed", "failed", "error", "skipped"))]
     for label, index in (("by cp x strategy", (0, 1)), ("by mask", (2,)),
                          ("by layout", (3,)), ("by entry", (4,))):
       tally = collections.defaultdict(collections.Counter)

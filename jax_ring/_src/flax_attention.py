@@ -77,6 +77,19 @@ def logical_rules(*, batch="data", length="context", heads=None,
 
 
 @dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+  """Llama 3's RoPE frequency scaling (Hugging Face ``rope_type="llama3"``):
+  wavelengths longer than ``original_max_position_embeddings /
+  low_freq_factor`` are stretched by ``factor``, those shorter than ``... /
+  high_freq_factor`` kept, and the band between interpolated smoothly."""
+
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionLayerConfig:
   """Static options of :class:`Attention` (frozen, hashable).
 
@@ -92,6 +105,8 @@ class AttentionLayerConfig:
     logits_soft_cap: Gemma-2 soft cap ``c * tanh(logits / c)``.
     scale: logit multiplier; default ``1 / sqrt(H)``.
     rope_max_wavelength: RoPE base (``theta``).
+    rope_scaling: a :class:`Llama3RopeScaling`, or None (plain RoPE).
+    qkv_bias: add a learned bias to q, k and v (Qwen2).
     dtype: compute dtype of projections and attention (bfloat16 lets
       ``implementation=None`` pick cuDNN on a GPU).
     param_dtype: dtype of the weights.
@@ -116,6 +131,8 @@ class AttentionLayerConfig:
   logits_soft_cap: float | None = None
   scale: float | None = None
   rope_max_wavelength: float = 10_000.0
+  rope_scaling: Llama3RopeScaling | None = None
+  qkv_bias: bool = False
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   implementation: Literal["xla", "cudnn"] | None = None
@@ -180,20 +197,40 @@ def _axis_set(axes) -> frozenset:
   return frozenset(axes if isinstance(axes, tuple) else (axes,))
 
 
-def apply_rope(x, positions, max_wavelength: float = 10_000.0):
-  """Rotary position embedding (rotate-half form), computed in float32.
+def rope_frequencies(head_dim: int, max_wavelength: float = 10_000.0,
+                     scaling: Llama3RopeScaling | None = None):
+  """``(H/2,)`` float32 angular frequencies of RoPE: ``theta^(-2i/H)``,
+  rescaled per Llama 3 when ``scaling`` is given."""
+  inv_freq = max_wavelength ** -(
+      jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  if scaling is None:
+    return inv_freq
+  old = scaling.original_max_position_embeddings
+  wavelength = 2 * jnp.pi / inv_freq
+  # Position of each wavelength between the two cut-offs: <= 0 is a long
+  # wavelength (divided by factor), >= 1 a short one (kept).
+  t = (old / wavelength - scaling.low_freq_factor) / (
+      scaling.high_freq_factor - scaling.low_freq_factor)
+  t = jnp.clip(t, 0.0, 1.0)
+  return (1 - t) * inv_freq / scaling.factor + t * inv_freq
+
+
+def apply_rope(x, positions, max_wavelength: float = 10_000.0,
+               scaling: Llama3RopeScaling | None = None):
+  """Rotary position embedding (rotate-half form, as Hugging Face's Llama
+  weights expect), computed in float32.
 
   Args:
     x: ``(B, S, N, H)``, H even.
     positions: ``(B, S)`` int: each token's position in its document, in the
       same token order as ``x``.
     max_wavelength: the RoPE base.
+    scaling: Llama 3's frequency scaling, or None.
 
   Returns:
     ``x`` rotated, in its dtype.
   """
-  h = x.shape[-1]
-  inv_freq = max_wavelength ** -(jnp.arange(0, h, 2, dtype=jnp.float32) / h)
+  inv_freq = rope_frequencies(x.shape[-1], max_wavelength, scaling)
   angle = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, S, H/2)
   sin, cos = jnp.sin(angle)[:, :, None], jnp.cos(angle)[:, :, None]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -233,6 +270,8 @@ class Attention(nnx.Module):
   wq      (E, N, H)    (embed, heads, head_dim)
   wk, wv  (E, K, H)    (embed, kv_heads, head_dim)
   wo      (N, H, E)    (heads, head_dim, embed)
+  bq      (N, H)       (heads, head_dim), if qkv_bias
+  bk, bv  (K, H)       (kv_heads, head_dim), if qkv_bias
   ======  ===========  ==========================
 
   Example (mesh data=2 x context=4, inputs in the dual-chunk layout, see
@@ -263,6 +302,11 @@ class Attention(nnx.Module):
                      config)
     self.wo = _param(rngs, out_init, (n, h, e), (HEADS, HEAD_DIM, EMBED),
                      config)
+    if config.qkv_bias:
+      zeros = jax.nn.initializers.zeros
+      self.bq = _param(rngs, zeros, (n, h), (HEADS, HEAD_DIM), config)
+      self.bk = _param(rngs, zeros, (k, h), (KV_HEADS, HEAD_DIM), config)
+      self.bv = _param(rngs, zeros, (k, h), (KV_HEADS, HEAD_DIM), config)
 
   def __call__(self, x, positions, segment_ids=None):
     """Attention of the tokens ``x`` over themselves.
@@ -283,8 +327,11 @@ class Attention(nnx.Module):
     q = jnp.einsum("bse,enh->bsnh", x, self.wq[...].astype(dt))
     k = jnp.einsum("bse,ekh->bskh", x, self.wk[...].astype(dt))
     v = jnp.einsum("bse,ekh->bskh", x, self.wv[...].astype(dt))
-    q = apply_rope(q, positions, cfg.rope_max_wavelength)
-    k = apply_rope(k, positions, cfg.rope_max_wavelength)
+    if cfg.qkv_bias:
+      q, k, v = (y + b[...].astype(dt)
+                 for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
+    q = apply_rope(q, positions, cfg.rope_max_wavelength, cfg.rope_scaling)
+    k = apply_rope(k, positions, cfg.rope_max_wavelength, cfg.rope_scaling)
     q = constrain(q, (BATCH, LENGTH, HEADS, HEAD_DIM), cfg.rules)
     k = constrain(k, (BATCH, LENGTH, KV_HEADS, HEAD_DIM), cfg.rules)
     v = constrain(v, (BATCH, LENGTH, KV_HEADS, HEAD_DIM), cfg.rules)
