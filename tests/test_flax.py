@@ -221,6 +221,10 @@ def test_lm_batch_positions_labels_and_loss_mask():
   np.testing.assert_array_equal(plain.positions, [[0, 1, 2, 3, 4]])
   np.testing.assert_array_equal(plain.loss_mask, [[1, 1, 0, 0, 0]])
   assert plain.segment_ids is None
+  # supervised fine-tuning: only the responses (here 12, 15, 16) are targets
+  sft = jrf.make_lm_batch(tokens, ids, targets=np.array(
+      [[0, 0, 1, 0, 0, 1, 1, 0]], bool))
+  np.testing.assert_array_equal(sft.loss_mask, [[0, 1, 0, 0, 1, 0, 0, 0]])
 
 
 def test_prepared_batch_is_one_permutation_sharded_on_the_mesh():

@@ -63,8 +63,8 @@ def document_positions(segment_ids) -> np.ndarray:
   return (idx - start).astype(np.int32)
 
 
-def make_lm_batch(tokens, segment_ids=None, *, pad_id: int | None = None
-                  ) -> LMBatch:
+def make_lm_batch(tokens, segment_ids=None, *, pad_id: int | None = None,
+                  targets=None) -> LMBatch:
   """Build a batch in natural (sequence) order.
 
   Args:
@@ -72,11 +72,14 @@ def make_lm_batch(tokens, segment_ids=None, *, pad_id: int | None = None
     segment_ids: ``(B, S)`` int ids of packed documents (0 = padding), or
       None for one document per row.
     pad_id: without segment ids, tokens equal to it are padding.
+    targets: ``(B, S)`` bool, the tokens the loss predicts (e.g. the
+      responses of supervised fine-tuning data, not their prompts), or None
+      for every token.
 
   Returns:
     An :class:`LMBatch` of NumPy arrays. The label of position ``i`` is
     token ``i + 1``; no loss where ``i + 1`` starts another document, is
-    padding, or is past the row's end.
+    padding, is not a target, or is past the row's end.
   """
   tokens = np.asarray(tokens)
   if tokens.ndim != 2:
@@ -99,6 +102,12 @@ def make_lm_batch(tokens, segment_ids=None, *, pad_id: int | None = None
   mask[:, :-1] = real[:, :-1] & real[:, 1:]
   if segment_ids is not None:
     mask[:, :-1] &= segment_ids[:, :-1] == segment_ids[:, 1:]
+  if targets is not None:
+    targets = np.asarray(targets, bool)
+    if targets.shape != tokens.shape:
+      raise ValueError(f"targets must have the shape of tokens "
+                       f"{tokens.shape}; got {targets.shape}")
+    mask[:, :-1] &= targets[:, 1:]
   return LMBatch(inputs=tokens.astype(np.int32),
                  positions=np.ascontiguousarray(positions, np.int32),
                  segment_ids=segment_ids, labels=labels,
@@ -145,7 +154,7 @@ def reorder_size(context_parallel: ContextParallel | None,
 def prepare_lm_batch(tokens, segment_ids=None, *, mesh: jax.sharding.Mesh,
                      spec: P,
                      context_parallel: ContextParallel | None = None,
-                     pad_id: int | None = None) -> LMBatch:
+                     pad_id: int | None = None, targets=None) -> LMBatch:
   """:func:`make_lm_batch`, :func:`reorder_batch`, :func:`shard_batch`.
 
   Args:
@@ -157,13 +166,13 @@ def prepare_lm_batch(tokens, segment_ids=None, *, mesh: jax.sharding.Mesh,
     context_parallel: the ``jax_ring.ContextParallel`` the model's attention
       uses: its ``load_balance`` and axis fix the layout. None: natural
       order.
-    pad_id: see :func:`make_lm_batch`.
+    pad_id, targets: see :func:`make_lm_batch`.
 
   Returns:
     An :class:`LMBatch` of global ``jax.Array``s in the layout the
     attention expects.
   """
-  batch = make_lm_batch(tokens, segment_ids, pad_id=pad_id)
+  batch = make_lm_batch(tokens, segment_ids, pad_id=pad_id, targets=targets)
   if context_parallel is not None:
     batch = reorder_batch(batch, reorder_size(context_parallel, mesh),
                           context_parallel.load_balance)
