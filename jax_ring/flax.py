@@ -5,6 +5,9 @@
   cap) that calls :func:`jax_ring.dot_product_attention`, context-parallel
   when configured, sharded through MaxText-style logical axis rules
   (:func:`logical_rules`; weights FSDP-sharded with :func:`fsdp_rules`).
+* :func:`attention_fn`: jax_ring (and context parallelism) as the
+  ``attention_fn`` of flax's own ``nnx.MultiHeadAttention`` and linen
+  ``MultiHeadDotProductAttention``, keeping their weights.
 * Language-model batches for context parallelism: :func:`make_lm_batch`,
   :func:`reorder_batch`, :func:`shard_batch`, :func:`prepare_lm_batch`,
   :func:`reorder_size`.
@@ -13,6 +16,7 @@
 from jax_ring._src.data import (LMBatch, document_positions, make_lm_batch,
                                 prepare_lm_batch, reorder_batch, reorder_size,
                                 shard_batch)
+from jax_ring._src.flax_adapter import attention_fn
 from jax_ring._src.flax_attention import (LOGICAL_AXES, Attention,
                                           AttentionLayerConfig, apply_rope,
                                           constrain, fsdp_rules,
@@ -24,6 +28,7 @@ __all__ = [
     "LMBatch",
     "LOGICAL_AXES",
     "apply_rope",
+    "attention_fn",
     "constrain",
     "document_positions",
     "fsdp_rules",

@@ -91,6 +91,12 @@ def config_from_hf(hf: dict, **options) -> LlamaConfig:
 
 def config_to_hf(cfg: LlamaConfig) -> dict:
   """The ``config.json`` dict transformers reads back as the same model."""
+  if cfg.logits_soft_cap is not None:
+    raise ValueError("logits_soft_cap has no place in a Llama-family "
+                     "checkpoint; save a model without it")
+  if cfg.sliding_window is not None and cfg.model_type != "mistral":
+    raise ValueError(f"sliding_window is saved only as model_type "
+                     f"'mistral'; this config's is {cfg.model_type!r}")
   rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
   if cfg.rope_scaling is not None:
     s = cfg.rope_scaling

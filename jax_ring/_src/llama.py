@@ -82,6 +82,8 @@ class LlamaConfig:
     qkv_bias: q, k, v projections have biases (Qwen2).
     sliding_window: every layer attends to this many keys (Mistral), or
       None.
+    logits_soft_cap: attention logits soft cap (Gemma 2's), or None; no
+      Llama-family checkpoint has one, so ``save_pretrained`` refuses it.
     model_type: the Hugging Face architecture a checkpoint is written as.
     dtype: compute dtype (bfloat16 lets ``implementation=None`` pick cuDNN).
     param_dtype: the weights' dtype.
@@ -107,6 +109,7 @@ class LlamaConfig:
   tie_word_embeddings: bool = False
   qkv_bias: bool = False
   sliding_window: int | None = None
+  logits_soft_cap: float | None = None
   model_type: ModelType = "llama"
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
@@ -124,7 +127,7 @@ class LlamaConfig:
         embed_dim=self.hidden_size, num_heads=self.num_heads,
         num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
         is_causal=True, sliding_window=self.sliding_window,
-        rope_max_wavelength=self.rope_theta, rope_scaling=self.rope_scaling,
+        logits_soft_cap=self.logits_soft_cap, rope_max_wavelength=self.rope_theta, rope_scaling=self.rope_scaling,
         qkv_bias=self.qkv_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, implementation=self.implementation,
         context_parallel=self.context_parallel, rules=self.rules,
