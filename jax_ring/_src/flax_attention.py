@@ -249,8 +249,10 @@ def constrain(x, logical_axes, rules: LogicalRules):
   return jax.lax.with_sharding_constraint(x, spec)
 
 
-def _param(rngs, init, shape, axes, config):
-  """An ``nnx.Param`` annotated with its logical axes (when sharded)."""
+def sharded_param(rngs, init, shape, axes, config):
+  """An ``nnx.Param`` initialised by ``init`` in ``config.param_dtype`` and
+  annotated with its logical ``axes`` under ``config.param_rules`` (else
+  ``config.rules``); a plain one when ``config.rules`` is empty."""
   value = init(rngs.params(), shape, config.param_dtype)
   if not config.rules:
     return nnx.Param(value)
@@ -294,19 +296,17 @@ class Attention(nnx.Module):
         1.0, "fan_in", "truncated_normal", in_axis=0, out_axis=(1, 2))
     out_init = jax.nn.initializers.variance_scaling(
         1.0, "fan_in", "truncated_normal", in_axis=(0, 1), out_axis=2)
-    self.wq = _param(rngs, qkv_init, (e, n, h), (EMBED, HEADS, HEAD_DIM),
-                     config)
-    self.wk = _param(rngs, qkv_init, (e, k, h), (EMBED, KV_HEADS, HEAD_DIM),
-                     config)
-    self.wv = _param(rngs, qkv_init, (e, k, h), (EMBED, KV_HEADS, HEAD_DIM),
-                     config)
-    self.wo = _param(rngs, out_init, (n, h, e), (HEADS, HEAD_DIM, EMBED),
-                     config)
+    param = lambda init, shape, axes: sharded_param(rngs, init, shape, axes,
+                                                    config)
+    self.wq = param(qkv_init, (e, n, h), (EMBED, HEADS, HEAD_DIM))
+    self.wk = param(qkv_init, (e, k, h), (EMBED, KV_HEADS, HEAD_DIM))
+    self.wv = param(qkv_init, (e, k, h), (EMBED, KV_HEADS, HEAD_DIM))
+    self.wo = param(out_init, (n, h, e), (HEADS, HEAD_DIM, EMBED))
     if config.qkv_bias:
       zeros = jax.nn.initializers.zeros
-      self.bq = _param(rngs, zeros, (n, h), (HEADS, HEAD_DIM), config)
-      self.bk = _param(rngs, zeros, (k, h), (KV_HEADS, HEAD_DIM), config)
-      self.bv = _param(rngs, zeros, (k, h), (KV_HEADS, HEAD_DIM), config)
+      self.bq = param(zeros, (n, h), (HEADS, HEAD_DIM))
+      self.bk = param(zeros, (k, h), (KV_HEADS, HEAD_DIM))
+      self.bv = param(zeros, (k, h), (KV_HEADS, HEAD_DIM))
 
   def __call__(self, x, positions, segment_ids=None):
     """Attention of the tokens ``x`` over themselves.

@@ -143,10 +143,9 @@ def tensor_map(cfg: LlamaConfig) -> Iterator[tuple[tuple, str, Callable,
   for i in range(cfg.num_layers):
     hf = f"model.layers.{i}."
     ours = ("layers", i)
-    yield ours + ("attn_norm", "scale"), hf + "input_layernorm.weight", \
-        same, same
-    yield ours + ("mlp_norm", "scale"), hf + "post_attention_layernorm.weight",\
-        same, same
+    for norm, hf_norm in (("attn_norm", "input_layernorm"),
+                          ("mlp_norm", "post_attention_layernorm")):
+      yield ours + (norm, "scale"), hf + hf_norm + ".weight", same, same
     for name, m in (("q", n), ("k", k), ("v", k)):
       yield (ours + ("attn", f"w{name}"), hf + f"self_attn.{name}_proj.weight",
              *heads_in(m))

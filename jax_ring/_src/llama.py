@@ -44,7 +44,7 @@ from jax_ring._src.config import ContextParallel
 from jax_ring._src.flax_attention import (EMBED, Attention,
                                           AttentionLayerConfig,
                                           Llama3RopeScaling, constrain,
-                                          logical_rules)
+                                          logical_rules, sharded_param)
 
 MLP, VOCAB, NORM = "mlp", "vocab", "norm"
 ModelType = Literal["llama", "qwen2", "mistral"]
@@ -127,7 +127,8 @@ class LlamaConfig:
         embed_dim=self.hidden_size, num_heads=self.num_heads,
         num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
         is_causal=True, sliding_window=self.sliding_window,
-        logits_soft_cap=self.logits_soft_cap, rope_max_wavelength=self.rope_theta, rope_scaling=self.rope_scaling,
+        logits_soft_cap=self.logits_soft_cap,
+        rope_max_wavelength=self.rope_theta, rope_scaling=self.rope_scaling,
         qkv_bias=self.qkv_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, implementation=self.implementation,
         context_parallel=self.context_parallel, rules=self.rules,
@@ -141,20 +142,12 @@ class LlamaConfig:
     return embeddings + e + self.num_layers * (attn + 3 * e * m + 2 * e)
 
 
-def _param(rngs, init, shape, axes, cfg: LlamaConfig):
-  value = init(rngs.params(), shape, cfg.param_dtype)
-  if not cfg.rules:
-    return nnx.Param(value)
-  rules = cfg.rules if cfg.param_rules is None else cfg.param_rules
-  return nnx.Param(value, out_sharding=axes, sharding_rules=rules)
-
-
 class RMSNorm(nnx.Module):
   """``x / sqrt(mean(x^2) + eps) * scale``, in float32."""
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
-    self.scale = _param(rngs, jax.nn.initializers.ones, (cfg.hidden_size,),
-                        (NORM,), cfg)
+    self.scale = sharded_param(rngs, jax.nn.initializers.ones,
+                               (cfg.hidden_size,), (NORM,), cfg)
     self.eps, self.dtype = cfg.rms_norm_eps, cfg.dtype
 
   def __call__(self, x):
@@ -170,9 +163,9 @@ class SwiGLU(nnx.Module):
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
     init = jax.nn.initializers.lecun_normal()
     e, m = cfg.hidden_size, cfg.intermediate_size
-    self.w_gate = _param(rngs, init, (e, m), (EMBED, MLP), cfg)
-    self.w_up = _param(rngs, init, (e, m), (EMBED, MLP), cfg)
-    self.w_down = _param(rngs, init, (m, e), (MLP, EMBED), cfg)
+    self.w_gate = sharded_param(rngs, init, (e, m), (EMBED, MLP), cfg)
+    self.w_up = sharded_param(rngs, init, (e, m), (EMBED, MLP), cfg)
+    self.w_down = sharded_param(rngs, init, (m, e), (MLP, EMBED), cfg)
     self.cfg = cfg
 
   def __call__(self, x):
@@ -218,16 +211,16 @@ class Llama(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed = _param(rngs, jax.nn.initializers.normal(0.02),
-                        (cfg.vocab_size, cfg.hidden_size), (VOCAB, EMBED),
-                        cfg)
+    init = jax.nn.initializers.normal(0.02)
+    self.embed = sharded_param(rngs, init, (cfg.vocab_size, cfg.hidden_size),
+                               (VOCAB, EMBED), cfg)
     self.layers = nnx.List([Block(cfg, rngs=rngs)
                             for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg, rngs=rngs)
     if not cfg.tie_word_embeddings:
-      self.unembed = _param(rngs, jax.nn.initializers.normal(0.02),
-                            (cfg.hidden_size, cfg.vocab_size), (EMBED, VOCAB),
-                            cfg)
+      self.unembed = sharded_param(rngs, init,
+                                   (cfg.hidden_size, cfg.vocab_size),
+                                   (EMBED, VOCAB), cfg)
 
   def hidden_states(self, inputs, positions, segment_ids=None):
     """``(B, S, E)`` after the final norm, in ``cfg.dtype``."""
