@@ -52,9 +52,82 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 
 def model_flops_per_token(cfg, seq: int) -> float:
-  matmul_params = cfg.num_params() - cfg.vocab_size * cfg.embed_dim
+  # The embedding table is a lookup; tied, the same table is also the
+  # unembedding, a product.
+  lookup = 0 if cfg.llama().tie_word_embeddings else (
+      cfg.vocab_size * cfg.embed_dim)
+  matmul_params = cfg.num_params() - lookup
   attention = 6 * cfg.num_layers * seq * cfg.num_heads * cfg.head_dim
   return 6 * matmul_params + attention
+
+
+# Kernel families of a training step's trace (names as cuDNN, cuBLAS,
+# CUTLASS, XLA's Triton GEMMs and NCCL give them).
+MATMUL = ("gemm", "cutlass", "nvjet", "xmma", "cublas")
+
+
+def step_kind(name: str) -> str:
+  from profile_ring import kind
+  k = kind(name)
+  if k == "other" and any(m in name.lower() for m in MATMUL):
+    return "matmul"
+  return k
+
+
+def profile(run, seq: int, steps: int, out_dir: str) -> dict:
+  """Where a training step's time goes, per step and averaged over GPUs,
+  from a ``jax.profiler`` trace of ``steps`` steps (after one untraced):
+  wall, busy and idle time, and attention, matmul, NCCL (all, and with
+  nothing else running) and other kernels; the top kernels of GPU 0."""
+  import collections
+  import glob
+
+  import jax
+  import numpy as np
+  from profile_ring import exposed, gpu_events, union
+
+  b = run.built
+  state = b["state"]
+  with jax.set_mesh(b["mesh"]):
+    state, loss = b["train_step"](state, run.batch(seq, 0))
+    float(loss)
+    trace_dir = os.path.join(out_dir, f"trace_{run.devices}gpu_{seq}")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for step in range(1, steps + 1):
+        state, loss = b["train_step"](state, run.batch(seq, step))
+      float(loss)
+  b["state"] = state
+  path = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
+                   recursive=True)[0]
+  per = gpu_events(path)
+  if not per:
+    raise SystemExit("no GPU kernel events in the trace (GPUs only)")
+  ms = lambda us: us / 1e3 / steps
+  rows = []
+  for gpu, evs in sorted(per.items()):
+    by = collections.defaultdict(list)
+    for start, end, name, _ in evs:
+      by[step_kind(name)].append((start, end))
+    every = [(start, end) for start, end, _, _ in evs]
+    wall = max(e for _, e in every) - min(s for s, _ in every)
+    busy = union(every)
+    rest = by["attn"] + by["matmul"] + by["other"]
+    rows.append(dict(
+        wall_ms=ms(wall), busy_ms=ms(busy), idle_ms=ms(wall - busy),
+        attn_ms=ms(union(by["attn"])), matmul_ms=ms(union(by["matmul"])),
+        comm_ms=ms(union(by["comm"])),
+        comm_only_ms=ms(exposed(by["comm"], rest)),
+        other_ms=ms(union(by["other"]))))
+  mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+  top = collections.defaultdict(lambda: [0, 0.0])
+  for start, end, name, _ in next(iter(sorted(per.items())))[1]:
+    top[name][0] += 1
+    top[name][1] += end - start
+  mean["top_kernels"] = [
+      dict(ms=round(ms(v[1]), 3), per_step=v[0] // steps,
+           kind=step_kind(n), name=n[:100])
+      for n, v in sorted(top.items(), key=lambda kv: -kv[1][1])[:30]]
+  return dict(devices=run.devices, seq=seq, steps=steps, **mean)
 
 
 def peak_bytes(compiled) -> int:
@@ -69,7 +142,7 @@ class Run:
 
   def __init__(self, argv: list[str], devices, packed: bool = True):
     import train_lm
-    self.packed = packed
+    self.packed, self.devices = packed, len(devices)
     self.args = train_lm.parse_args(argv)
     self.built = train_lm.build(self.args, devices)
     self.corpus = train_lm.Corpus()
@@ -197,6 +270,9 @@ def main():
                  help="mesh sizes to run (default: 1 and all devices)")
   p.add_argument("--cpu", action="store_true",
                  help="simulated CPU devices (plumbing check only)")
+  p.add_argument("--profile", metavar="DIR", default=None,
+                 help="after each mesh's throughput, trace 3 steps at the "
+                 "first --seq into DIR and record where the time goes")
   a = p.parse_args()
   if a.lean:  # read when jax's GPU backend starts
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_"
@@ -214,7 +290,7 @@ def main():
   common_argv = (["--preset", a.preset, "--quiet", "--strategy", a.strategy]
                  + shlex.split(a.example_args))
   meshes = {d: ["--mesh", f"data=1,context={d}"] for d in a.devices or (1, n)}
-  rows, longest_rows, runs = [], [], {}
+  rows, longest_rows, runs, profiles = [], [], {}, []
 
   def report():
     cfg = next(iter(runs.values())).built["cfg"]
@@ -223,7 +299,7 @@ def main():
                  mfu="model FLOPs/token (6P + 6 L S Hq D) x tokens/s / "
                  "(devices x peak)", longest=longest_rows,
                  memory_fraction=os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
-                 example_args=a.example_args,
+                 example_args=a.example_args, profile=profiles,
                  xla_flags=os.environ.get("XLA_FLAGS", ""))
     if len(longest_rows) == 2 and longest_rows[0]["longest_seq"]:
       extra["longest_ratio"] = (longest_rows[1]["longest_seq"] /
@@ -271,6 +347,11 @@ def main():
         r["analysed_peak_bytes"] = run.compile_peak(seq)["peak"]
       rows.append(r)
       print(r, flush=True)
+      report()
+    if a.profile and seqs:
+      profiles.append(profile(run, seqs[0], 3, a.profile))
+      print({k: v for k, v in profiles[-1].items() if k != "top_kernels"},
+            flush=True)
       report()
   extra = {}
   if not a.skip_longest:

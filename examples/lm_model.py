@@ -40,6 +40,7 @@ class ModelConfig:
   sliding_window: int | None = None
   logits_soft_cap: float | None = None
   rope_max_wavelength: float = 10_000.0
+  tie_word_embeddings: bool = False
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   implementation: str | None = None
@@ -54,6 +55,7 @@ class ModelConfig:
         intermediate_size=self.mlp_dim, num_layers=self.num_layers,
         num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
         head_dim=self.head_dim, rope_theta=self.rope_max_wavelength,
+        tie_word_embeddings=self.tie_word_embeddings,
         sliding_window=self.sliding_window,
         logits_soft_cap=self.logits_soft_cap, dtype=self.dtype,
         param_dtype=self.param_dtype, implementation=self.implementation,

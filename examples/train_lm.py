@@ -51,6 +51,14 @@ PRESETS = {
                           num_kv_heads=4, head_dim=128, mlp_dim=8192,
                           remat=True),
                seq=32768, batch_per_data=1, lr=3e-4, steps=300),
+    # Llama-3.2-1B's shape (1.24B params, tied 128256-token embeddings),
+    # random weights, byte tokens: for throughput and memory on GPUs.
+    "llama3.2-1b": dict(model=dict(vocab_size=128256, embed_dim=2048,
+                                   num_layers=16, num_heads=32,
+                                   num_kv_heads=8, head_dim=64, mlp_dim=8192,
+                                   rope_max_wavelength=500000.0,
+                                   tie_word_embeddings=True, remat=True),
+                        seq=65536, batch_per_data=1, lr=3e-4, steps=300),
 }
 
 
@@ -257,10 +265,34 @@ def build(args, devices=None):
                      f"size {shape['data']}")
 
   tx = make_optimizer(args.lr, args.warmup, args.steps)
-
   with jax.set_mesh(mesh):
     # Parameters are created sharded (flax eager sharding), from the seed.
     model = nnx.jit(lambda: Transformer(cfg, rngs=nnx.Rngs(args.seed)))()
+  state, train_step, graphdef = make_train_step(model, tx, loss_fn, mesh)
+  spec = jax.P("data" if "data" in shape else None, seq)
+  return dict(mesh=mesh, cfg=cfg, spec=spec, batch=batch, state=state,
+              train_step=train_step, graphdef=graphdef)
+
+
+def make_train_step(model, tx, loss_fn, mesh):
+  """The train state of ``model`` and its jitted step.
+
+  Args:
+    model: an NNX module whose arrays are already placed on ``mesh``.
+    tx: the optax optimizer.
+    loss_fn: ``(model, batch) -> scalar loss``.
+    mesh: the device mesh.
+
+  Returns:
+    ``(state, train_step, graphdef)``: ``state`` is ``{"params",
+    "opt_state"}``; ``train_step(state, batch) -> (state, loss)``;
+    ``nnx.merge(graphdef, state["params"])`` is the model again.
+  """
+  import jax
+  import optax
+  from flax import nnx
+
+  with jax.set_mesh(mesh):
     graphdef, params = nnx.split(model)
     opt_state = jax.jit(tx.init)(params)
   state = {"params": params, "opt_state": opt_state}
@@ -278,11 +310,10 @@ def build(args, devices=None):
     params = optax.apply_updates(state["params"], updates)
     return {"params": params, "opt_state": opt_state}, loss
 
+  gpu = jax.default_backend() == "gpu"
   train_step = jax.jit(step, out_shardings=(state_sh, replicated),
                        donate_argnums=(0,) if gpu else ())
-  spec = jax.P("data" if "data" in shape else None, seq)
-  return dict(mesh=mesh, cfg=cfg, spec=spec, batch=batch, state=state,
-              train_step=train_step, graphdef=graphdef)
+  return state, train_step, graphdef
 
 
 # --------------------------------------------------------------------------
@@ -395,14 +426,65 @@ def _dir_bytes(path: str) -> int:
 
 def train(args) -> dict:
   """Run (or resume) training; returns the losses and throughput."""
+  import functools
+
   import jax
-  import orbax.checkpoint as ocp
 
   import jax_ring.flax as jrf
 
   built = build(args)
-  mesh, state = built["mesh"], built["state"]
-  record = _run_record(args, built)
+  mesh = built["mesh"]
+  corpus = functools.cache(Corpus)  # read once, after a resume's checks
+
+  def batch_at(step):
+    tokens, seg = corpus().batch(step, args.seed, built["batch"], args.seq)
+    return jrf.prepare_lm_batch(
+        tokens, seg, mesh=mesh, spec=built["spec"],
+        context_parallel=built["cfg"].context_parallel)
+
+  def banner(start):
+    cfg = built["cfg"]
+    return (f"jax_ring train_lm: {cfg.num_params() / 1e6:.2f}M params "
+            f"({args.preset}), {corpus().tokens.size / 1e6:.1f}M bytes of "
+            f"Python source in {corpus().num_files} files\n"
+            f"  mesh {dict(mesh.shape)} on {jax.device_count()} "
+            f"{jax.devices()[0].platform} devices ({jax.process_count()} "
+            f"process(es)), strategy {args.strategy}, load balance "
+            f"{args.load_balance}, batch {built['batch']} x seq {args.seq}, "
+            f"{cfg.dtype.name}"
+            + (f", resuming at step {start}" if start else ""))
+
+  return train_loop(args, mesh=mesh, state=built["state"],
+                    train_step=built["train_step"],
+                    record=_run_record(args, built), batch_at=batch_at,
+                    tokens_per_step=built["batch"] * args.seq, banner=banner)
+
+
+def train_loop(args, *, mesh, state, train_step, record: dict, batch_at,
+               tokens_per_step: int, banner) -> dict:
+  """Run (or resume) the steps of a training run; shared with
+  ``finetune.py``.
+
+  Args:
+    args: the run's flags: ``run_dir``, ``resume``, ``steps``,
+      ``stop_after``, ``checkpoint_every``, ``quiet``.
+    mesh: the device mesh.
+    state: the initial train state (replaced by the checkpoint's on
+      ``--resume``).
+    train_step: ``(state, batch) -> (state, loss)``.
+    record: what must match for ``--resume`` (saved with each checkpoint).
+    batch_at: ``step -> batch`` on the mesh, a pure function of the step
+      so that a resumed run sees the same data.
+    tokens_per_step: for the throughput.
+    banner: ``start step -> str``, printed (process 0) before the loop.
+
+  Returns:
+    The losses, the start step, the final state, throughput and
+    checkpoint figures.
+  """
+  import jax
+  import orbax.checkpoint as ocp
+
   lead = jax.process_index() == 0
   manager = _manager(args.run_dir)
   start, losses = 0, []
@@ -411,19 +493,8 @@ def train(args) -> dict:
   else:
     for old in manager.all_steps():  # a fresh run replaces an older one
       manager.delete(old)
-  corpus = Corpus()
-  tokens_per_step = built["batch"] * args.seq
   if lead:
-    cfg = built["cfg"]
-    print(f"jax_ring train_lm: {cfg.num_params() / 1e6:.2f}M params "
-          f"({args.preset}), {corpus.tokens.size / 1e6:.1f}M bytes of "
-          f"Python source in {corpus.num_files} files\n"
-          f"  mesh {dict(mesh.shape)} on {jax.device_count()} "
-          f"{jax.devices()[0].platform} devices ({jax.process_count()} "
-          f"process(es)), strategy {args.strategy}, load balance "
-          f"{args.load_balance}, batch {built['batch']} x seq {args.seq}, "
-          f"{cfg.dtype.name}"
-          + (f", resuming at step {start}" if start else ""), flush=True)
+    print(banner(start), flush=True)
   show = lead and not args.quiet
   stop = min(args.steps, args.stop_after or args.steps)
   clock, bar, pending = StepClock(tokens_per_step), None, None
@@ -446,11 +517,7 @@ def train(args) -> dict:
 
   with jax.set_mesh(mesh):
     for step in range(start, stop):
-      tokens, seg = corpus.batch(step, args.seed, built["batch"], args.seq)
-      batch = jrf.prepare_lm_batch(
-          tokens, seg, mesh=mesh, spec=built["spec"],
-          context_parallel=built["cfg"].context_parallel)
-      state, loss = built["train_step"](state, batch)
+      state, loss = train_step(state, batch_at(step))
       if pending is not None:  # the previous step, while this one runs
         finish(pending)
       pending = loss
@@ -503,9 +570,11 @@ def ascii_curve(losses, width=60, height=10) -> str:
   return "\n".join(lines)
 
 
-def report(result, args):
+def report(result, args, *, unit: str = "nats/byte", title: str | None = None):
+  """Print the curve and figures; write losses.json and loss_curve.png
+  (``unit``: the loss's, for the labels; ``title``: the plot's)."""
   losses = result["losses"]
-  print("\nloss curve (nats/byte):\n" + ascii_curve(losses))
+  print(f"\nloss curve ({unit}):\n" + ascii_curve(losses))
   k = min(10, len(losses))
   print(f"final loss {np.mean(losses[-k:]):.4f} (mean of the last {k} steps)")
   if result["tokens_per_s"]:
@@ -541,8 +610,8 @@ def report(result, args):
     smooth.append(ema)
   ax.plot(steps, smooth, label="moving average (0.9)")
   ax.legend()
-  ax.set(xlabel="step", ylabel="loss (nats/byte)",
-         title=f"train_lm {args.preset}, seq {args.seq}, {args.strategy}")
+  ax.set(xlabel="step", ylabel=f"loss ({unit})", title=title or (
+      f"train_lm {args.preset}, seq {args.seq}, {args.strategy}"))
   ax.grid(alpha=0.3)
   path = os.path.join(args.run_dir, "loss_curve.png")
   fig.tight_layout()

@@ -235,3 +235,14 @@ def test_gpu_lane_summary_counts_outcomes_errors_and_calls(tmp_path):
   assert "bfloat16 (tolerance 0.03): out 3.00e-03 (0.10), dq 6.00e-03" in text
   assert "forward 3-3, backward 2-2" in text
   assert f"{ids[1]}]: AssertionError: dk: max error 5e-3" in text
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16", "attn"),
+    ("nvjet_tst_192x192_64x4_1x2_h_bz_coopB_TNT", "matmul"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+    ("cutlass3x_sm90_tensorop_gemm_bf16_bf16_f32", "matmul"),
+    ("ncclDevKernel_AllGather_RING_LL", "comm"),
+    ("loop_multiply_reduce_fusion_3", "other")])
+def test_training_profile_kernel_families(name, kind):
+  assert lm_training.step_kind(name) == kind

@@ -1,0 +1,539 @@
+"""Supervised fine-tuning (SFT) of a local Hugging Face checkpoint at long
+context with jax_ring.
+
+Examples (a prompt and its response, or a chat) are tokenized with the
+checkpoint's own ``tokenizer.json`` and packed into rows of ``--seq``
+tokens; the loss is on the responses only. The sequence is split over
+``--context`` devices (ring attention by default); the other devices split
+the batch, and weights and optimizer state are FSDP-sharded over all of
+them. Nothing is ever downloaded.
+
+  python examples/finetune.py            # CPU: 8 simulated devices, data=2 x
+                                         # context=4; makes a tiny random
+                                         # Llama, its tokenizer and a toy
+                                         # dataset in --run-dir; under a minute
+  python examples/finetune.py --resume   # continue from the last checkpoint
+  python examples/finetune.py --model /path/to/Llama-3.2-1B --data my.jsonl \\
+      --seq 65536 --context 2            # GPUs: bfloat16 (cuDNN), remat
+
+Data (``--data``): JSON lines, each one example, either
+
+  {"prompt": "...", "response": "..."}       loss on the response
+  {"messages": [{"role": "user", "content": "..."},
+                {"role": "assistant", "content": "..."}, ...]}
+                                             loss on the assistant turns
+
+An example is ``[prefix] prompt response EOS``. The prefix is what the
+tokenizer itself puts before a text (Llama's BOS; nothing for Qwen). EOS is
+``eos_token_id`` of config.json, else ``eos_token`` of
+tokenizer_config.json; without either, a newline ends a response or a turn.
+Prompt and response are tokenized apart, so the loss starts exactly at the
+response; write your model's own template into the prompt to use it. A
+chat is rendered Zephyr-style, each turn ``<|role|>\\n`` content EOS, with
+the loss on the assistant's content and its EOS (the model learns to stop).
+Examples longer than ``--seq`` keep their first ``--seq`` tokens (and are
+dropped if no response token is left). Rows are packed greedily in a
+shuffled order: segment ids 1, 2, ... per example, 0 for padding;
+positions restart per example.
+
+The demo's data: "Reverse the words: ..." prompt/response records and
+"Sort: ..." chats (some of two turns) over 32 words; its model: a 0.15M
+parameter Llama (hidden 64, 2 layers, 4 query / 2 kv heads of 16) with a
+byte-level BPE tokenizer trained on that data.
+
+Written to ``--run-dir``: checkpoints/ (orbax, in the background),
+losses.json, loss_curve.png (with matplotlib), and final/: the fine-tuned
+model as a Hugging Face checkpoint (safetensors) with the tokenizer files,
+which ``transformers.AutoModelForCausalLM.from_pretrained`` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import random
+import shutil
+import tempfile
+
+import numpy as np
+
+import train_lm
+
+# The defaults of the demo (no --model) and of a real checkpoint.
+DEMO = dict(seq=512, batch_per_data=2, steps=150, lr=3e-3, examples=2000)
+MODEL = dict(seq=4096, batch_per_data=1, steps=None, lr=2e-5)  # steps: 1 epoch
+# Files next to the weights that travel to final/ unchanged.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "generation_config.json")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", default=None, help="a local Hugging Face "
+                 "checkpoint directory (config.json, *.safetensors, "
+                 "tokenizer.json); default: a tiny random Llama made in "
+                 "--run-dir")
+  p.add_argument("--data", default=None, help="JSON lines of examples; "
+                 "default: a toy dataset made in --run-dir")
+  p.add_argument("--context", type=int, default=None, help="context-parallel "
+                 "degree; the other devices form the data axis (default 4 "
+                 "on 8 devices, else all devices)")
+  strategies = tuple(s for s in train_lm._choices("strategy") if s != "hybrid")
+  p.add_argument("--strategy", default="ring", choices=strategies)
+  p.add_argument("--seq", type=int, default=None, help="tokens per row")
+  p.add_argument("--batch", type=int, default=None, help="rows per step")
+  p.add_argument("--steps", type=int, default=None,
+                 help="default: 150 for the demo, one epoch of --data else")
+  p.add_argument("--lr", type=float, default=None, help="peak learning rate")
+  p.add_argument("--warmup", type=int, default=10)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--examples", type=int, default=DEMO["examples"],
+                 help="size of the demo dataset")
+  p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                 help="compute dtype; default bfloat16 on GPU, else float32 "
+                 "(weights and Adam stay float32)")
+  p.add_argument("--save-dtype", choices=["float32", "bfloat16"],
+                 default=None, help="of final/; default the checkpoint's")
+  p.add_argument("--implementation", choices=["xla", "cudnn"], default=None)
+  p.add_argument("--remat", action=argparse.BooleanOptionalAction,
+                 default=None, help="rematerialise each block (default: on "
+                 "GPUs)")
+  p.add_argument("--run-dir", default=os.path.join(tempfile.gettempdir(),
+                                                   "jax_ring_finetune"))
+  p.add_argument("--checkpoint-every", type=int, default=25)
+  p.add_argument("--resume", action="store_true",
+                 help="continue from the last checkpoint in --run-dir")
+  p.add_argument("--stop-after", type=int, default=None,
+                 help="stop after this step, as if interrupted")
+  train_lm._add_process_flags(p)
+  p.add_argument("--quiet", action="store_true", help="no progress bar")
+  args = p.parse_args(argv)
+  defaults = MODEL if args.model else DEMO
+  for name in ("seq", "lr"):
+    if getattr(args, name) is None:
+      setattr(args, name, defaults[name])
+  if args.steps is None:
+    args.steps = defaults["steps"]  # None with --model: set from the data
+  return args
+
+
+# --------------------------------------------------------------------------
+# The demo: a toy task, a byte-level BPE tokenizer and a random Llama.
+
+WORDS = ("red blue green gold fox dog cat owl fish bird tree leaf river lake "
+         "stone sand cloud rain snow wind fire ice sun moon star sky road "
+         "door book lamp ship bell").split()
+SPECIAL = ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>")
+
+
+def demo_records(n: int, seed: int) -> list[dict]:
+  """Reverse a list of words (prompt/response records) or sort it (chats,
+  some two turns long, so that a user turn sits between two losses)."""
+  rng = random.Random(seed)
+  words = lambda: rng.sample(WORDS, rng.randint(3, 8))
+  out = []
+  for i in range(n):
+    if i % 2 == 0:
+      w = words()
+      out.append({"prompt": f"Reverse the words: {' '.join(w)}\n",
+                  "response": f"Reversed: {' '.join(w[::-1])}"})
+      continue
+    chat = [{"role": "system", "content": "You sort words."}]
+    for _ in range(rng.randint(1, 2)):
+      w = words()
+      chat += [{"role": "user", "content": f"Sort: {' '.join(w)}"},
+               {"role": "assistant",
+                "content": f"Sorted: {' '.join(sorted(w))}"}]
+    out.append({"messages": chat})
+  return out
+
+
+def train_tokenizer(texts, vocab_size: int = 512):
+  """A byte-level BPE (GPT-2's, Llama 3's kind: any text encodes) trained in
+  memory on ``texts``; its first special token is the EOS."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(texts, trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=list(SPECIAL), show_progress=False,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  return tok
+
+
+def make_demo(run_dir: pathlib.Path, args) -> tuple[pathlib.Path, str]:
+  """Write the demo's data (unless --data) and checkpoint in ``run_dir``;
+  a resumed run keeps the ones it started with. Returns (model dir, data
+  file)."""
+  import jax
+  from flax import nnx
+
+  from jax_ring import models
+  base, data = run_dir / "base_model", args.data or run_dir / "demo.jsonl"
+  if args.resume and (base / "config.json").exists() and os.path.exists(data):
+    return base, str(data)
+  if jax.process_index() == 0:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not args.data:
+      with open(data, "w") as f:
+        for r in demo_records(args.examples, args.seed):
+          f.write(json.dumps(r) + "\n")
+  _sync("demo data")
+  texts = ["".join(t for t, _, _ in pieces(r)) for r in read_records(data)]
+  tok = train_tokenizer(texts)
+  cfg = models.LlamaConfig(
+      vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=192,
+      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+  models.save_pretrained(models.Llama(cfg, rngs=nnx.Rngs(args.seed)), base)
+  if jax.process_index() == 0:
+    tok.save(str(base / "tokenizer.json"))
+    eos = SPECIAL[0]
+    hf = json.loads((base / "config.json").read_text())
+    hf["eos_token_id"] = tok.token_to_id(eos)
+    (base / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    (base / "tokenizer_config.json").write_text(json.dumps(dict(
+        tokenizer_class="PreTrainedTokenizerFast", eos_token=eos,
+        pad_token=eos), indent=2) + "\n")
+  _sync("demo checkpoint")
+  return base, str(data)
+
+
+def _sync(name: str):
+  import jax
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+
+
+# --------------------------------------------------------------------------
+# Data: records -> (tokens, targets) examples -> packed rows.
+
+
+def read_records(path) -> list[dict]:
+  records = []
+  with open(path) as f:
+    for i, line in enumerate(f, 1):
+      if line.strip():
+        r = json.loads(line)
+        if not ({"prompt", "response"} <= r.keys() or "messages" in r):
+          raise SystemExit(f"{path}:{i}: expected prompt and response, or "
+                           f"messages; got keys {sorted(r)}")
+        if not all({"role", "content"} <= m.keys()
+                   for m in r.get("messages", ())):
+          raise SystemExit(f"{path}:{i}: every message needs a role and a "
+                           "content")
+        records.append(r)
+  if not records:
+    raise SystemExit(f"{path}: no examples")
+  return records
+
+
+def pieces(record: dict) -> list[tuple[str, bool, bool]]:
+  """``(text, is target, ends a turn)`` pieces of a record, in order (the
+  prefix and the EOS are tokens, not text, and not here)."""
+  if "messages" not in record:
+    return [(record["prompt"], False, False), (record["response"], True, True)]
+  out = []
+  for m in record["messages"]:
+    out += [(f"<|{m['role']}|>\n", False, False),
+            (m["content"], m["role"] == "assistant", True)]
+  return out
+
+
+class Encoder:
+  """Records -> ``(tokens, targets)`` int32 / bool arrays, with the
+  checkpoint's ``tokenizer.json`` (see the module docstring for the
+  prefix and the EOS)."""
+
+  def __init__(self, model_dir):
+    from tokenizers import Tokenizer
+    model_dir = pathlib.Path(model_dir)
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+      raise SystemExit(f"{model_dir} has no tokenizer.json")
+    self.path, self.tok = path, Tokenizer.from_file(str(path))
+    # The tokens the tokenizer's own post-processor adds before a text.
+    plain = self.tok.encode("a", add_special_tokens=False).ids
+    full = self.tok.encode("a", add_special_tokens=True).ids
+    self.prefix = full[:full.index(plain[0])] if plain[0] in full else []
+    self.eos = _eos_id(model_dir, self.tok)
+    # What ends a response or a chat turn: EOS, else a newline.
+    self.end = ([self.eos] if self.eos is not None else
+                self.tok.encode("\n", add_special_tokens=False).ids)
+
+  def __call__(self, records) -> list[tuple[np.ndarray, np.ndarray]]:
+    split = [pieces(r) for r in records]
+    flat = self.tok.encode_batch([t for p in split for t, _, _ in p],
+                                 add_special_tokens=False)
+    out, k = [], 0
+    for p in split:
+      ids, tgt = list(self.prefix), [False] * len(self.prefix)
+      for (_, target, ends), enc in zip(p, flat[k:k + len(p)]):
+        ids += enc.ids
+        tgt += [target] * len(enc.ids)
+        if ends:  # a response or a chat turn; a prompt runs into its response
+          ids += self.end
+          tgt += [target] * len(self.end)
+      k += len(p)
+      out.append((np.asarray(ids, np.int32), np.asarray(tgt, bool)))
+    return out
+
+
+def _eos_id(model_dir: pathlib.Path, tok) -> int | None:
+  hf = json.loads((model_dir / "config.json").read_text())
+  eos = hf.get("eos_token_id")
+  if isinstance(eos, list):
+    eos = eos[0] if eos else None
+  if eos is None and (model_dir / "tokenizer_config.json").exists():
+    name = json.loads((model_dir / "tokenizer_config.json").read_text()).get(
+        "eos_token")
+    name = name.get("content") if isinstance(name, dict) else name
+    eos = tok.token_to_id(name) if name else None
+  return eos
+
+
+def pack(lengths, seq: int) -> list[list[int]]:
+  """Greedy packing in the given order: each example (its index) goes into
+  the current row if it fits, else starts the next one. Every length must
+  be at most ``seq``."""
+  rows, room = [], 0
+  for i, n in enumerate(lengths):
+    if n > room:
+      rows.append([])
+      room = seq
+    rows[-1].append(i)
+    room -= n
+  return rows
+
+
+class SFTData:
+  """Packed rows of examples; the rows of a step are a pure function of
+  (seed, step), so a resumed run sees the same data.
+
+  Epoch ``e`` packs the examples in a shuffled order (seeded by (seed,
+  e)); steps walk through epoch 0's rows, then epoch 1's, and so on.
+  """
+
+  def __init__(self, examples, seq: int, seed: int):
+    self.seq, self.seed = seq, seed
+    kept = [(t[:seq], m[:seq]) for t, m in examples]
+    self.truncated = sum(len(t) > seq for t, _ in examples)
+    self.examples = [(t, m) for t, m in kept if m[1:].any()]
+    self.dropped = len(kept) - len(self.examples)
+    if not self.examples:
+      raise SystemExit("no example has a response token left to learn")
+    self._epochs = []
+
+  def rows(self, epoch: int) -> list[list[int]]:
+    while len(self._epochs) <= epoch:
+      e = len(self._epochs)
+      order = np.random.default_rng([self.seed, e]).permutation(
+          len(self.examples))
+      packed = pack([len(self.examples[i][0]) for i in order], self.seq)
+      self._epochs.append([[int(order[j]) for j in row] for row in packed])
+    return self._epochs[epoch]
+
+  def row(self, index: int):
+    """The ``index``-th row of the stream: (tokens, segment ids, targets),
+    ``(seq,)`` each."""
+    epoch = 0
+    while index >= len(self.rows(epoch)):
+      index -= len(self.rows(epoch))
+      epoch += 1
+    tokens = np.zeros(self.seq, np.int32)
+    seg = np.zeros(self.seq, np.int32)
+    targets = np.zeros(self.seq, bool)
+    start = 0
+    for doc, i in enumerate(self.rows(epoch)[index], 1):
+      t, m = self.examples[i]
+      tokens[start:start + len(t)], targets[start:start + len(t)] = t, m
+      seg[start:start + len(t)] = doc
+      start += len(t)
+    return tokens, seg, targets
+
+  def batch(self, step: int, batch: int):
+    """Global ``(tokens, segment_ids, targets)``, ``(batch, seq)`` each."""
+    rows = [self.row(step * batch + i) for i in range(batch)]
+    return tuple(np.stack(x) for x in zip(*rows))
+
+  def fill(self) -> float:
+    """The fraction of epoch 0's row tokens that are examples."""
+    rows = self.rows(0)
+    used = sum(len(self.examples[i][0]) for row in rows for i in row)
+    return used / (len(rows) * self.seq)
+
+
+# --------------------------------------------------------------------------
+# Model, step, loop.
+
+
+def layout(args) -> tuple[dict[str, int], int]:
+  """The mesh shape ``{"data": D, "context": C}`` and the rows per step."""
+  import jax
+  n = jax.device_count()
+  context = args.context or (4 if n == 8 else n)
+  if context < 1 or n % context:
+    raise SystemExit(f"--context {context} does not divide the {n} devices")
+  if args.seq % (2 * context):
+    raise SystemExit(f"--seq {args.seq} must be a multiple of 2 x --context "
+                     f"= {2 * context} (the dual-chunk layout)")
+  shape = {"data": n // context, "context": context}
+  defaults = MODEL if args.model else DEMO
+  batch = args.batch or defaults["batch_per_data"] * shape["data"]
+  if batch % shape["data"]:
+    raise SystemExit(f"--batch {batch} must be divisible by the data axis "
+                     f"size {shape['data']}")
+  return shape, batch
+
+
+def build(args, model_dir, shape: dict[str, int]):
+  """The mesh, the model loaded onto it, its train state and jitted step."""
+  import jax
+  import jax.numpy as jnp
+
+  import jax_ring
+  from jax_ring import flax as jrf
+  from jax_ring import models
+
+  mesh = jax.make_mesh(tuple(shape.values()), tuple(shape),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  gpu = jax.default_backend() == "gpu"
+  cpc = (jax_ring.ContextParallel(axis="context", strategy=args.strategy)
+         if shape["context"] > 1 else None)
+  rules = models.model_rules(data="data", context="context")
+  fsdp = tuple(a for a in shape if shape[a] > 1)
+  model = models.load_pretrained(
+      model_dir, mesh=mesh,
+      dtype=jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32")),
+      param_dtype=jnp.float32, implementation=args.implementation,
+      context_parallel=cpc, rules=rules,
+      param_rules=jrf.fsdp_rules(rules, fsdp) if fsdp else None,
+      remat=gpu if args.remat is None else args.remat)
+  tx = train_lm.make_optimizer(args.lr, args.warmup, args.steps)
+  state, train_step, graphdef = train_lm.make_train_step(
+      model, tx, models.lm_loss, mesh)
+  return dict(mesh=mesh, cfg=model.cfg, state=state, train_step=train_step,
+              graphdef=graphdef)
+
+
+def _sha256(path) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def train(args) -> dict:
+  """Fine-tune (or resume); returns train_lm.train_loop's result plus the
+  data, the model directory and final/ (None if stopped early)."""
+  import jax
+  from flax import nnx
+
+  from jax_ring import flax as jrf
+
+  run_dir = pathlib.Path(args.run_dir)
+  model_dir, data_path = ((pathlib.Path(args.model), args.data)
+                          if args.model else make_demo(run_dir, args))
+  if data_path is None:
+    raise SystemExit("--model needs --data (JSON lines; see --help)")
+  if not args.resume and jax.process_index() == 0:  # a fresh run's own
+    shutil.rmtree(run_dir / "final", ignore_errors=True)
+  shape, batch = layout(args)
+  encoder = Encoder(model_dir)
+  data = SFTData(encoder(read_records(data_path)), args.seq, args.seed)
+  if args.steps is None:  # one epoch
+    args.steps = max(1, len(data.rows(0)) // batch)
+  built = build(args, model_dir, shape)
+  mesh, cfg = built["mesh"], built["cfg"]
+
+  def batch_at(step):
+    tokens, seg, targets = data.batch(step, batch)
+    return jrf.prepare_lm_batch(tokens, seg, mesh=mesh,
+                                spec=jax.P("data", "context"),
+                                context_parallel=cfg.context_parallel,
+                                targets=targets)
+
+  def banner(start):
+    epochs = args.steps * batch / len(data.rows(0))
+    return (f"jax_ring finetune: {model_dir} ({cfg.num_params() / 1e6:.2f}M "
+            f"params), {len(data.examples)} examples from {data_path} "
+            f"({data.truncated} truncated to --seq, {data.dropped} dropped: "
+            f"no response left)\n  {len(data.rows(0))} rows of {args.seq} "
+            f"tokens per epoch, {data.fill():.0%} filled; {args.steps} steps "
+            f"of {batch} rows = {epochs:.1f} epochs\n"
+            f"  mesh {dict(mesh.shape)} on {jax.device_count()} "
+            f"{jax.devices()[0].platform} devices, strategy {args.strategy}, "
+            f"{cfg.dtype.name}" + (", remat" if cfg.remat else "")
+            + (f", resuming at step {start}" if start else ""))
+
+  record = dict(model=str(model_dir), data_sha256=_sha256(data_path),
+                tokenizer_sha256=_sha256(encoder.path), seq=args.seq,
+                batch=batch, steps=args.steps, lr=args.lr,
+                warmup=args.warmup, seed=args.seed, dtype=str(cfg.dtype))
+  result = train_lm.train_loop(
+      args, mesh=mesh, state=built["state"], train_step=built["train_step"],
+      record=record, batch_at=batch_at,
+      tokens_per_step=batch * args.seq, banner=banner)
+  final = None
+  if len(result["losses"]) == args.steps:  # not when stopped early
+    final = run_dir / "final"
+    save_final(nnx.merge(built["graphdef"], result["state"]["params"]),
+               model_dir, final, args.save_dtype)
+  return dict(result, data=data, model_dir=model_dir, final=final)
+
+
+def save_final(model, model_dir: pathlib.Path, final: pathlib.Path,
+               save_dtype: str | None):
+  """``model`` as a Hugging Face checkpoint in ``final``, in the base
+  checkpoint's dtype unless ``save_dtype``, with the base's tokenizer files
+  and the config.json keys this library does not write (token ids, ...)."""
+  import jax
+  import jax.numpy as jnp
+
+  from jax_ring import models
+  base = json.loads((model_dir / "config.json").read_text())
+  dtype = save_dtype or base.get("torch_dtype") or base.get("dtype")
+  dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+  if jax.process_index() == 0 and final.exists():
+    shutil.rmtree(final)
+  _sync("final cleared")
+  models.save_pretrained(model, final, dtype=dtype)
+  if jax.process_index() == 0:
+    ours = json.loads((final / "config.json").read_text())
+    kept = {k: v for k, v in base.items() if k not in ("torch_dtype", "dtype")}
+    (final / "config.json").write_text(json.dumps(kept | ours, indent=2))
+    for name in TOKENIZER_FILES:
+      if (model_dir / name).exists():
+        shutil.copy(model_dir / name, final / name)
+
+
+def main(argv=None):
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # as train_lm.main
+  process_flags = argparse.ArgumentParser(add_help=False)
+  train_lm._add_process_flags(process_flags)
+  train_lm.setup_jax(process_flags.parse_known_args(argv)[0])
+  args = parse_args(argv)
+  result = train(args)
+  import jax
+  if jax.process_index() == 0:
+    train_lm.report(result, args, unit="nats/token", title=(
+        f"finetune {result['model_dir'].name}, seq {args.seq}, "
+        f"{args.strategy}"))
+    run, done = pathlib.Path(args.run_dir), len(result["losses"])
+    print(f"\nin {run}:\n  checkpoints/  orbax, the last after step {done}"
+          f"\n  losses.json" + ("\n  loss_curve.png"
+                                if (run / "loss_curve.png").exists() else ""))
+    if result["final"] is None:
+      print(f"  final/        not written: stopped after step {done} of "
+            f"{args.steps} (--resume continues)")
+    else:
+      print(f"  final/        the fine-tuned model, Hugging Face safetensors "
+            f"with the tokenizer: {result['final']}")
+
+if __name__ == "__main__":
+  main()

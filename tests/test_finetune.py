@@ -1,0 +1,193 @@
+"""The fine-tuning example: its default run (a tiny random Llama, tokenizer
+and toy data made in the run dir, data=2 x context=4 ring) trains, and its
+final/ reads back in jax_ring and in transformers with the same logits;
+--resume continues the uninterrupted run exactly; packing and the loss
+mask put the loss on response tokens only, in the load-balance layout."""
+
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import jax_ring
+from jax_ring import flax as jrf
+from jax_ring import models
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+import finetune  # noqa: E402
+
+DP, CP = 2, 4
+SEQ = 64
+# float32 logits, relative to max |logit| (tests/test_models.py's measure).
+TOLERANCE = 1e-4
+# The small run: 100 demo examples, 6 steps, checkpoints after 3 and 6.
+FLAGS = ["--seq", str(SEQ), "--examples", "100", "--steps", "6",
+         "--warmup", "2", "--checkpoint-every", "3", "--quiet"]
+
+
+def needs_devices():
+  if len(jax.devices()) < DP * CP:
+    pytest.skip(f"needs {DP * CP} devices")
+
+
+def run(run_dir, *extra):
+  return finetune.train(finetune.parse_args(
+      ["--run-dir", str(run_dir), *FLAGS, *extra]))
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+  """The uninterrupted default run (no --model, no --data)."""
+  needs_devices()
+  return run(tmp_path_factory.mktemp("whole"))
+
+
+def relative_error(got, want):
+  return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
+
+
+def test_default_run_trains_and_saves_a_checkpoint_transformers_reads(whole):
+  losses = whole["losses"]
+  assert len(losses) == 6 and np.isfinite(losses).all()
+  # From about ln V = ln 386 = 5.96 (the 0.02-std random model); 5.19 seen.
+  assert losses[-1] < losses[0] - 0.3, losses
+  final = whole["final"]
+  assert {"config.json", "model.safetensors", "tokenizer.json",
+          "tokenizer_config.json"} <= {f.name for f in final.iterdir()}
+
+  # jax_ring reads back exactly the trained weights.
+  ours = models.load_pretrained(final, implementation="xla")
+  trained = jax.tree.leaves(whole["state"]["params"])
+  loaded = jax.tree.leaves(nnx.state(ours, nnx.Param))
+  assert len(trained) == len(loaded) == 2 * 9 + 3
+  for a, b in zip(trained, loaded, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  # transformers: the same tokenizer, the same logits on a real example.
+  tok = transformers.AutoTokenizer.from_pretrained(final)
+  encoder = finetune.Encoder(final)
+  record = {"prompt": "Reverse the words: fox ice ship\n",
+            "response": "Reversed: ship ice fox"}
+  (ids, tgt), = encoder([record])
+  assert tok(record["prompt"])["input_ids"] == ids[~tgt].tolist()
+  assert tok(record["response"])["input_ids"] == ids[tgt][:-1].tolist()
+  assert ids[-1] == tok.eos_token_id
+  hf = transformers.AutoModelForCausalLM.from_pretrained(
+      final, attn_implementation="eager")
+  with torch.no_grad():
+    want = hf(torch.tensor(ids[None].astype(np.int64))).logits.numpy()
+  got = ours(jnp.asarray(ids[None]), jnp.arange(len(ids))[None])
+  assert relative_error(got, want) <= TOLERANCE
+  assert json.loads((final / "config.json").read_text())["eos_token_id"] == (
+      tok.eos_token_id)
+
+
+def test_resume_continues_the_uninterrupted_run(whole, tmp_path):
+  first = run(tmp_path, "--stop-after", "4")  # saved after 3 and 4
+  resumed = run(tmp_path, "--resume")
+  assert len(first["losses"]) == 4 and resumed["start"] == 4
+  np.testing.assert_array_equal(resumed["losses"], whole["losses"])
+  for a, b in zip(jax.tree.leaves(resumed["state"]),
+                  jax.tree.leaves(whole["state"]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert ((tmp_path / "final" / "model.safetensors").read_bytes() ==
+          (whole["final"] / "model.safetensors").read_bytes())
+  # Other settings refuse to resume rather than silently diverging.
+  with pytest.raises(SystemExit, match="other settings"):
+    run(tmp_path, "--resume", "--lr", "1e-2")
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory):
+  """The demo's tokenizer in a checkpoint directory (no weights needed)."""
+  path = tmp_path_factory.mktemp("tok")
+  tok = finetune.train_tokenizer(
+      ["".join(t for t, _, _ in finetune.pieces(r))
+       for r in finetune.demo_records(200, 0)])
+  tok.save(str(path / "tokenizer.json"))
+  (path / "config.json").write_text(json.dumps(
+      {"eos_token_id": tok.token_to_id("<|endoftext|>")}))
+  return finetune.Encoder(path)
+
+
+def test_examples_put_the_loss_on_responses_and_assistant_turns(encoder):
+  decode = lambda ids: encoder.tok.decode(list(ids), skip_special_tokens=False)
+  eos = encoder.eos
+  assert encoder.prefix == [] and eos == 0
+  pr = {"prompt": "Reverse the words: red fox\n",
+        "response": "Reversed: fox red"}
+  chat = {"messages": [
+      {"role": "system", "content": "You sort words."},
+      {"role": "user", "content": "Sort: owl cat"},
+      {"role": "assistant", "content": "Sorted: cat owl"},
+      {"role": "user", "content": "Sort: sun ice"},
+      {"role": "assistant", "content": "Sorted: ice sun"}]}
+  (ids, tgt), (cids, ctgt) = encoder([pr, chat])
+  assert decode(ids[~tgt]) == pr["prompt"]
+  assert decode(ids[tgt]) == pr["response"] + "<|endoftext|>"
+  assert ids[-1] == eos and tgt[-1] and not tgt[:-1][ids[:-1] == eos].any()
+  # Zephyr-style turns; only the assistant's content and its EOS are targets.
+  assert decode(cids) == (
+      "<|system|>\nYou sort words.<|endoftext|><|user|>\nSort: owl cat"
+      "<|endoftext|><|assistant|>\nSorted: cat owl<|endoftext|><|user|>\n"
+      "Sort: sun ice<|endoftext|><|assistant|>\nSorted: ice sun<|endoftext|>")
+  assert decode(cids[ctgt]) == (
+      "Sorted: cat owl<|endoftext|>Sorted: ice sun<|endoftext|>")
+
+
+def test_pack_is_greedy_in_order():
+  assert finetune.pack([30, 30, 10, 64, 5], 64) == [[0, 1], [2], [3], [4]]
+
+
+def test_packed_batch_masks_prompts_and_restarts_positions(encoder):
+  needs_devices()
+  records = finetune.demo_records(40, 1) + [
+      {"prompt": "x " * 100, "response": "y"},           # no response left
+      {"prompt": "Reverse: a\n", "response": "b " * 100}]  # truncated
+  examples = encoder(records)
+  long_demos = sum(len(t) > SEQ for t, _ in examples[:-2])
+  data = finetune.SFTData(examples, SEQ, seed=0)
+  assert (data.truncated, data.dropped) == (long_demos + 2, 1)
+  assert len(data.examples) == len(records) - 1
+  np.testing.assert_array_equal(data.examples[-1][0], examples[-1][0][:SEQ])
+  tokens, seg, targets = data.batch(0, DP * 2)
+  mesh = jax.make_mesh((DP, CP), ("data", "context"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  cpc = jax_ring.ContextParallel(axis="context")
+  batch = jrf.prepare_lm_batch(tokens, seg, mesh=mesh, spec=P("data",
+                                                              "context"),
+                               context_parallel=cpc, targets=targets)
+  assert batch.inputs.sharding.spec == P("data", "context")
+  # The batch is in the dual-chunk layout; put it back in natural order.
+  back = jax.tree.map(
+      lambda x: np.asarray(jax_ring.reorder_from_load_balance(x, CP)), batch)
+  assert not np.array_equal(np.asarray(batch.positions), back.positions)
+  np.testing.assert_array_equal(back.inputs, tokens)
+  np.testing.assert_array_equal(back.segment_ids, seg)
+  for row in range(tokens.shape[0]):
+    packed = data.rows(0)[row]
+    start = 0
+    for doc, i in enumerate(packed, 1):
+      ids, tgt = data.examples[i]
+      span = slice(start, start + len(ids))
+      np.testing.assert_array_equal(back.inputs[row, span], ids)
+      assert (back.segment_ids[row, span] == doc).all()
+      np.testing.assert_array_equal(back.positions[row, span],
+                                    np.arange(len(ids)))
+      # Position j predicts token j + 1: a loss exactly where that token is
+      # a target of the same example, with that token as the label.
+      want = np.zeros(len(ids), np.float32)
+      want[:-1] = tgt[1:]
+      np.testing.assert_array_equal(back.loss_mask[row, span], want)
+      np.testing.assert_array_equal(back.labels[row, span][:-1], ids[1:])
+      start += len(ids)
+    assert (back.segment_ids[row, start:] == 0).all()  # padding
+    assert (back.loss_mask[row, start:] == 0).all()
