@@ -47,7 +47,7 @@ class ModelConfig:
   context_parallel: jax_ring.ContextParallel | None = None
   rules: tuple = ()
   param_rules: tuple | None = None  # the weights' (FSDP); None: rules
-  remat: bool = False
+  remat: bool | str = False  # True, False or "attention" (LlamaConfig)
 
   def llama(self) -> models.LlamaConfig:
     return models.LlamaConfig(

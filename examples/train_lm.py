@@ -109,6 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--soft-cap", type=float, default=None)
   p.add_argument("--remat", action=argparse.BooleanOptionalAction,
                  default=None, help="rematerialise each block")
+  p.add_argument("--remat-attention", action="store_true",
+                 help="rematerialise each block but its attention (whose "
+                 "q, k, v, output and logsumexp are kept)")
   p.add_argument("--shard-weights", action="store_true",
                  help="FSDP: split weights and optimizer state over the data "
                  "and context axes (default: replicated on each)")
@@ -249,6 +252,8 @@ def build(args, devices=None):
   model_kw = dict(preset["model"])
   if args.remat is not None:
     model_kw["remat"] = args.remat
+  if args.remat_attention:
+    model_kw["remat"] = "attention"
   rules = model_rules(data="data" if "data" in shape else None, context=seq,
                       tensor="tensor" if "tensor" in shape else None)
   # FSDP: weights (and Adam's moments) split over the data and context axes.

@@ -219,3 +219,30 @@ def test_a_checkpoint_that_does_not_match_its_config_is_named(checkpoints,
       "does not match its config.json: missing ['model.layers.2.input_"
       "layernorm.weight'")):
     models.load_pretrained(tmp_path)
+
+
+def test_remat_modes_give_the_same_loss_and_gradients(checkpoints):
+  """remat=True (whole blocks) and "attention" (blocks split around the
+  attention, whose forward runs once) change what is recomputed, not the
+  values."""
+  path, _ = checkpoints["qwen2"]
+  tokens, ids, _ = packed_rows(5, 2, 24)
+  batch = jax.tree.map(jnp.asarray, jrf.make_lm_batch(tokens, ids))
+  results = {}
+  for remat in (False, True, "attention"):
+    model = models.load_pretrained(path, implementation="xla", remat=remat)
+    gdef, params = nnx.split(model)
+    grad = jax.jit(jax.value_and_grad(
+        lambda p: models.lm_loss(nnx.merge(gdef, p), batch)))
+    results[remat] = grad(params)
+    if remat == "attention":  # one attention forward per layer, not two
+      jaxpr = str(jax.make_jaxpr(grad)(params))
+      assert jaxpr.count("jax_ring_attention_fwd") == 2, jaxpr.count(
+          "jax_ring_attention_fwd")
+  for remat in (True, "attention"):
+    np.testing.assert_allclose(results[remat][0], results[False][0],
+                               rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(results[remat][1]),
+                    jax.tree.leaves(results[False][1]), strict=True):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                 atol=1e-6)

@@ -321,6 +321,15 @@ class Attention(nnx.Module):
     Returns:
       ``(B, S, E)`` in ``config.dtype``.
     """
+    return self.output(self.attend(*self.project(x, positions),
+                                   segment_ids))
+
+  # The three stages of __call__, apart so that a model can rematerialise
+  # the projections without the attention (see jax_ring.models.Llama).
+
+  def project(self, x, positions):
+    """``x (B, S, E)`` -> q ``(B, S, N, H)``, k, v ``(B, S, K, H)``, with
+    bias and RoPE."""
     cfg = self.config
     dt = cfg.dtype
     x = constrain(x.astype(dt), (BATCH, LENGTH, EMBED), cfg.rules)
@@ -335,11 +344,21 @@ class Attention(nnx.Module):
     q = constrain(q, (BATCH, LENGTH, HEADS, HEAD_DIM), cfg.rules)
     k = constrain(k, (BATCH, LENGTH, KV_HEADS, HEAD_DIM), cfg.rules)
     v = constrain(v, (BATCH, LENGTH, KV_HEADS, HEAD_DIM), cfg.rules)
-    out = dot_product_attention(
+    return q, k, v
+
+  def attend(self, q, k, v, segment_ids=None):
+    """``jax_ring.dot_product_attention`` with the layer's options:
+    ``(B, S, N, H)``."""
+    cfg = self.config
+    return dot_product_attention(
         q, k, v, is_causal=cfg.is_causal, segment_ids=segment_ids,
         scale=cfg.scale, logits_soft_cap=cfg.logits_soft_cap,
         local_window_size=cfg.local_window_size,
         implementation=cfg.implementation,
         context_parallel=cfg.context_parallel)
-    y = jnp.einsum("bsnh,nhe->bse", out, self.wo[...].astype(dt))
+
+  def output(self, out):
+    """``(B, S, N, H)`` -> ``(B, S, E)``: the output projection."""
+    cfg = self.config
+    y = jnp.einsum("bsnh,nhe->bse", out, self.wo[...].astype(cfg.dtype))
     return constrain(y, (BATCH, LENGTH, EMBED), cfg.rules)

@@ -93,7 +93,20 @@ class LlamaConfig:
     rules: logical -> mesh axis rules (:func:`model_rules`); ``()`` for an
       unsharded model.
     param_rules: the weights' own rules (FSDP); None: ``rules``.
-    remat: recompute each block in the backward (activation checkpointing).
+    remat: what the backward recomputes (activation checkpointing):
+
+      ==================  ==============================================
+      ``False``           nothing: every activation is kept
+      ``True``            each block, whole: only its input is kept
+      ``"attention"``     each block but its attention: the attention's
+                          q, k, v, output and logsumexp are kept, so its
+                          forward never runs twice (the projections,
+                          norms and MLP are recomputed)
+      ==================  ==============================================
+
+      A policy on names cannot do the last: the attention is a custom-VJP
+      call, whose residuals a ``jax.checkpoint`` policy does not see, so
+      the block is split around it instead.
   """
 
   vocab_size: int
@@ -117,7 +130,7 @@ class LlamaConfig:
   context_parallel: ContextParallel | None = None
   rules: tuple = ()
   param_rules: tuple | None = None
-  remat: bool = False
+  remat: bool | Literal["attention"] = False
 
   def replace(self, **changes) -> "LlamaConfig":
     return dataclasses.replace(self, **changes)
@@ -190,6 +203,15 @@ class Block(nnx.Module):
     x = x + self.attn(self.attn_norm(x), positions, segment_ids)
     return x + self.mlp(self.mlp_norm(x))
 
+  def project(self, x, positions):
+    return self.attn.project(self.attn_norm(x), positions)
+
+  def finish(self, x, out):
+    """The block after its attention: ``x`` plus the output projection of
+    ``out``, then the MLP with its residual."""
+    x = x + self.attn.output(out)
+    return x + self.mlp(self.mlp_norm(x))
+
 
 class Llama(nnx.Module):
   """Token ids ``(B, S)`` -> logits ``(B, S, V)`` float32.
@@ -231,7 +253,11 @@ class Llama(nnx.Module):
     x = jnp.take(table, inputs, axis=0).astype(cfg.dtype)
     x = constrain(x, ("batch", "length", EMBED), cfg.rules)
     for block in self.layers:
-      if cfg.remat:
+      if cfg.remat == "attention":
+        q, k, v = nnx.remat(lambda b, *a: b.project(*a))(block, x, positions)
+        out = block.attn.attend(q, k, v, segment_ids)
+        x = nnx.remat(lambda b, *a: b.finish(*a))(block, x, out)
+      elif cfg.remat:
         x = nnx.remat(lambda b, *a: b(*a))(block, x, positions, segment_ids)
       else:
         x = block(x, positions, segment_ids)
