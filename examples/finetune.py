@@ -50,6 +50,7 @@ which ``transformers.AutoModelForCausalLM.from_pretrained`` reads.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -99,9 +100,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--save-dtype", choices=["float32", "bfloat16"],
                  default=None, help="of final/; default the checkpoint's")
   p.add_argument("--implementation", choices=["xla", "cudnn"], default=None)
-  p.add_argument("--remat", action=argparse.BooleanOptionalAction,
-                 default=None, help="rematerialise each block (default: on "
-                 "GPUs)")
+  p.add_argument("--remat", choices=["none", "block", "attention"],
+                 default=None, help="what the backward recomputes: nothing, "
+                 "each block, or each block but its attention (default: "
+                 "attention on GPUs, none on CPUs; see LlamaConfig.remat)")
+  p.add_argument("--vocab-chunk", type=int, default=None,
+                 help="the loss takes the vocabulary this many entries at a "
+                 "time, so the float32 logits are never whole (default: "
+                 "whole)")
   p.add_argument("--run-dir", default=os.path.join(tempfile.gettempdir(),
                                                    "jax_ring_finetune"))
   p.add_argument("--checkpoint-every", type=int, default=25)
@@ -412,10 +418,12 @@ def build(args, model_dir, shape: dict[str, int]):
       param_dtype=jnp.float32, implementation=args.implementation,
       context_parallel=cpc, rules=rules,
       param_rules=jrf.fsdp_rules(rules, fsdp) if fsdp else None,
-      remat=gpu if args.remat is None else args.remat)
+      remat={"none": False, "block": True, "attention": "attention"}[
+          args.remat or ("attention" if gpu else "none")])
   tx = train_lm.make_optimizer(args.lr, args.warmup, args.steps)
   state, train_step, graphdef = train_lm.make_train_step(
-      model, tx, models.lm_loss, mesh)
+      model, tx, functools.partial(models.lm_loss,
+                                   vocab_chunk=args.vocab_chunk), mesh)
   return dict(mesh=mesh, cfg=model.cfg, state=state, train_step=train_step,
               graphdef=graphdef)
 
@@ -468,7 +476,8 @@ def train(args) -> dict:
             f"of {batch} rows = {epochs:.1f} epochs\n"
             f"  mesh {dict(mesh.shape)} on {jax.device_count()} "
             f"{jax.devices()[0].platform} devices, strategy {args.strategy}, "
-            f"{cfg.dtype.name}" + (", remat" if cfg.remat else "")
+            f"{cfg.dtype.name}" + (f", remat {cfg.remat}" if cfg.remat
+                                   else "")
             + (f", resuming at step {start}" if start else ""))
 
   record = dict(model=str(model_dir), data_sha256=_sha256(data_path),

@@ -20,6 +20,7 @@ add ``--distributed``; see docs/design.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -109,6 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--soft-cap", type=float, default=None)
   p.add_argument("--remat", action=argparse.BooleanOptionalAction,
                  default=None, help="rematerialise each block")
+  p.add_argument("--vocab-chunk", type=int, default=None,
+                 help="the loss takes the vocabulary this many entries at a "
+                 "time (jax_ring.models.lm_loss)")
   p.add_argument("--remat-attention", action="store_true",
                  help="rematerialise each block but its attention (whose "
                  "q, k, v, output and logsumexp are kept)")
@@ -273,7 +277,9 @@ def build(args, devices=None):
   with jax.set_mesh(mesh):
     # Parameters are created sharded (flax eager sharding), from the seed.
     model = nnx.jit(lambda: Transformer(cfg, rngs=nnx.Rngs(args.seed)))()
-  state, train_step, graphdef = make_train_step(model, tx, loss_fn, mesh)
+  state, train_step, graphdef = make_train_step(
+      model, tx, functools.partial(loss_fn, vocab_chunk=args.vocab_chunk),
+      mesh)
   spec = jax.P("data" if "data" in shape else None, seq)
   return dict(mesh=mesh, cfg=cfg, spec=spec, batch=batch, state=state,
               train_step=train_step, graphdef=graphdef)

@@ -246,3 +246,22 @@ def test_remat_modes_give_the_same_loss_and_gradients(checkpoints):
                     jax.tree.leaves(results[False][1]), strict=True):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
                                  atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [16, 97, 40])
+def test_vocab_chunked_loss_equals_the_whole_one(chunk, checkpoints):
+  """The running logsumexp over vocabulary chunks (40: the last chunk is
+  padded) gives the whole-vocabulary loss and gradients."""
+  path, _ = checkpoints["llama3"]
+  model = models.load_pretrained(path, implementation="xla")
+  tokens, ids, _ = packed_rows(6, 2, 24)
+  batch = jax.tree.map(jnp.asarray, jrf.make_lm_batch(tokens, ids))
+  gdef, params = nnx.split(model)
+  grad = lambda **kw: jax.jit(jax.value_and_grad(
+      lambda p: models.lm_loss(nnx.merge(gdef, p), batch, **kw)))(params)
+  (whole, g_whole), (chunked, g_chunked) = grad(), grad(vocab_chunk=chunk)
+  np.testing.assert_allclose(chunked, whole, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_whole),
+                  strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                               atol=1e-6)

@@ -279,12 +279,63 @@ class Llama(nnx.Module):
                      cfg.rules)
 
 
-def lm_loss(model: Llama, batch) -> jax.Array:
+def lm_loss(model: Llama, batch, *, vocab_chunk: int | None = None
+            ) -> jax.Array:
   """Mean next-token cross-entropy over ``batch.loss_mask``, for a
   ``jax_ring.flax.LMBatch`` in any token layout (a masked mean does not
-  depend on the order, so nothing is reordered back)."""
-  logits = model(batch.inputs, batch.positions, batch.segment_ids)
-  target = jnp.take_along_axis(logits, batch.labels[..., None], -1)[..., 0]
-  ce = jax.nn.logsumexp(logits, -1) - target
+  depend on the order, so nothing is reordered back).
+
+  Args:
+    model: the :class:`Llama`.
+    batch: its ``inputs``, ``positions``, ``segment_ids``, ``labels`` and
+      ``loss_mask`` (``(B, S)`` each).
+    vocab_chunk: None: the float32 logits ``(B, S, V)`` are made whole.
+      An int: the vocabulary is taken this many entries at a time, with a
+      running logsumexp, and each chunk's logits are recomputed in the
+      backward, so at most ``(B, S, vocab_chunk)`` of them are live (at 64k
+      tokens and Llama 3's 128256 entries, 33.6 GB whole in float32).
+  """
+  if vocab_chunk is None:
+    logits = model(batch.inputs, batch.positions, batch.segment_ids)
+    target = jnp.take_along_axis(logits, batch.labels[..., None], -1)[..., 0]
+    ce = jax.nn.logsumexp(logits, -1) - target
+  else:
+    x = model.hidden_states(batch.inputs, batch.positions, batch.segment_ids)
+    ce = _chunked_cross_entropy(x, model.output_weights().astype(x.dtype),
+                                batch.labels, vocab_chunk, model.cfg.rules)
   mask = batch.loss_mask
   return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _chunked_cross_entropy(x, w, labels, chunk: int, rules):
+  """``logsumexp(x @ w) - (x @ w)[label]`` per token, ``(B, S)`` float32,
+  over vocabulary chunks of ``chunk`` entries (the last one padded)."""
+  e, v = w.shape
+  n = -(-v // chunk)
+  w = jnp.pad(w, ((0, 0), (0, n * chunk - v)))
+  w = jnp.moveaxis(w.reshape(e, n, chunk), 1, 0)  # (n, E, chunk)
+  starts = jnp.arange(n, dtype=jnp.int32) * chunk
+  low = jnp.float32(-1e30)  # padded entries: finite, so gradients stay 0
+
+  @jax.checkpoint
+  def step(carry, chunk_in):
+    m, total, target = carry
+    wc, start = chunk_in
+    logits = constrain((x @ wc).astype(jnp.float32),
+                       ("batch", "length", VOCAB), rules)
+    ids = start + jnp.arange(chunk, dtype=jnp.int32)
+    logits = jnp.where(ids < v, logits, low)
+    # The running maximum only keeps exp() in range; its gradient cancels.
+    new_m = jax.lax.stop_gradient(jnp.maximum(m, logits.max(-1)))
+    total = total * jnp.exp(m - new_m) + jnp.exp(
+        logits - new_m[..., None]).sum(-1)
+    local = labels - start
+    inside = (local >= 0) & (local < chunk)
+    hit = jnp.take_along_axis(logits, jnp.clip(local, 0, chunk - 1)[..., None],
+                              -1)[..., 0]
+    return (new_m, total, target + jnp.where(inside, hit, 0.0)), None
+
+  zeros = jnp.zeros(labels.shape, jnp.float32)
+  (m, total, target), _ = jax.lax.scan(
+      step, (jnp.full(labels.shape, low), zeros, zeros), (w, starts))
+  return m + jnp.log(total) - target
