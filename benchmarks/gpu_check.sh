@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device-tool call: build the cuDNN extension, run the GPU tests and the
+# One command on a GPU machine: build the cuDNN extension, run the GPU tests and the
 # CPU suite on the GPU image's jax, then the cuDNN benchmark. Results and logs
 # go to $OUT (default: benchmarks/results). Wheels the image lacks are carried
 # in .whl/ (nvidia-cudnn-frontend==1.32.0, hypothesis, pytest-xdist, ...).

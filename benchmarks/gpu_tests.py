@@ -22,10 +22,6 @@ import xml.etree.ElementTree as ET
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import common  # noqa: E402
 
-# tests/reference.py's TOLERANCES, by the dtype name in a case id.
-TOLERANCES = {"bfloat16": 3e-2, "float16": 4e-3, "float32": 2e-5}
-
-
 def outcomes(junit: pathlib.Path) -> list[tuple[str, str, str, str]]:
   """(module, test id, outcome, message) of every test case in the report;
   outcome is passed, failed, error or skipped."""
@@ -79,13 +75,14 @@ def summary(results, records, seconds, env, command) -> str:
   if records:
     lines += ["", "largest error / tolerance over the passed cases, by "
               "dtype (error = max|got - float64| / max(1, max|float64|)):"]
-    worst = collections.defaultdict(dict)
+    worst, tolerance = collections.defaultdict(dict), {}
     for r in records:
       dtype = r["case"].rsplit("_", 1)[1]
+      tolerance[dtype] = r["tolerance"]
       for name, err in r["errors"].items():
         worst[dtype][name] = max(worst[dtype].get(name, 0.0), err)
     for dtype, errs in sorted(worst.items()):
-      tol = TOLERANCES[dtype]
+      tol = tolerance[dtype]
       lines.append(f"  {dtype} (tolerance {tol:g}): " + ", ".join(
           f"{k} {v:.2e} ({v / tol:.2f})" for k, v in errs.items()))
     fwd = sorted(r["ffi_calls"].get("jax_ring_sdpa_fwd", 0) for r in records)

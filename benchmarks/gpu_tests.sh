@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device-tool call: build the cuDNN extension, run the GPU lane
+# One command on a GPU machine: build the cuDNN extension, run the GPU lane
 # (python -m pytest tests -m gpu: the cuDNN tests, every context-parallel
 # strategy with cuDNN blocks on this machine's GPUs, the 2-process GPU ring)
 # and write its summary, results/gpu_tests_<count>x<GPU>.txt, to $OUT.

@@ -507,15 +507,14 @@ def save_final(model, model_dir: pathlib.Path, final: pathlib.Path,
   from jax_ring import models
   base = json.loads((model_dir / "config.json").read_text())
   dtype = save_dtype or base.get("torch_dtype") or base.get("dtype")
-  dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+  dtype = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(
+      dtype, jnp.float32)
   if jax.process_index() == 0 and final.exists():
     shutil.rmtree(final)
   _sync("final cleared")
-  models.save_pretrained(model, final, dtype=dtype)
+  models.save_pretrained(model, final, dtype=dtype, extra_config={
+      k: v for k, v in base.items() if k not in ("torch_dtype", "dtype")})
   if jax.process_index() == 0:
-    ours = json.loads((final / "config.json").read_text())
-    kept = {k: v for k, v in base.items() if k not in ("torch_dtype", "dtype")}
-    (final / "config.json").write_text(json.dumps(kept | ours, indent=2))
     for name in TOKENIZER_FILES:
       if (model_dir / name).exists():
         shutil.copy(model_dir / name, final / name)

@@ -222,7 +222,8 @@ def test_gpu_lane_summary_counts_outcomes_errors_and_calls(tmp_path):
   record.write_text(json.dumps(dict(
       case=ids[0], seconds=2.5, ffi_calls={"jax_ring_sdpa_fwd": 3,
                                            "jax_ring_sdpa_bwd_dkv": 2},
-      errors=dict(out=3e-3, dq=6e-3, dk=4e-3, dv=1e-3))) + "\n")
+      errors=dict(out=3e-3, dq=6e-3, dk=4e-3, dv=1e-3), tolerance=3e-2)) +
+                    "\n")
   path = gpu_tests.main(["--junit", str(junit), "--record", str(record),
                          "--seconds", "12", "--out", str(tmp_path)])
   text = path.read_text()

@@ -23,11 +23,10 @@ from jax_ring import models
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
 import finetune  # noqa: E402
+from test_models import TOLERANCE, relative_error  # noqa: E402
 
 DP, CP = 2, 4
 SEQ = 64
-# float32 logits, relative to max |logit| (tests/test_models.py's measure).
-TOLERANCE = 1e-4
 # The small run: 100 demo examples, 6 steps, checkpoints after 3 and 6.
 FLAGS = ["--seq", str(SEQ), "--examples", "100", "--steps", "6",
          "--warmup", "2", "--checkpoint-every", "3", "--quiet"]
@@ -48,10 +47,6 @@ def whole(tmp_path_factory):
   """The uninterrupted default run (no --model, no --data)."""
   needs_devices()
   return run(tmp_path_factory.mktemp("whole"))
-
-
-def relative_error(got, want):
-  return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
 
 
 def test_default_run_trains_and_saves_a_checkpoint_transformers_reads(whole):

@@ -73,7 +73,9 @@ STRATEGIES = {
     "hybrid": ("hybrid", {}),
     "auto": ("auto", {}),
 }
-LAYOUTS = {"all_gather": ("dual_chunk", None)}  # others: dual_chunk, striped
+# Layouts per strategy (others: dual_chunk, striped); all-gather and hybrid
+# take no striped layout.
+LAYOUTS = {"all_gather": ("dual_chunk", None), "hybrid": ("dual_chunk", None)}
 MASKS = ("causal", "full", "window", "padding", "packed", "soft_cap")
 SHARD_MAP_FUNCTIONS = {"ring": jax_ring.ring_attention,
                        "all_gather": jax_ring.all_gather_attention,
@@ -100,15 +102,19 @@ class Shape:
 
 
 # Cycled through the cases of each strategy. N = 8 serves Ulysses up to cp =
-# 8; B x N x S^2 stays <= 2^26 at cp = 2 so the float64 reference is quick.
+# 8 (and hybrid's U = 2). A shape's T is the local length at cp = 2; at
+# larger cp it shrinks (not below 256) so that the whole sequence stays
+# within MAX_TOKENS: the float64 reference holds several (B, N, S, S)
+# arrays, 1 GB each at B x N = 8 and S = 4096.
 GPU_SHAPES = (
     Shape("mha", 1, 8, 8, 128, 512, jnp.bfloat16),
     Shape("gqa", 1, 8, 2, 64, 1000, jnp.float16),
     Shape("mqa", 2, 8, 1, 64, 256, jnp.bfloat16),
-    Shape("gqa", 1, 4, 2, 128, 2048, jnp.bfloat16),
+    Shape("gqa", 1, 8, 2, 128, 2048, jnp.bfloat16),
     Shape("mha", 1, 8, 8, 64, 640, jnp.float16),
     Shape("mqa", 1, 8, 1, 128, 384, jnp.float16),
 )
+MAX_TOKENS = 4096
 CPU_SHAPES = (Shape("gqa", 2, 8, 2, 16, 12, jnp.float32),)
 
 
@@ -139,7 +145,10 @@ def cases(devices: int, shapes=GPU_SHAPES) -> list[CpCase]:
           "dual_chunk", "striped")), entries)
       for j, (mask, layout, entry) in enumerate(combos):
         shape = shapes[(i + j) % len(shapes)]
-        out.append(CpCase(name, mask, layout, entry, cp, shape))
+        t = max(min(shape.t, MAX_TOKENS // cp), 256) if shapes is GPU_SHAPES \
+            else shape.t
+        out.append(CpCase(name, mask, layout, entry, cp,
+                          dataclasses.replace(shape, t=t)))
   return out
 
 
@@ -167,7 +176,9 @@ def problem(case: CpCase, seed: int):
   sh, cp = case.shape, case.cp
   s = sh.t * cp
   q, k, v, do = ref.random_qkv(seed, sh.b, s, s, sh.n, sh.k, sh.h)
-  code = ref.shard_code(s, cp, case.layout, layout_cp(case))
+  # At most 0.5 apart, so that the code's q.k cross term (about code^2 x
+  # sqrt(H)) moves the logits by a few units, not by tens.
+  code = ref.shard_code(s, cp, case.layout, layout_cp(case), step=0.5 / cp)
   q, k, v, do = (x.astype(sh.dtype) for x in (q + code, k - code, v + code,
                                                do))
   scale = sh.h**-0.5
@@ -354,9 +365,10 @@ def test_cuda_blocks_match_reference(case):
   record = os.environ.get("JAX_RING_TEST_RECORD")
   if record:
     with open(record, "a") as fh:
-      fh.write(json.dumps(dict(case=str(case), ffi_calls=calls,
-                               seconds=round(time.perf_counter() - start, 2),
-                               errors=errors)) + "\n")
+      fh.write(json.dumps(dict(
+          case=str(case), ffi_calls=calls, errors=errors,
+          tolerance=ref.TOLERANCES[jnp.dtype(case.shape.dtype)],
+          seconds=round(time.perf_counter() - start, 2))) + "\n")
 
 
 def test_lane_covers_the_matrix():
@@ -375,7 +387,13 @@ def test_lane_covers_the_matrix():
     assert {c.shape.name for c in mine} == {"mha", "gqa", "mqa"}, name
     assert {c.entry for c in mine} == (
         {"jit"} if kind == "auto" else {"shard_map", "jit"}), name
-  assert {c.cp for c in cases(8)} == {2, 4, 8}
+  eight = cases(8)
+  assert {c.cp for c in eight} == {2, 4, 8}
+  for c in eight:
+    kind = STRATEGIES[c.strategy][0]
+    heads = c.cp if kind == "ulysses" else 2 if kind == "hybrid" else 1
+    assert c.shape.n % heads == 0, c  # Ulysses splits the heads
+    assert 256 <= c.shape.t <= 2048 and c.shape.t * c.cp <= MAX_TOKENS, c
 
 
 @pytest.mark.parametrize("case", [
@@ -394,4 +412,20 @@ def test_harness_on_cpu(case):
   inputs, rcase, out, grads, spy, calls = run_case(case, "xla")
   assert spy.xla_blocks > 0 and not spy.cudnn_fallbacks, spy
   assert calls == {}, calls
+  check_values(inputs, rcase, out, grads)
+
+
+def test_spy_records_blocks_the_cudnn_backend_passes_on(monkeypatch):
+  """What the GPU lane's assertions rest on: a backend that resolves like
+  cuDNN and runs cuDNN's block functions, on CPU, where cuDNN passes every
+  block on to the pure-JAX kernel. The spy records each reason, and the
+  program holds no FFI call: the lane's assertions would fail."""
+  monkeypatch.setitem(backends._REGISTRY, "cudnn", backends.Backend(
+      "cudnn", cudnn.forward, cudnn.backward, lambda *_: None))
+  case = CpCase("ring_neighbour_unrolled", "causal", "dual_chunk",
+                "shard_map", 2, CPU_SHAPES[0])
+  inputs, rcase, out, grads, spy, calls = run_case(case, "cudnn")
+  assert spy.xla_blocks == 0 and calls == {}, (spy, calls)
+  assert spy.cudnn_fallbacks and all(
+      "platform 'cpu'" in why for why in spy.cudnn_fallbacks), spy
   check_values(inputs, rcase, out, grads)

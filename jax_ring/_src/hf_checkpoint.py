@@ -188,7 +188,8 @@ def load_pretrained(path, *, mesh: jax.sharding.Mesh | None = None,
     path: a directory with ``config.json`` and one or several
       ``*.safetensors`` (with ``model.safetensors.index.json`` when sharded).
     mesh: where the weights go, sharded by ``options["param_rules"]`` (or
-      ``rules``); needed when rules are given. None: the default device.
+      ``rules``), replicated without rules; needed when rules are given.
+      None: the default device.
     **options: :class:`LlamaConfig` fields that say how the model runs
       (dtype, param_dtype, implementation, context_parallel, rules,
       param_rules, remat).
@@ -237,9 +238,10 @@ def load_pretrained(path, *, mesh: jax.sharding.Mesh | None = None,
       x = x.astype(want.dtype)
       if mesh is None:
         value = jax.device_put(x)
-      else:
-        spec = flat_specs[key]
-        spec = spec.get_value() if hasattr(spec, "get_value") else spec.value
+      else:  # without rules: whole on every device of the mesh
+        spec = flat_specs.get(key, jax.P())
+        spec = spec.get_value() if hasattr(spec, "get_value") else getattr(
+            spec, "value", spec)
         sharding = NamedSharding(mesh, spec)
         value = jax.make_array_from_callback(x.shape, sharding,
                                              lambda i, x=x: x[i])
@@ -267,7 +269,8 @@ def _host(x) -> np.ndarray:
 
 
 def save_pretrained(model: Llama, path, *, dtype=None,
-                    max_shard_bytes: int = 2 * 2**30) -> pathlib.Path:
+                    max_shard_bytes: int = 2 * 2**30,
+                    extra_config: dict | None = None) -> pathlib.Path:
   """Write ``model`` as a Hugging Face checkpoint transformers loads.
 
   Args:
@@ -276,6 +279,10 @@ def save_pretrained(model: Llama, path, *, dtype=None,
     dtype: the stored dtype (e.g. ``jnp.bfloat16``); default the weights'.
     max_shard_bytes: the largest ``*.safetensors`` file; more than one
       comes with ``model.safetensors.index.json``.
+    extra_config: more ``config.json`` keys, e.g. the base checkpoint's
+      token ids (``bos_token_id``, ``eos_token_id``) and
+      ``max_position_embeddings``, which the model itself does not hold;
+      the architecture's own keys win.
 
   Process 0 writes; every process must call it (the gathers are
   collective). Returns ``path``.
@@ -314,7 +321,7 @@ def save_pretrained(model: Llama, path, *, dtype=None,
       save_file(tensors, path / name, metadata={"format": "pt"})
     del tensors
   if writer:
-    hf = config_to_hf(cfg)
+    hf = dict(extra_config or {}) | config_to_hf(cfg)
     hf["torch_dtype"] = np.dtype(
         dtype or value(flat[entries[0][0]]).dtype).name
     (path / CONFIG).write_text(json.dumps(hf, indent=2) + "\n")

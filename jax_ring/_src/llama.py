@@ -132,6 +132,11 @@ class LlamaConfig:
   param_rules: tuple | None = None
   remat: bool | Literal["attention"] = False
 
+  def __post_init__(self):
+    if self.remat not in (False, True, "attention"):
+      raise ValueError(f"remat must be False, True or 'attention'; got "
+                       f"{self.remat!r}")
+
   def replace(self, **changes) -> "LlamaConfig":
     return dataclasses.replace(self, **changes)
 
@@ -295,6 +300,10 @@ def lm_loss(model: Llama, batch, *, vocab_chunk: int | None = None
       backward, so at most ``(B, S, vocab_chunk)`` of them are live (at 64k
       tokens and Llama 3's 128256 entries, 33.6 GB whole in float32).
   """
+  if vocab_chunk is not None and (not isinstance(vocab_chunk, int)
+                                  or vocab_chunk < 1):
+    raise ValueError(f"vocab_chunk must be None or a positive int; got "
+                     f"{vocab_chunk!r}")
   if vocab_chunk is None:
     logits = model(batch.inputs, batch.positions, batch.segment_ids)
     target = jnp.take_along_axis(logits, batch.labels[..., None], -1)[..., 0]
