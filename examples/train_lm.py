@@ -437,8 +437,6 @@ def _dir_bytes(path: str) -> int:
 
 def train(args) -> dict:
   """Run (or resume) training; returns the losses and throughput."""
-  import functools
-
   import jax
 
   import jax_ring.flax as jrf
