@@ -3,7 +3,8 @@ devices, against the float64 reference: the GPU lane.
 
   python -m pytest tests -m gpu        # on a machine with >= 2 NVIDIA GPUs
 
-The matrix, for each cp that divides the device count (cp >= 2):
+The matrix, for each cp that divides the device count (cp >= 2; on a
+machine of one GPU, cp = 1):
 
 ==========  ==================================================  ===========
 axis        values                                              entry
@@ -132,10 +133,11 @@ class CpCase:
             f"{self.layout or 'contiguous'}-{self.entry}-{self.shape}")
 
 
-def cases(devices: int, shapes=GPU_SHAPES) -> list[CpCase]:
-  """The lane's matrix on ``devices`` devices."""
+def cases(devices: int, shapes=GPU_SHAPES, min_cp: int = 2) -> list[CpCase]:
+  """The lane's matrix on ``devices`` devices, for each cp >= ``min_cp``
+  that divides it."""
   out = []
-  for cp in (c for c in range(2, devices + 1) if devices % c == 0):
+  for cp in (c for c in range(min_cp, devices + 1) if devices % c == 0):
     for i, name in enumerate(STRATEGIES):
       kind = STRATEGIES[name][0]
       if kind == "hybrid" and (cp < 4 or cp % 2):
@@ -344,7 +346,10 @@ def check_values(inputs, rcase, out, grads):
 def _gpu_params():
   # Collected on every machine, run where the devices are: ids of the
   # 2-GPU matrix without GPUs, so that `-m gpu` lists what it would run.
-  return [pytest.param(c, id=str(c)) for c in cases(max(GPUS, 2))]
+  # A machine of one GPU runs the matrix at cp = 1 instead (ids n1-...):
+  # no collectives, but the same cuDNN blocks, spy and FFI checks.
+  extra = cases(1, min_cp=1) if GPUS == 1 else []
+  return [pytest.param(c, id=str(c)) for c in cases(max(GPUS, 2)) + extra]
 
 
 @pytest.mark.gpu
