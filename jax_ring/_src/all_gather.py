@@ -33,7 +33,11 @@ sees ``[0, (r + 1) T)`` and the last device does the most. Without a causal
 mask every chunk sees all S keys. With a window ``(left, right)`` (global
 positions; right is 0 under a causal mask) chunk g sees only
 ``[max(0, gC - left), min(S, (g + 1)C + right))``: work outside the window is
-never done.
+never done. With packed documents (one ``segment_ids`` array for queries
+and keys) under a plain causal mask, a chunk's call is two: against its own kv rows (causal, same ids and
+positions) and against the rows before them (no position mask), merged by
+logsumexp; cuDNN's ragged path serves both, and not a causal band between
+different query and key ids.
 
 Static masks for cuDNN. The device index ``r = axis_index`` is traced, but
 cuDNN's band (causal diagonal, window) must be a compile-time constant. So
@@ -121,7 +125,7 @@ from jax_ring._src.config import AttentionConfig, ShardPlan
 from jax_ring._src.layout import (LoadBalance, reorder_for_load_balance,
                                   reorder_from_load_balance)
 from jax_ring._src.mask import BlockMask, TokenMask
-from jax_ring._src.ring_blocks import chunk_ids, prefix
+from jax_ring._src.ring_blocks import chunk_ids, merge, prefix
 
 
 # --- moving the whole sequence ------------------------------------------------
@@ -156,11 +160,16 @@ def _head_groups(num_heads: int, kv_heads: int, kv_chunk_heads):
 @dataclasses.dataclass(frozen=True)
 class _Call:
   """One kernel call: local query ``rows`` against natural-order kv
-  ``cols`` (static bounds) under ``mask``."""
+  ``cols`` (static bounds) under ``mask``; ``causal=False`` where every key
+  of ``cols`` precedes every query (no mask of position is left)."""
 
   rows: slice
   cols: slice
   mask: BlockMask
+  causal: bool = True
+
+  def config(self, cfg: AttentionConfig) -> AttentionConfig:
+    return cfg if self.causal else cfg.replace(is_causal=False)
 
 
 def _cut(x, sl):
@@ -181,15 +190,31 @@ def _device_calls(d: int, tm: TokenMask, kv_ids, cfg: AttentionConfig,
   left, right = cfg.local_window or (s, s)
   if cfg.is_causal:
     right = min(right, 0)
+  # Packed documents under a plain causal mask: the chunk's own kv rows
+  # (same ids, same positions) and the rows before them (no position mask)
+  # are two calls, each of which cuDNN's ragged path serves; one call of a
+  # query chunk against its kv prefix mixes a causal band with other ids,
+  # which it does not.
+  split = (tm.q_segment_ids is not None and tm.same_ids and cfg.is_causal
+           and cfg.local_window is None)
   calls = []
   for a, g in enumerate(chunks):
     rows = slice(a * c, (a + 1) * c)
     cols = slice(max(0, g * c - left), min(s, (g + 1) * c + right))
+    lengths = dict(q_lengths=tm.q_lengths, kv_lengths=tm.kv_lengths)
+    q_ids = _cut(tm.q_segment_ids, rows)
+    if split:
+      calls.append(_Call(rows, slice(g * c, (g + 1) * c), BlockMask(
+          q_offset=g * c, kv_offset=g * c, q_segment_ids=q_ids, **lengths)))
+      if g:
+        before = slice(0, g * c)
+        calls.append(_Call(rows, before, BlockMask(
+            q_offset=g * c, kv_offset=0, q_segment_ids=q_ids,
+            kv_segment_ids=_cut(kv_ids, before), **lengths), causal=False))
+      continue
     calls.append(_Call(rows, cols, BlockMask(
-        q_offset=g * c, kv_offset=cols.start,
-        q_segment_ids=_cut(tm.q_segment_ids, rows),
-        kv_segment_ids=_cut(kv_ids, cols),
-        q_lengths=tm.q_lengths, kv_lengths=tm.kv_lengths)))
+        q_offset=g * c, kv_offset=cols.start, q_segment_ids=q_ids,
+        kv_segment_ids=_cut(kv_ids, cols), **lengths)))
   return calls
 
 
@@ -216,9 +241,14 @@ def _forward_group(q, kv, kv_ids, tm, cfg, plan, r):
   """(out, lse) of local ``q`` against the gathered natural-order ``kv``."""
 
   def calls_fwd(calls):
-    parts = [kernel.attention(q[:, c.rows], kv[0][:, c.cols], kv[1][:, c.cols],
-                              None, c.mask, cfg) for c in calls]
-    return tuple(jnp.concatenate(x, 1) for x in zip(*parts))
+    rows = {}  # query rows -> (out, lse), merged over that chunk's calls
+    for c in calls:
+      part = kernel.attention(q[:, c.rows], kv[0][:, c.cols],
+                              kv[1][:, c.cols], None, c.mask, c.config(cfg))
+      key = (c.rows.start, c.rows.stop)
+      rows[key] = merge(*rows[key], *part) if key in rows else (
+          part[0].astype(jnp.float32), part[1])
+    return tuple(jnp.concatenate(x, 1) for x in zip(*rows.values()))
 
   return _on_device(calls_fwd, r, tm, kv_ids, cfg, plan, q.shape[1])
 
@@ -228,17 +258,20 @@ def _backward_group(q, kv, kv_ids, tm, out, lse, dout, cfg, plan, r):
   s = kv.shape[2]
 
   def calls_bwd(calls):
-    dqs, dkv = [], 0.0
+    dqs, dkv = {}, 0.0  # query rows -> dq, summed over that chunk's calls
     for c in calls:
       dq, part, _ = kernel.attention_backward_dkv(
           q[:, c.rows], kv[0][:, c.cols], kv[1][:, c.cols], None, c.mask,
-          out[:, c.rows], lse[:, c.rows], dout[:, c.rows], None, cfg)
-      dqs.append(dq)
+          out[:, c.rows], lse[:, c.rows], dout[:, c.rows], None,
+          c.config(cfg))
+      key = (c.rows.start, c.rows.stop)
+      dq = dq.astype(jnp.float32)
+      dqs[key] = dqs[key] + dq if key in dqs else dq
       part = part.astype(jnp.float32)
       dkv = dkv + jnp.pad(part, [(0, 0), (0, 0), (c.cols.start,
                                                   s - c.cols.stop),
                                  (0, 0), (0, 0)])
-    return jnp.concatenate(dqs, 1), dkv
+    return jnp.concatenate(list(dqs.values()), 1).astype(q.dtype), dkv
 
   return _on_device(calls_bwd, r, tm, kv_ids, cfg, plan, q.shape[1])
 
