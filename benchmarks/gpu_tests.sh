@@ -4,6 +4,7 @@
 # strategy with cuDNN blocks on this machine's GPUs, the 2-process GPU ring)
 # and write its summary, results/gpu_tests_<count>x<GPU>.txt, to $OUT.
 #   bash benchmarks/gpu_tests.sh [WORKERS]    # pytest-xdist processes, 4
+# (2 H200s: 8 workers run the lane in about ... s)
 # The workers share the GPUs (no preallocation); each compiles on the host.
 set -uo pipefail
 . benchmarks/gpu_setup.sh || exit 1
@@ -12,7 +13,10 @@ export JAX_RING_TEST_RECORD="$OUT/gpu_cases.jsonl"
 rm -f "$JAX_RING_TEST_RECORD"
 command="python -m pytest tests -m gpu -n ${1:-4}"
 start=$(date +%s)
-$command -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 \
+# Interrupted (SIGINT) before the device tool's 10-minute limit, pytest still
+# writes its report, so the summary holds what ran.
+timeout -s INT "${LANE_SECONDS:-530}" \
+  $command -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 \
   | tee "$OUT/gpu_tests.log" | tail -40
 status=${PIPESTATUS[0]}
 python3 benchmarks/gpu_tests.py --junit "$OUT/gpu_tests.xml" \

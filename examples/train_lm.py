@@ -60,6 +60,13 @@ PRESETS = {
                                    rope_max_wavelength=500000.0,
                                    tie_word_embeddings=True, remat=True),
                         seq=65536, batch_per_data=1, lr=3e-4, steps=300),
+    # Llama-3-8B's shape (8.03B params, untied 128256-token embeddings),
+    # random weights, byte tokens: pair with --shard-weights (FSDP) on GPUs.
+    "llama3-8b": dict(model=dict(vocab_size=128256, embed_dim=4096,
+                                 num_layers=32, num_heads=32, num_kv_heads=8,
+                                 head_dim=128, mlp_dim=14336,
+                                 rope_max_wavelength=500000.0, remat=True),
+                      seq=65536, batch_per_data=1, lr=3e-4, steps=300),
 }
 
 
