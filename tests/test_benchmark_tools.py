@@ -247,3 +247,21 @@ def test_gpu_lane_summary_counts_outcomes_errors_and_calls(tmp_path):
     ("loop_multiply_reduce_fusion_3", "other")])
 def test_training_profile_kernel_families(name, kind):
   assert lm_training.step_kind(name) == kind
+
+
+@pytest.mark.parametrize("preset, params, matmul_params", [
+    # The checkpoints' published sizes; tied: the table is also the
+    # unembedding (a product), untied: the input table is a lookup.
+    ("llama3.2-1b", 1_235_814_400, 1_235_814_400),
+    ("llama3-8b", 8_030_261_248, 8_030_261_248 - 128256 * 4096)])
+def test_model_presets_have_the_checkpoints_sizes(preset, params,
+                                                  matmul_params):
+  sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+  import lm_model
+  import train_lm
+  cfg = lm_model.ModelConfig(**train_lm.PRESETS[preset]["model"])
+  assert cfg.num_params() == params
+  seq, llama = 65536, cfg.llama()
+  attention = 6 * llama.num_layers * seq * llama.num_heads * llama.head_dim
+  assert lm_training.model_flops_per_token(cfg, seq) == (
+      6 * matmul_params + attention)
