@@ -85,12 +85,6 @@ def summary(results, records, seconds, env, command) -> str:
       tol = tolerance[dtype]
       lines.append(f"  {dtype} (tolerance {tol:g}): " + ", ".join(
           f"{k} {v:.2e} ({v / tol:.2f})" for k, v in errs.items()))
-    mixed = collections.Counter(r["fallback"] for r in records
-                                if r.get("fallback"))
-    lines.append(f"cuDNN for every block: {len(records) - sum(mixed.values())}"
-                 " of the passed cases" + "".join(
-                     f"; the documented fallback ({why}) on the steps after "
-                     f"the first: {n}" for why, n in mixed.items()))
     fwd = sorted(r["ffi_calls"].get("jax_ring_sdpa_fwd", 0) for r in records)
     bwd = sorted(sum(n for t, n in r["ffi_calls"].items() if "bwd" in t)
                  for r in records)

@@ -257,6 +257,15 @@ def test_float32_falls_back_to_xla_and_explicit_cudnn_says_why():
 
 
 P_T = 301  # odd; documents of random lengths
+
+
+def _striped(seed, r, src, cp=2):
+  """Query ids of device r and key ids of device src in the striped layout
+  of packed global ids: a striped ring step's block."""
+  ids = ref.random_segments(seed, B, P_T * cp, 9)
+  return ids[:, r::cp], ids[:, src::cp]
+
+
 PACKED = {
     # name: (q ids, kv ids or None = the same array, case kwargs)
     "same_full": (ref.random_segments(8, B, P_T, 6), None, {}),
@@ -266,6 +275,11 @@ PACKED = {
                            dict(is_causal=True, window=(40, 0))),
     "different_full": (ref.random_segments(11, B, P_T, 5),
                        ref.random_segments(12, B, P_T, 7), {}),
+    # The striped ring's steps: keys of the next device (strict diagonal,
+    # kv_offset 1) and of the previous one (inclusive).
+    "striped_causal_next": (*_striped(16, 0, 1), dict(is_causal=True,
+                                                      kv_offset=1)),
+    "striped_causal_previous": (*_striped(17, 1, 0), dict(is_causal=True)),
     # More documents than cudnn.SLOTS: the run-time check sends it to xla.
     "too_many_causal": (np.arange(P_T, dtype=np.int32)[None].repeat(B, 0) //
                         10, None, dict(is_causal=True)),
@@ -284,8 +298,9 @@ def test_packed_documents_through_ragged_offsets(name):
 
   def f(q, k, v, ids):
     q_ids, kv_ids = ids
-    mask = jax_ring.BlockMask(q_segment_ids=q_ids, kv_segment_ids=(
-        q_ids if kv_ids is None else kv_ids))
+    mask = jax_ring.BlockMask(
+        q_offset=case.q_offset, kv_offset=case.kv_offset, q_segment_ids=q_ids,
+        kv_segment_ids=q_ids if kv_ids is None else kv_ids)
     out, vjp, lse = jax.vjp(
         lambda q, k, v: kernel.attention(q, k, v, None, mask, cfg), q, k, v,
         has_aux=True)

@@ -61,8 +61,10 @@ def test_padding_lengths_follow_the_shifted_window():
   np.testing.assert_array_equal(np.asarray(seq_kv), [3, 8])
 
 
-def ragged_visibility(docs, b, t, s):
-  """(T, S) per row: i sees j iff some slot holds query i and key j."""
+def ragged_visibility(docs, b, t, s, causal=False):
+  """(T, S) per row: i sees j iff some slot holds query i and key j (and,
+  ``causal``, j's place in the slot's keys is at most i's in its queries:
+  cuDNN's top-left diagonal)."""
   d = {f: np.asarray(getattr(docs, f)) for f in
        ("q_start", "q_len", "kv_start", "kv_len")}
   i, j = np.arange(t)[None, :, None], np.arange(s)[None, None, :]
@@ -70,7 +72,10 @@ def ragged_visibility(docs, b, t, s):
   for m in range(cudnn.SLOTS):
     qs, ql, ks, kl = (d[f][b, m] for f in ("q_start", "q_len", "kv_start",
                                            "kv_len"))
-    vis |= ((i >= qs) & (i < qs + ql) & (j >= ks) & (j < ks + kl))[0]
+    inside = (i >= qs) & (i < qs + ql) & (j >= ks) & (j < ks + kl)
+    if causal:
+      inside &= j - ks <= i - qs
+    vis |= inside[0]
   return vis
 
 
@@ -94,6 +99,40 @@ def test_packed_documents_become_ragged_batches_that_reproduce_the_mask():
     np.testing.assert_array_equal(
         np.asarray(rq[:-1]).reshape(b, -1) // 16,
         np.arange(b)[:, None] * t + np.asarray(docs.q_start))
+
+
+def test_striped_ring_blocks_of_packed_documents_become_causal_slots():
+  """Every striped ring step (device r's queries, device src's keys, cp in
+  2..5) with packed documents: the slots that start each document's
+  queries at its first key's diagonal, under cuDNN's top-left causal mask,
+  see exactly the pairs of the global causal same-document mask."""
+  from jax_ring._src import ring_striped
+  from jax_ring._src.mask import BlockMask
+  checked = 0
+  for cp, seed in itertools.product((2, 3, 4, 5), range(3)):
+    t = 11
+    ids = ref.random_segments(seed, 1, t * cp, 9)  # some shorter than cp
+    pos = np.arange(t * cp)
+    for r, src in itertools.product(range(cp), range(cp)):
+      cfg = ref.config(ref.Case(1.0, is_causal=True))
+      bnd = ring_striped.striped_band(cfg, cp, t, r - src)
+      q_ids, kv_ids = ids[:, r::cp], ids[:, src::cp]
+      mask = BlockMask(q_offset=bnd.q_offset, kv_offset=bnd.kv_offset,
+                       q_segment_ids=jnp.asarray(q_ids),
+                       kv_segment_ids=jnp.asarray(kv_ids))
+      config = cfg.replace(is_causal=bnd.is_causal)
+      if not bnd.is_causal:  # src < r's keys may all be visible: no band
+        continue
+      docs, inner = cudnn._packed_slots(config, mask, cudnn.Band())
+      assert bool(docs.fits) and inner == cudnn.Band(right_bound=0)
+      want = ((q_ids[0][:, None] == kv_ids[0][None, :])
+              & (pos[src::cp][None, :] <= pos[r::cp][:, None]))
+      got = ragged_visibility(docs, 0, t, t, causal=True)
+      np.testing.assert_array_equal(got, want, err_msg=f"cp {cp} {r}<-{src}")
+      valid = np.asarray(cudnn._doc_row_valid(docs, t))[0]
+      np.testing.assert_array_equal(valid, want.any(-1))
+      checked += 1
+  assert checked > 100
 
 
 def test_packed_documents_that_do_not_fit_are_flagged():

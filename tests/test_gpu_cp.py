@@ -30,13 +30,6 @@ calls (forward and backward), and no block may have been lowered through
 the pure-JAX backend or fallen back inside the cuDNN backend (a spy counts
 both while the program lowers), so a silent fallback fails the case.
 
-One fallback is documented (``jax_ring._src.ring_striped``, and
-``docs/design.md``), so the lane expects it rather than forbids it
-(:data:`DOCUMENTED_FALLBACK`): the striped ring with packed documents runs
-its own-KV step on cuDNN and the steps after it, whose bands join two
-different id arrays, on the pure-JAX kernel. A ring case of that kind must
-fall back for exactly that reason and no other; ``auto`` may.
-
 Without GPUs the same harness runs a few cases with the pure-JAX blocks in
 float32 on the simulated CPU devices (``test_harness_on_cpu``), where the
 spy must see every block go through XLA and the program hold no FFI call.
@@ -90,18 +83,6 @@ SHARD_MAP_FUNCTIONS = {"ring": jax_ring.ring_attention,
                        "ulysses": jax_ring.ulysses_attention,
                        "hybrid": jax_ring.hybrid_attention}
 HYBRID_AXES = ("ulysses", "ring")
-# cuDNN's reason for the documented fallback (see the module docstring).
-DOCUMENTED_FALLBACK = ("segment_ids with a causal or window mask between "
-                       "different query and key ids")
-
-
-def documented_fallback(case) -> tuple[str | None, bool]:
-  """(the fallback reason this case may show, whether it must)."""
-  kind = STRATEGIES[case.strategy][0]
-  if (case.mask == "packed" and case.layout == "striped" and case.cp > 1
-      and kind in ("ring", "auto")):
-    return DOCUMENTED_FALLBACK, kind == "ring"
-  return None, False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,10 +362,7 @@ def test_cuda_blocks_match_reference(case):
   inputs, rcase, out, grads, spy, calls = run_case(case, None)
   assert spy.xla_blocks == 0, (
       f"{spy.xla_blocks} blocks lowered through the pure-JAX backend")
-  allowed, required = documented_fallback(case)
-  assert set(spy.cudnn_fallbacks) <= {allowed}, spy.cudnn_fallbacks
-  assert bool(spy.cudnn_fallbacks) or not required, (
-      "the documented fallback did not happen: update the docs and this test")
+  assert not spy.cudnn_fallbacks, spy.cudnn_fallbacks
   fwd = calls.get("jax_ring_sdpa_fwd", 0)
   bwd = sum(n for t, n in calls.items() if t.startswith("jax_ring_sdpa_bwd"))
   assert fwd and bwd, f"no cuDNN forward/backward call in the program: {calls}"
@@ -394,7 +372,6 @@ def test_cuda_blocks_match_reference(case):
     with open(record, "a") as fh:
       fh.write(json.dumps(dict(
           case=str(case), ffi_calls=calls, errors=errors,
-          fallback=spy.cudnn_fallbacks[0] if spy.cudnn_fallbacks else None,
           tolerance=ref.TOLERANCES[jnp.dtype(case.shape.dtype)],
           seconds=round(time.perf_counter() - start, 2))) + "\n")
 
@@ -415,9 +392,6 @@ def test_lane_covers_the_matrix():
     assert {c.shape.name for c in mine} == {"mha", "gqa", "mqa"}, name
     assert {c.entry for c in mine} == (
         {"jit"} if kind == "auto" else {"shard_map", "jit"}), name
-  # The documented fallback: the 8 ring variants' packed striped cases.
-  assert sorted(c.strategy for c in two if documented_fallback(c)[1]) == (
-      sorted([n for n, (k, _) in STRATEGIES.items() if k == "ring"] * 2))
   eight = cases(8)
   assert {c.cp for c in eight} == {2, 4, 8}
   for c in eight:

@@ -40,7 +40,20 @@ one array (same ids)        all: causal/window bands hold per document,
                             because its queries and keys are the same tokens
 two different arrays        none (non-causal, no window): a ring's
                             off-diagonal blocks
+two arrays, or one with     causal, no window, keys at or after the queries
+kv_offset > q_offset        (kv_offset >= q_offset): the striped ring's
+                            steps (see below)
 ==========================  ================================================
+
+A causal mask between two id arrays keeps key b for query a iff ``b <= a -
+shift`` (``shift = kv_offset - q_offset``) within a document. Each slot
+then starts its queries at ``kv_start + shift``, its first key's diagonal,
+and is served by the plain top-left causal mask: the rows before it see no
+key of their document (out 0, lse MASK_VALUE, dq 0). That is exact when no
+document's first key lies before its first query's diagonal (``kv_start +
+shift >= q_start``), which the striped layout guarantees (a document's
+local start moves by at most one token between devices, in the direction
+of the shift) and which ``fits`` checks at run time.
 
 Whether a row's ids fit (at most ``SLOTS`` runs, each id one contiguous run
 on both sides) is only known at run time, so a ``lax.cond`` sends a batch
@@ -49,8 +62,9 @@ that does not fit to the ``xla`` backend. The stats of the ragged graph are
 
 Not served (the dispatcher uses ``"xla"``): float32 (cuDNN computes in
 16-bit; we do not cast silently), bias, dense masks, soft cap with padding
-or segment ids, segment ids with padding lengths or with a band between
-different id arrays, traced offsets, head_dim not a multiple of 8 or above
+or segment ids, segment ids with padding lengths, with a window between
+different id arrays or with a causal diagonal before the keys' start
+(kv_offset < q_offset), traced offsets, head_dim not a multiple of 8 or above
 256, and a backward with an ``lse`` cotangent (cuDNN's backward has no input
 for it; that call alone runs on ``xla``).
 """
@@ -242,7 +256,10 @@ class _Docs:
   fits: jax.Array  # () bool: every row fits the slots, ids contiguous
 
 
-def _documents(q_ids, kv_ids) -> _Docs:
+def _documents(q_ids, kv_ids, shift: int | None = None) -> _Docs:
+  """The slots of each row; ``shift``: a causal mask between two id arrays
+  (``b <= a - shift``, see the module doc), whose slots start their queries
+  at their first key's diagonal."""
   b, t = q_ids.shape
   s = kv_ids.shape[1]
   new = jnp.concatenate([jnp.ones((b, 1), bool),
@@ -266,6 +283,13 @@ def _documents(q_ids, kv_ids) -> _Docs:
   q_start = jnp.where(used, q_start, t)
   kv_len = jnp.where(used, kv_len, 0)
   kv_start = jnp.where(kv_len > 0, kv_start, s)
+  if shift is not None:
+    keys = kv_len > 0
+    diagonal = kv_start + shift
+    fits &= jnp.all(~keys | (diagonal >= q_start))
+    first = jnp.where(keys, jnp.clip(diagonal, q_start, q_start + q_len),
+                      q_start)
+    q_start, q_len = first, q_start + q_len - first
   return _Docs(q_start, q_len, kv_start, kv_len, jnp.minimum(slot, SLOTS - 1),
                fits)
 
@@ -293,9 +317,11 @@ def _doc_index(docs: _Docs, t):
   return bi, docs.slot, row
 
 
-def _doc_row_valid(docs: _Docs):
-  """(B, T): the query's document has keys (bands keep the diagonal)."""
-  return jnp.take_along_axis(docs.kv_len, docs.slot, 1) > 0
+def _doc_row_valid(docs: _Docs, t):
+  """(B, T): the query lies in its slot (at or after the slot's start) and
+  its document has keys (bands keep the slot's diagonal)."""
+  _, _, row = _doc_index(docs, t)
+  return (jnp.take_along_axis(docs.kv_len, docs.slot, 1) > 0) & (row >= 0)
 
 
 def _doc_col_valid(docs: _Docs, s):
@@ -306,6 +332,24 @@ def _doc_col_valid(docs: _Docs, s):
   return inside.any(1)
 
 
+def _diagonal_shift(config, mask) -> int | None:
+  """``kv_offset - q_offset`` of a causal mask (no window) that the slots
+  must carry (two id arrays, or unequal offsets); None otherwise."""
+  same = mask.kv_segment_ids is None or (
+      mask.kv_segment_ids is mask.q_segment_ids)
+  if not config.is_causal or config.local_window is not None or (
+      same and mask.q_offset == mask.kv_offset):
+    return None
+  return mask.kv_offset - mask.q_offset
+
+
+def _packed_slots(config, mask, bnd: Band) -> tuple[_Docs, Band]:
+  """The slots of a packed call and the band cuDNN applies inside each."""
+  shift = _diagonal_shift(config, mask)
+  docs = _documents(mask.q_segment_ids, mask.kv_ids(), shift)
+  return docs, bnd if shift is None else Band(right_bound=0)
+
+
 def _packed_forward(q, k, v, docs: _Docs, config, bnd: Band):
   b, t, n, _ = q.shape
   out, stats = _sdpa(
@@ -314,8 +358,9 @@ def _packed_forward(q, k, v, docs: _Docs, config, bnd: Band):
        jax.ShapeDtypeStruct((b * SLOTS, n, t), jnp.float32)),
       q, k, v, *_doc_rows(docs, q, k), **_attrs(config, bnd, False, SLOTS))
   bi, slot, row = _doc_index(docs, t)
+  valid = _doc_row_valid(docs, t)
+  row = jnp.where(valid, row, 0)
   lse = stats.reshape(b, SLOTS, n, t)[bi, slot, :, row]  # (B, T, N)
-  valid = _doc_row_valid(docs)
   return (jnp.where(valid[:, :, None, None], out, 0),
           jnp.where(valid[:, :, None], lse, MASK_VALUE))
 
@@ -323,8 +368,10 @@ def _packed_forward(q, k, v, docs: _Docs, config, bnd: Band):
 def _packed_backward(q, k, v, docs: _Docs, out, lse, dout, config, bnd: Band):
   b, t, n, _ = q.shape
   bi, slot, row = _doc_index(docs, t)
+  valid = _doc_row_valid(docs, t)
+  row = jnp.where(valid, row, t)  # rows before their slot: dropped
   stats = jnp.zeros((b, SLOTS, n, t), jnp.float32).at[bi, slot, :, row].set(
-      lse.astype(jnp.float32)).reshape(b * SLOTS, n, t)
+      lse.astype(jnp.float32), mode="drop").reshape(b * SLOTS, n, t)
   dq, dk, dv = _sdpa(
       "jax_ring_sdpa_bwd",
       (jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -332,7 +379,7 @@ def _packed_backward(q, k, v, docs: _Docs, out, lse, dout, config, bnd: Band):
        jax.ShapeDtypeStruct(v.shape, v.dtype)),
       q, k, v, out, stats, dout, *_doc_rows(docs, q, k),
       **_attrs(config, bnd, False, SLOTS))
-  rows = _doc_row_valid(docs)[:, :, None, None]
+  rows = valid[:, :, None, None]
   cols = _doc_col_valid(docs, k.shape[1])[:, :, None, None]
   return (jnp.where(rows, dq, 0), jnp.where(cols, dk, 0),
           jnp.where(cols, dv, 0))
@@ -349,7 +396,7 @@ def forward(q, k, v, bias, mask, config):
   if bnd.empty:
     return jnp.zeros_like(q), jnp.full((b, t, n), MASK_VALUE, jnp.float32)
   if mask.q_segment_ids is not None:
-    docs = _documents(mask.q_segment_ids, mask.kv_ids())
+    docs, bnd = _packed_slots(config, mask, bnd)
     return jax.lax.cond(
         docs.fits, lambda: _packed_forward(q, k, v, docs, config, bnd),
         lambda: xla_backend.forward(q, k, v, None, mask, config))
@@ -398,7 +445,7 @@ def _backward(q, k, v, bias, mask, out, lse, dout, dlse, config, stack):
   if bnd.empty:
     return jnp.zeros_like(q), pack(jnp.zeros_like(k), jnp.zeros_like(v))
   if mask.q_segment_ids is not None:
-    docs = _documents(mask.q_segment_ids, mask.kv_ids())
+    docs, bnd = _packed_slots(config, mask, bnd)
     dq, dk, dv = jax.lax.cond(
         docs.fits,
         lambda: _packed_backward(q, k, v, docs, out, lse, dout, config, bnd),
@@ -458,14 +505,18 @@ def _packed_unsupported(config, query, key, mask) -> str | None:
   t, s = query.shape[1], key.shape[1]
   same = mask.kv_segment_ids is None or (
       mask.kv_segment_ids is mask.q_segment_ids)
-  banded = config.is_causal or config.local_window is not None
   if mask.q_lengths is not None or mask.kv_lengths is not None:
     return "segment_ids with padding lengths"
   if config.logits_soft_cap is not None:
     return "segment_ids with logits_soft_cap"
-  if banded and not (same and t == s and mask.q_offset == mask.kv_offset):
-    return ("segment_ids with a causal or window mask between different "
-            "query and key ids")
+  if config.local_window is not None and not (
+      same and t == s and mask.q_offset == mask.kv_offset):
+    return ("segment_ids with a window between different query and key ids "
+            "or offsets")
+  shift = _diagonal_shift(config, mask)
+  if shift is not None and shift < 0:
+    return ("segment_ids with a causal diagonal before the first key "
+            "(kv_offset < q_offset)")
   b, n, h, kh = query.shape[0], query.shape[2], query.shape[3], key.shape[2]
   if max(b * t * n * h, b * s * kh * h) >= 2**31:
     return "segment_ids on buffers of 2**31 elements or more"

@@ -37,8 +37,10 @@ same balance with unmasked C x 2C blocks, which a tiled kernel runs with no
 wasted tile; a striped block is triangular, so the partly masked tiles along
 its diagonal are computed too (about T x block / 2 extra per step). Striped
 needs only S % N == 0 (dual_chunk: S % 2N). With packed documents its
-blocks after step 0 put a band between different id arrays, which cuDNN's
-ragged path does not serve: those run on the xla backend.
+blocks after step 0 put a causal band between different id arrays, which
+cuDNN's ragged path serves by starting each document's queries at its
+first key's diagonal (``jax_ring._src.cudnn``); under a window they run on
+the xla backend.
 
 Shapes and the held ``kv`` as in :mod:`jax_ring._src.ring_blocks`.
 """
