@@ -4,7 +4,7 @@
 # strategy with cuDNN blocks on this machine's GPUs, the 2-process GPU ring)
 # and write its summary, results/gpu_tests_<count>x<GPU>.txt, to $OUT.
 #   bash benchmarks/gpu_tests.sh [WORKERS]    # pytest-xdist processes, 4
-# (2 H200s: 8 workers run the lane in about ... s)
+# LANE_SECONDS bounds pytest (default 0: no bound), for jobs with a time limit.
 # The workers share the GPUs (no preallocation); each compiles on the host,
 # which bounds the lane: on 2 H200s, 4 workers ran 231 of its 237 tests in
 # 595 s, so give a machine of several GPUs more workers (2 H200s: 32 cores).
@@ -15,9 +15,9 @@ export JAX_RING_TEST_RECORD="$OUT/gpu_cases.jsonl"
 rm -f "$JAX_RING_TEST_RECORD"
 command="python -m pytest tests -m gpu -n ${1:-4}"
 start=$(date +%s)
-# Interrupted (SIGINT) before the device tool's 10-minute limit, pytest still
-# writes its report, so the summary holds what ran.
-timeout -s INT "${LANE_SECONDS:-530}" \
+# Interrupted (SIGINT) after LANE_SECONDS, pytest still writes its report,
+# so the summary holds what ran.
+timeout -s INT "${LANE_SECONDS:-0}" \
   $command -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 \
   | tee "$OUT/gpu_tests.log" | tail -40
 status=${PIPESTATUS[0]}
