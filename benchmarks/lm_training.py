@@ -79,12 +79,10 @@ def profile(run, seq: int, steps: int, out_dir: str) -> dict:
   from a ``jax.profiler`` trace of ``steps`` steps (after one untraced):
   wall, busy and idle time, and attention, matmul, NCCL (all, and with
   nothing else running) and other kernels; the top kernels of GPU 0."""
-  import collections
   import glob
 
   import jax
-  import numpy as np
-  from profile_ring import exposed, gpu_events, union
+  from profile_ring import gpu_events, summarise
 
   b = run.built
   state = b["state"]
@@ -99,34 +97,11 @@ def profile(run, seq: int, steps: int, out_dir: str) -> dict:
   b["state"] = state
   path = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
                    recursive=True)[0]
-  per = gpu_events(path)
-  if not per:
-    raise SystemExit("no GPU kernel events in the trace (GPUs only)")
-  ms = lambda us: us / 1e3 / steps
-  rows = []
-  for gpu, evs in sorted(per.items()):
-    by = collections.defaultdict(list)
-    for start, end, name, _ in evs:
-      by[step_kind(name)].append((start, end))
-    every = [(start, end) for start, end, _, _ in evs]
-    wall = max(e for _, e in every) - min(s for s, _ in every)
-    busy = union(every)
-    rest = by["attn"] + by["matmul"] + by["other"]
-    rows.append(dict(
-        wall_ms=ms(wall), busy_ms=ms(busy), idle_ms=ms(wall - busy),
-        attn_ms=ms(union(by["attn"])), matmul_ms=ms(union(by["matmul"])),
-        comm_ms=ms(union(by["comm"])),
-        comm_only_ms=ms(exposed(by["comm"], rest)),
-        other_ms=ms(union(by["other"]))))
-  mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
-  top = collections.defaultdict(lambda: [0, 0.0])
-  for start, end, name, _ in next(iter(sorted(per.items())))[1]:
-    top[name][0] += 1
-    top[name][1] += end - start
+  mean, detail, _ = summarise(gpu_events(path), steps, step_kind,
+                              ("attn", "matmul", "comm", "other"))
   mean["top_kernels"] = [
-      dict(ms=round(ms(v[1]), 3), per_step=v[0] // steps,
-           kind=step_kind(n), name=n[:100])
-      for n, v in sorted(top.items(), key=lambda kv: -kv[1][1])[:30]]
+      dict(ms=round(t, 3), per_step=n, kind=step_kind(name), name=name[:100])
+      for t, n, name in detail[:30]]
   return dict(devices=run.devices, seq=seq, steps=steps, **mean)
 
 

@@ -92,28 +92,33 @@ def gpu_events(trace_path):
   return per
 
 
-def summarise(per, calls: int):
+def summarise(per, calls: int, classify=None,
+              families=("attn", "comm", "other")):
+  """Per call, averaged over GPUs: wall, busy and idle time, the kernel time
+  of each family (``classify(name)``, default :func:`kind`), and NCCL time
+  with nothing else running; GPU 0's kernels by time and its timeline."""
+  classify = classify or kind
   if not per:
     raise SystemExit("no GPU kernel events in the trace (GPUs only)")
+  ms = lambda us: us / 1e3 / calls
   rows, detail = [], None
   for gpu, evs in sorted(per.items()):
     by = collections.defaultdict(list)
     for s, e, n, _ in evs:
-      by[kind(n)].append((s, e))
+      by[classify(n)].append((s, e))
     allv = [(s, e) for s, e, _, _ in evs]
     wall = max(e for _, e in allv) - min(s for s, _ in allv)
     busy = union(allv)
-    rows.append(dict(
-        gpu=gpu, wall_ms=wall / 1e3 / calls, busy_ms=busy / 1e3 / calls,
-        attn_ms=union(by["attn"]) / 1e3 / calls,
-        comm_ms=union(by["comm"]) / 1e3 / calls,
-        comm_only_ms=exposed(by["comm"], by["attn"] + by["other"]) / 1e3 /
-        calls,
-        other_ms=union(by["other"]) / 1e3 / calls,
-        idle_ms=(wall - busy) / 1e3 / calls))
+    rest = [iv for f in families if f != "comm" for iv in by[f]]
+    rows.append(dict(gpu=gpu, wall_ms=ms(wall), busy_ms=ms(busy)))
+    for f in families:
+      rows[-1][f"{f}_ms"] = ms(union(by[f]))
+      if f == "comm":
+        rows[-1]["comm_only_ms"] = ms(exposed(by["comm"], rest))
+    rows[-1]["idle_ms"] = ms(wall - busy)
     if detail is None:
       t0 = min(s for s, _, _, _ in evs)
-      timeline = [(s - t0, e - s, st, kind(n), n[:70])
+      timeline = [(s - t0, e - s, st, classify(n), n[:70])
                   for s, e, n, st in sorted(evs)]
       agg = collections.defaultdict(lambda: [0, 0.0])
       for s, e, n, _ in evs:

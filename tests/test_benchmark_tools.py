@@ -70,6 +70,20 @@ def test_interval_sums():
       (25, 5, "Stream #1", "other"), (40, 10, "Stream #2", "comm")]
 
 
+def test_training_step_families_split_matmuls_from_other_kernels():
+  """lm_training's profile: matmuls are their own family, and NCCL time
+  under a matmul is not exposed."""
+  per = {"gpu0": [(0, 10, "ncclSendRecv", "Stream #2"),
+                  (5, 20, "nvjet_tst_192x192_64x4", "Stream #1"),
+                  (25, 30, "loop_fusion", "Stream #1"),
+                  (40, 50, "cudnn_generated_fort_native_sdpa", "Stream #1")]}
+  mean, _, _ = profile_ring.summarise(per, 1, lm_training.step_kind,
+                                      ("attn", "matmul", "comm", "other"))
+  us = {k: round(v * 1e3, 6) for k, v in mean.items()}
+  assert us == dict(wall_ms=50, busy_ms=35, attn_ms=10, matmul_ms=15,
+                    comm_ms=10, comm_only_ms=5, other_ms=5, idle_ms=15)
+
+
 @pytest.mark.slow
 def test_compile_peak_of_the_example_step_on_cpu():
   """The real step (micro preset, ring on 4 devices): XLA's peak, and no
