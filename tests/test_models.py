@@ -175,6 +175,27 @@ def test_our_checkpoint_loads_in_transformers(name, checkpoints, tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_save_keeps_every_config_field_it_loaded(name, checkpoints,
+                                                 tmp_path):
+  """The token ids, max_position_embeddings and a field no library knows
+  survive load_pretrained then save_pretrained, as transformers reads
+  them (its defaults differ)."""
+  path, _ = checkpoints[name]
+  hf = json.loads((path / "config.json").read_text()) | dict(
+      max_position_embeddings=77, pad_token_id=0, bos_token_id=1,
+      eos_token_id=[2, 3], custom_field={"kept": True})
+  base = tmp_path / "base"
+  base.mkdir()
+  (base / "config.json").write_text(json.dumps(hf))
+  (base / "model.safetensors").symlink_to(path / "model.safetensors")
+  out = models.save_pretrained(models.load_pretrained(base), tmp_path / "out")
+  assert json.loads((out / "config.json").read_text()) == hf
+  back = transformers.AutoConfig.from_pretrained(out)
+  assert (back.max_position_embeddings, back.pad_token_id, back.bos_token_id,
+          back.eos_token_id) == (77, 0, 1, [2, 3])
+
+
 def test_loss_is_the_mean_next_token_cross_entropy(checkpoints):
   path, hf = checkpoints["qwen2"]
   model = models.load_pretrained(path, implementation="xla")

@@ -78,6 +78,9 @@ class LlamaConfig:
     rope_theta: the RoPE base.
     rope_scaling: Llama 3's frequency scaling, or None.
     rms_norm_eps: RMSNorm's epsilon.
+    max_position_embeddings: the context the model is meant for, or None
+      (not known). Nothing here limits positions by it; a checkpoint
+      records it for other tools.
     tie_word_embeddings: the output projection is ``embed`` transposed.
     qkv_bias: q, k, v projections have biases (Qwen2).
     sliding_window: every layer attends to this many keys (Mistral), or
@@ -85,6 +88,9 @@ class LlamaConfig:
     logits_soft_cap: attention logits soft cap (Gemma 2's), or None; no
       Llama-family checkpoint has one, so ``save_pretrained`` refuses it.
     model_type: the Hugging Face architecture a checkpoint is written as.
+    hf_config: the ``config.json`` this config was read from, as JSON text
+      (hashable), or None. ``save_pretrained`` writes its fields back,
+      changed only where the fields above differ from it.
     dtype: compute dtype (bfloat16 lets ``implementation=None`` pick cuDNN).
     param_dtype: the weights' dtype.
     implementation: the attention backend (``None``: best available).
@@ -119,11 +125,13 @@ class LlamaConfig:
   rope_theta: float = 10_000.0
   rope_scaling: Llama3RopeScaling | None = None
   rms_norm_eps: float = 1e-6
+  max_position_embeddings: int | None = None
   tie_word_embeddings: bool = False
   qkv_bias: bool = False
   sliding_window: int | None = None
   logits_soft_cap: float | None = None
   model_type: ModelType = "llama"
+  hf_config: str | None = dataclasses.field(default=None, repr=False)
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   implementation: Literal["xla", "cudnn"] | None = None
