@@ -11,8 +11,10 @@ them. Nothing is ever downloaded.
   python examples/finetune.py            # CPU: 8 simulated devices, data=2 x
                                          # context=4; makes a tiny random
                                          # Llama, its tokenizer and a toy
-                                         # dataset in --run-dir; under a minute
-  python examples/finetune.py --resume   # continue from the last checkpoint
+                                         # dataset in the run directory;
+                                         # under a minute
+  python examples/finetune.py --run-dir runs/sft --resume
+                                         # continue from the last checkpoint
   python examples/finetune.py --model /path/to/Llama-3.2-1B --data my.jsonl \\
       --seq 65536 --context 2            # GPUs: bfloat16 (cuDNN), remat
 
@@ -36,20 +38,36 @@ dropped if no response token is left). Rows are packed greedily in a
 shuffled order: segment ids 1, 2, ... per example, 0 for padding;
 positions restart per example.
 
+The data is checked as it is read, each error naming ``file:line``: UTF-8
+only (a UTF-8 byte-order mark opening the file is accepted and skipped; one
+on a later line is refused), one JSON object per line (blank lines
+skipped), string prompts, responses, roles and contents. Every token id,
+the EOS and the tokenizer's prefix included, must be below the model's
+``vocab_size`` (config.json): a tokenizer from a larger model is refused,
+naming the id and where it came from (``file:line``, or e.g.
+``eos_token_id of config.json``).
+
 The demo's data: "Reverse the words: ..." prompt/response records and
 "Sort: ..." chats (some of two turns) over 32 words; its model: a 0.15M
 parameter Llama (hidden 64, 2 layers, 4 query / 2 kv heads of 16) with a
 byte-level BPE tokenizer trained on that data.
 
-Written to ``--run-dir``: checkpoints/ (orbax, in the background),
-losses.json, loss_curve.png (with matplotlib), and final/: the fine-tuned
-model as a Hugging Face checkpoint (safetensors) with the tokenizer files,
-which ``transformers.AutoModelForCausalLM.from_pretrained`` reads.
+Written to ``--run-dir`` (default: a new directory per run, printed at
+start): checkpoints/ (orbax, in the background, with checksums verified on
+``--resume``), losses.json, loss_curve.png (with matplotlib), and final/:
+the fine-tuned model as a Hugging Face checkpoint (safetensors) with the
+tokenizer files, which ``transformers.AutoModelForCausalLM.from_pretrained``
+reads; for the demo, also base_model/ and demo.jsonl. A fresh run refuses
+a directory that holds any of these (``--resume`` continues that run,
+``--overwrite`` deletes them first; see ``run_dir.py``). A NaN or infinite
+loss or weight stops training with an error naming the step: final/ is
+written only from a finished run's finite weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import functools
 import hashlib
 import json
@@ -57,10 +75,11 @@ import os
 import pathlib
 import random
 import shutil
-import tempfile
 
 import numpy as np
 
+import checkpoints
+import run_dir
 import train_lm
 
 # The defaults of the demo (no --model) and of a real checkpoint.
@@ -108,16 +127,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="the loss takes the vocabulary this many entries at a "
                  "time, so the float32 logits are never whole (default: "
                  "whole)")
-  p.add_argument("--run-dir", default=os.path.join(tempfile.gettempdir(),
-                                                   "jax_ring_finetune"))
-  p.add_argument("--checkpoint-every", type=int, default=25)
-  p.add_argument("--resume", action="store_true",
-                 help="continue from the last checkpoint in --run-dir")
-  p.add_argument("--stop-after", type=int, default=None,
-                 help="stop after this step, as if interrupted")
+  run_dir.add_flags(p, "finetune")
   train_lm._add_process_flags(p)
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   args = p.parse_args(argv)
+  run_dir.check_flags(p, args)
+  if args.model and not args.data:
+    p.error("--model needs --data (JSON lines; see --help)")
   defaults = MODEL if args.model else DEMO
   for name in ("seq", "lr"):
     if getattr(args, name) is None:
@@ -171,25 +187,25 @@ def train_tokenizer(texts, vocab_size: int = 512):
   return tok
 
 
-def make_demo(run_dir: pathlib.Path, args) -> tuple[pathlib.Path, str]:
-  """Write the demo's data (unless --data) and checkpoint in ``run_dir``;
-  a resumed run keeps the ones it started with. Returns (model dir, data
-  file)."""
+def make_demo(run: pathlib.Path, args) -> tuple[pathlib.Path, str]:
+  """Write the demo's data (unless --data) and checkpoint in the run
+  directory ``run``; a resumed run keeps the ones it started with. Returns
+  (model dir, data file)."""
   import jax
   from flax import nnx
 
   from jax_ring import models
-  base, data = run_dir / "base_model", args.data or run_dir / "demo.jsonl"
+  base, data = run / "base_model", args.data or run / "demo.jsonl"
   if args.resume and (base / "config.json").exists() and os.path.exists(data):
     return base, str(data)
   if jax.process_index() == 0:
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run.mkdir(parents=True, exist_ok=True)
     if not args.data:
       with open(data, "w") as f:
         for r in demo_records(args.examples, args.seed):
           f.write(json.dumps(r) + "\n")
-  _sync("demo data")
-  texts = ["".join(t for t, _, _ in pieces(r)) for r in read_records(data)]
+  run_dir.sync("demo data")
+  texts = ["".join(t for t, _, _ in pieces(r)) for r in read_records(data)[0]]
   tok = train_tokenizer(texts)
   cfg = models.LlamaConfig(
       vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=192,
@@ -204,38 +220,83 @@ def make_demo(run_dir: pathlib.Path, args) -> tuple[pathlib.Path, str]:
     (base / "tokenizer_config.json").write_text(json.dumps(dict(
         tokenizer_class="PreTrainedTokenizerFast", eos_token=eos,
         pad_token=eos), indent=2) + "\n")
-  _sync("demo checkpoint")
+  run_dir.sync("demo checkpoint")
   return base, str(data)
-
-
-def _sync(name: str):
-  import jax
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices(name)
 
 
 # --------------------------------------------------------------------------
 # Data: records -> (tokens, targets) examples -> packed rows.
 
 
-def read_records(path) -> list[dict]:
-  records = []
-  with open(path) as f:
-    for i, line in enumerate(f, 1):
+def read_records(path) -> tuple[list[dict], list[str]]:
+  """The examples of a JSON-lines file and where each is (``path:line``).
+
+  Raises:
+    SystemExit: naming ``path:line``, for a line that is not UTF-8, starts
+      with a byte-order mark (one opening the file is skipped), is not
+      JSON, not a JSON object, lacks the keys of either kind of example, or
+      holds a prompt, response, role or content that is not a string.
+  """
+  records, sources = [], []
+  with open(path, "rb") as f:
+    for i, raw in enumerate(f, 1):
+      where = f"{path}:{i}"
+      if i == 1 and raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8):]
+      try:
+        line = raw.decode("utf-8").rstrip("\r\n")
+      except UnicodeDecodeError as e:
+        raise SystemExit(f"{where}: not UTF-8: byte 0x{raw[e.start]:02x} at "
+                         f"column {e.start + 1}") from None
+      if line.startswith("\ufeff"):
+        raise SystemExit(f"{where}: a byte-order mark (U+FEFF) starts the "
+                         "line; only the file's first line may carry one")
       if line.strip():
-        r = json.loads(line)
-        if not ({"prompt", "response"} <= r.keys() or "messages" in r):
-          raise SystemExit(f"{path}:{i}: expected prompt and response, or "
-                           f"messages; got keys {sorted(r)}")
-        if not all({"role", "content"} <= m.keys()
-                   for m in r.get("messages", ())):
-          raise SystemExit(f"{path}:{i}: every message needs a role and a "
-                           "content")
-        records.append(r)
+        records.append(_check_record(line, where))
+        sources.append(where)
   if not records:
     raise SystemExit(f"{path}: no examples")
-  return records
+  return records, sources
+
+
+def _check_record(line: str, where: str) -> dict:
+  """One line's example, checked (see read_records)."""
+  try:
+    r = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise SystemExit(f"{where}: not JSON: {e.msg} at column {e.colno}"
+                     ) from None
+  if not isinstance(r, dict):
+    raise SystemExit(f"{where}: expected a JSON object, got "
+                     f"{_json_type(r)}")
+  if not ({"prompt", "response"} <= r.keys() or "messages" in r):
+    raise SystemExit(f"{where}: expected prompt and response, or "
+                     f"messages; got keys {sorted(r)}")
+  if "messages" not in r:
+    fields = [(k, r[k]) for k in ("prompt", "response")]
+  elif not isinstance(r["messages"], list):
+    raise SystemExit(f"{where}: messages must be a list, got "
+                     f"{_json_type(r['messages'])}")
+  else:
+    fields = []
+    for j, m in enumerate(r["messages"]):
+      if not isinstance(m, dict) or not {"role", "content"} <= m.keys():
+        raise SystemExit(f"{where}: every message needs a role and a "
+                         f"content; messages[{j}] is {json.dumps(m)[:80]}")
+      fields += [(f"messages[{j}].{k}", m[k]) for k in ("role", "content")]
+  for name, value in fields:
+    if not isinstance(value, str):
+      raise SystemExit(f"{where}: {name} must be a string, got "
+                       f"{_json_type(value)}")
+  return r
+
+
+def _json_type(value) -> str:
+  """JSON's name for the type of a parsed value."""
+  if isinstance(value, bool):
+    return str(value).lower()
+  return {dict: "an object", list: "an array", str: "a string",
+          type(None): "null", int: "a number", float: "a number"}[type(value)]
 
 
 def pieces(record: dict) -> list[tuple[str, bool, bool]]:
@@ -253,7 +314,17 @@ def pieces(record: dict) -> list[tuple[str, bool, bool]]:
 class Encoder:
   """Records -> ``(tokens, targets)`` int32 / bool arrays, with the
   checkpoint's ``tokenizer.json`` (see the module docstring for the
-  prefix and the EOS)."""
+  prefix and the EOS).
+
+  Every id it yields lies in ``[0, vocab_size)``, the model's (config.json;
+  unchecked where config.json has no ``vocab_size``): construction checks
+  the prefix and the EOS, each call the examples' ids.
+
+  Raises:
+    SystemExit: an id out of the vocabulary, naming it, ``vocab_size`` and
+      where it came from (``eos_token_id of config.json``, the example's
+      ``file:line``, ...).
+  """
 
   def __init__(self, model_dir):
     from tokenizers import Tokenizer
@@ -262,21 +333,44 @@ class Encoder:
     if not path.exists():
       raise SystemExit(f"{model_dir} has no tokenizer.json")
     self.path, self.tok = path, Tokenizer.from_file(str(path))
+    self.config = model_dir / "config.json"
+    hf = json.loads(self.config.read_text())
+    self.vocab_size = hf.get("vocab_size")
     # The tokens the tokenizer's own post-processor adds before a text.
     plain = self.tok.encode("a", add_special_tokens=False).ids
     full = self.tok.encode("a", add_special_tokens=True).ids
     self.prefix = full[:full.index(plain[0])] if plain[0] in full else []
-    self.eos = _eos_id(model_dir, self.tok)
+    self.check_ids(self.prefix, f"the prefix {path} adds to a text")
+    self.eos, source = _eos_id(model_dir, hf, self.tok)
     # What ends a response or a chat turn: EOS, else a newline.
     self.end = ([self.eos] if self.eos is not None else
                 self.tok.encode("\n", add_special_tokens=False).ids)
+    self.check_ids(self.end, source if self.eos is not None else
+                   f"the newline of {path}")
 
-  def __call__(self, records) -> list[tuple[np.ndarray, np.ndarray]]:
+  def check_ids(self, ids, source: str) -> None:
+    """Refuse any of ``ids`` outside ``[0, vocab_size)``, naming
+    ``source``."""
+    ids = np.asarray(ids)
+    if self.vocab_size is None or not ids.size:
+      return
+    bad = ids[(ids < 0) | (ids >= self.vocab_size)]
+    if bad.size:
+      raise SystemExit(
+          f"{source}: token id {int(bad[0])} is outside the model's "
+          f"vocabulary (vocab_size {self.vocab_size} in {self.config}); "
+          f"{self.path} has {self.tok.get_vocab_size()} tokens: is it the "
+          f"model's own tokenizer?")
+
+  def __call__(self, records, sources=None
+               ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The examples of ``records``; ``sources[i]`` (default ``example
+    i``) names record ``i`` in errors, e.g. ``file:line``."""
     split = [pieces(r) for r in records]
     flat = self.tok.encode_batch([t for p in split for t, _, _ in p],
                                  add_special_tokens=False)
     out, k = [], 0
-    for p in split:
+    for i, p in enumerate(split):
       ids, tgt = list(self.prefix), [False] * len(self.prefix)
       for (_, target, ends), enc in zip(p, flat[k:k + len(p)]):
         ids += enc.ids
@@ -286,12 +380,13 @@ class Encoder:
           tgt += [target] * len(self.end)
       k += len(p)
       out.append((np.asarray(ids, np.int32), np.asarray(tgt, bool)))
+      self.check_ids(out[-1][0], sources[i] if sources else f"example {i}")
     return out
 
 
-def _eos_id(model_dir: pathlib.Path, tok) -> int | None:
-  hf = json.loads((model_dir / "config.json").read_text())
-  eos = hf.get("eos_token_id")
+def _eos_id(model_dir: pathlib.Path, hf: dict, tok) -> tuple[int | None, str]:
+  """The EOS id (None: no EOS) and where it came from."""
+  eos, source = hf.get("eos_token_id"), "eos_token_id of config.json"
   if isinstance(eos, list):
     eos = eos[0] if eos else None
   if eos is None and (model_dir / "tokenizer_config.json").exists():
@@ -299,7 +394,8 @@ def _eos_id(model_dir: pathlib.Path, tok) -> int | None:
         "eos_token")
     name = name.get("content") if isinstance(name, dict) else name
     eos = tok.token_to_id(name) if name else None
-  return eos
+    source = f"eos_token {name!r} of tokenizer_config.json"
+  return eos, source
 
 
 def pack(lengths, seq: int) -> list[list[int]]:
@@ -436,24 +532,29 @@ def _sha256(path) -> str:
   return h.hexdigest()
 
 
+def outputs(args) -> tuple[str, ...]:
+  """What a run writes in its run directory (see run_dir.py)."""
+  return train_lm.OUTPUTS + ("final",) + (
+      () if args.model else ("base_model",) + (
+          () if args.data else ("demo.jsonl",)))
+
+
 def train(args) -> dict:
   """Fine-tune (or resume); returns train_lm.train_loop's result plus the
-  data, the model directory and final/ (None if stopped early)."""
+  data, the model directory, final/ (None if stopped early) and the
+  model's graphdef (``nnx.merge(graphdef, state["params"])``)."""
   import jax
   from flax import nnx
 
   from jax_ring import flax as jrf
 
-  run_dir = pathlib.Path(args.run_dir)
+  run = run_dir.prepare(args, "finetune", outputs(args),
+                        inputs=(args.model, args.data))
   model_dir, data_path = ((pathlib.Path(args.model), args.data)
-                          if args.model else make_demo(run_dir, args))
-  if data_path is None:
-    raise SystemExit("--model needs --data (JSON lines; see --help)")
-  if not args.resume and jax.process_index() == 0:  # a fresh run's own
-    shutil.rmtree(run_dir / "final", ignore_errors=True)
+                          if args.model else make_demo(run, args))
   shape, batch = layout(args)
   encoder = Encoder(model_dir)
-  data = SFTData(encoder(read_records(data_path)), args.seq, args.seed)
+  data = SFTData(encoder(*read_records(data_path)), args.seq, args.seed)
   if args.steps is None:  # one epoch
     args.steps = max(1, len(data.rows(0)) // batch)
   built = build(args, model_dir, shape)
@@ -490,28 +591,43 @@ def train(args) -> dict:
       tokens_per_step=batch * args.seq, banner=banner)
   final = None
   if len(result["losses"]) == args.steps:  # not when stopped early
-    final = run_dir / "final"
+    final = run / "final"
     save_final(nnx.merge(built["graphdef"], result["state"]["params"]),
                model_dir, final, args.save_dtype)
-  return dict(result, data=data, model_dir=model_dir, final=final)
+  return dict(result, data=data, model_dir=model_dir, final=final,
+              graphdef=built["graphdef"])
 
 
 def save_final(model, model_dir: pathlib.Path, final: pathlib.Path,
                save_dtype: str | None):
   """``model`` as a Hugging Face checkpoint in ``final``, in the base
   checkpoint's dtype unless ``save_dtype``, with the base's tokenizer files
-  and the config.json keys this library does not write (token ids, ...)."""
+  and the config.json keys this library does not write (token ids, ...).
+
+  Raises:
+    SystemExit: a weight that is NaN or infinite in that dtype, naming it;
+      nothing is written then (an existing ``final`` is left as it is).
+  """
   import jax
   import jax.numpy as jnp
+  from flax import nnx
 
   from jax_ring import models
   base = json.loads((model_dir / "config.json").read_text())
   dtype = save_dtype or base.get("torch_dtype") or base.get("dtype")
   dtype = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(
       dtype, jnp.float32)
+  weights = jax.tree.map(lambda x: x.astype(dtype),
+                         nnx.state(model, nnx.Param))
+  bad = [a for a in checkpoints.fingerprint(weights) if a["nonfinite"]]
+  if bad:
+    raise SystemExit(
+        f"{final} not written: {bad[0]['path']} has {bad[0]['nonfinite']} "
+        f"non-finite entries in {jnp.dtype(dtype).name}"
+        + (f" ({len(bad) - 1} more weights too)" if len(bad) > 1 else ""))
   if jax.process_index() == 0 and final.exists():
     shutil.rmtree(final)
-  _sync("final cleared")
+  run_dir.sync("final cleared")
   models.save_pretrained(model, final, dtype=dtype, extra_config={
       k: v for k, v in base.items() if k not in ("torch_dtype", "dtype")})
   if jax.process_index() == 0:

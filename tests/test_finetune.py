@@ -1,11 +1,16 @@
 """The fine-tuning example: its default run (a tiny random Llama, tokenizer
 and toy data made in the run dir, data=2 x context=4 ring) trains, and its
 final/ reads back in jax_ring and in transformers with the same logits;
---resume continues the uninterrupted run exactly; packing and the loss
-mask put the loss on response tokens only, in the load-balance layout."""
+--resume continues the uninterrupted run exactly, and a fresh run refuses
+its directory; packing and the loss mask put the loss on response tokens
+only, in the load-balance layout; every bad data line is named by
+file:line, every token id out of the model's vocabulary by its source; no
+weight that is not finite is written to final/."""
 
+import codecs
 import json
 import pathlib
+import re
 import sys
 
 import jax
@@ -96,8 +101,28 @@ def test_resume_continues_the_uninterrupted_run(whole, tmp_path):
   assert ((tmp_path / "final" / "model.safetensors").read_bytes() ==
           (whole["final"] / "model.safetensors").read_bytes())
   # Other settings refuse to resume rather than silently diverging.
-  with pytest.raises(SystemExit, match="other settings"):
+  with pytest.raises(SystemExit, match="other settings: lr: saved 0.003, "
+                     "now 0.01$"):
     run(tmp_path, "--resume", "--lr", "1e-2")
+  # A fresh run refuses the directory, final/ included, before writing.
+  final = (tmp_path / "final" / "model.safetensors").read_bytes()
+  with pytest.raises(SystemExit, match="final.*--resume.*--overwrite"):
+    run(tmp_path)
+  assert (tmp_path / "final" / "model.safetensors").read_bytes() == final
+
+
+def test_no_model_with_a_weight_that_is_not_finite_is_written(whole,
+                                                              tmp_path):
+  paths, tree = jax.tree_util.tree_flatten_with_path(whole["state"]["params"])
+  leaves = [x for _, x in paths]
+  for i, value in ((0, np.nan), (1, np.inf)):
+    leaves[i] = leaves[i].at[(0,) * leaves[i].ndim].set(value)
+  model = nnx.merge(whole["graphdef"], jax.tree.unflatten(tree, leaves))
+  with pytest.raises(SystemExit, match=(
+      rf"final not written: {re.escape(jax.tree_util.keystr(paths[0][0]))} "
+      rf"has 1 non-finite entries in float32 \(1 more weights too\)$")):
+    finetune.save_final(model, whole["final"], tmp_path / "final", None)
+  assert not (tmp_path / "final").exists()
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +211,72 @@ def test_packed_batch_masks_prompts_and_restarts_positions(encoder):
       start += len(ids)
     assert (back.segment_ids[row, start:] == 0).all()  # padding
     assert (back.loss_mask[row, start:] == 0).all()
+
+
+def write_lines(path, *lines: bytes):
+  path.write_bytes(b"\n".join(lines) + b"\n")
+  return path
+
+
+GOOD = b'{"prompt": "~", "response": "^"}'
+BAD_LINES = {
+    "syntax": (b'{"prompt": "a", "response": "b"',
+               "not JSON: Expecting ',' delimiter at column 32"),
+    "encoding": (b'{"prompt": "\xff", "response": "b"}',
+                 "not UTF-8: byte 0xff at column 13"),
+    "bom": (codecs.BOM_UTF8 + GOOD, r"a byte-order mark \(U\+FEFF\) starts"),
+    "array": (b'["a", "b"]', "expected a JSON object, got an array"),
+    "keys": (b'{"prompt": "a"}', "expected prompt and response, or messages"),
+    "prompt": (b'{"prompt": 1, "response": "b"}',
+               "prompt must be a string, got a number"),
+    "response": (b'{"prompt": "a", "response": ["b"]}',
+                 "response must be a string, got an array"),
+    "messages": (b'{"messages": "hi"}', "messages must be a list, got a string"),
+    "message": (b'{"messages": [{"role": "user"}]}',
+                r"every message needs a role and a content; messages\[0\]"),
+    "role": (b'{"messages": [{"role": true, "content": "a"}]}',
+             r"messages\[0\].role must be a string, got true"),
+    "content": (b'{"messages": [{"role": "user", "content": null}]}',
+                r"messages\[0\].content must be a string, got null"),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_LINES)
+def test_every_bad_data_line_is_named_by_file_and_line(tmp_path, kind):
+  line, message = BAD_LINES[kind]
+  path = write_lines(tmp_path / "data.jsonl", GOOD, b"", line)
+  with pytest.raises(SystemExit, match=f"^{re.escape(str(path))}:3: {message}"):
+    finetune.read_records(path)
+
+
+def test_a_byte_order_mark_opening_the_file_is_skipped(tmp_path):
+  path = write_lines(tmp_path / "data.jsonl", codecs.BOM_UTF8 + GOOD, GOOD)
+  records, sources = finetune.read_records(path)
+  assert records == [json.loads(GOOD)] * 2
+  assert sources == [f"{path}:1", f"{path}:2"]
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_source(
+    encoder, tmp_path):
+  """A model whose vocabulary is the tokenizer's first 260 ids (bytes and
+  special tokens; merges lie above): data with a merge is refused naming
+  its line, an EOS beyond the vocabulary naming config.json."""
+  (tmp_path / "tokenizer.json").write_bytes(encoder.path.read_bytes())
+  config = tmp_path / "config.json"
+  config.write_text(json.dumps({"vocab_size": 260, "eos_token_id": 0}))
+  short = finetune.Encoder(tmp_path)
+  record = {"prompt": "Reverse the words: red fox\n", "response": "x"}
+  path = write_lines(tmp_path / "data.jsonl", GOOD,
+                     json.dumps(record).encode())
+  (ids, _), = encoder([record])
+  first, size = int(ids[ids >= 260][0]), encoder.tok.get_vocab_size()
+  with pytest.raises(SystemExit, match=(
+      rf"^{re.escape(str(path))}:2: token id {first} is outside the "
+      rf"model's vocabulary \(vocab_size 260 in {re.escape(str(config))}\); "
+      rf".* has {size} tokens: is it the model's own tokenizer\?$")):
+    short(*finetune.read_records(path))
+  config.write_text(json.dumps({"vocab_size": size, "eos_token_id": size}))
+  with pytest.raises(SystemExit, match=(
+      rf"^eos_token_id of config.json: token id {size} is outside the "
+      rf"model's vocabulary \(vocab_size {size} ")):
+    finetune.Encoder(tmp_path)

@@ -1,0 +1,128 @@
+"""The examples' run directory: where a run writes, and what a fresh run
+may replace. Shared by ``train_lm.py`` and ``finetune.py``.
+
+The contract:
+
+* Without ``--run-dir``, each run writes to a new directory of its own,
+  ``<temp dir>/jax_ring_<example>-<random>``, made at start and printed;
+  two runs never share it. ``--resume`` therefore needs ``--run-dir``, and
+  so does ``--distributed`` (every process must write the same directory).
+* A fresh run (no ``--resume``) refuses a run directory that holds any of
+  the paths the example writes (an empty directory aside), before it
+  deletes or writes anything; the error names ``--resume`` and
+  ``--overwrite``.
+* ``--overwrite`` deletes exactly those paths first, naming each. Anything
+  else in the directory is never touched, and a path the run reads (a
+  ``--model`` or ``--data`` inside the run directory) is never one the run
+  deletes or writes.
+* ``--resume`` continues from the last checkpoint (``checkpoints.py``
+  verifies it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import shutil
+import sys
+import tempfile
+
+
+def add_flags(p: argparse.ArgumentParser, example: str) -> None:
+  """The run-directory and checkpoint flags of ``example``."""
+  p.add_argument("--run-dir", default=None, help=(
+      f"where checkpoints/ and the results go; default: a new directory "
+      f"per run, {tempfile.gettempdir()}/jax_ring_{example}-<random>, "
+      f"printed at start (multi-host: a directory every host can write)"))
+  p.add_argument("--resume", action="store_true",
+                 help="continue from the last checkpoint in --run-dir")
+  p.add_argument("--overwrite", action="store_true",
+                 help="a fresh run into a --run-dir that holds an earlier "
+                 "run's results deletes them first (otherwise it refuses)")
+  p.add_argument("--checkpoint-every", type=int, default=25)
+  p.add_argument("--stop-after", type=int, default=None,
+                 help="stop after this step, as if interrupted")
+
+
+def check_flags(p: argparse.ArgumentParser, args) -> None:
+  """Refuse (``p.error``: exit status 2) flag combinations the contract
+  rules out."""
+  if args.resume and args.overwrite:
+    p.error("--resume continues the run in --run-dir; --overwrite deletes "
+            "it: pass one of them")
+  if args.run_dir is None and args.resume:
+    p.error("--resume needs --run-dir: without it each run writes to a new "
+            "directory of its own")
+  if args.run_dir is None and getattr(args, "distributed", False):
+    p.error("--distributed needs --run-dir, a directory every process can "
+            "write")
+
+
+def prepare(args, example: str, outputs, inputs=()) -> pathlib.Path:
+  """Make ``args.run_dir`` ready for the run, or refuse; sets
+  ``args.run_dir`` to the directory's path (a new one when it is None).
+
+  Args:
+    args: the run's flags: ``run_dir``, ``resume``, ``overwrite``.
+    example: the example's name, for the default directory's name.
+    outputs: the paths the run writes, relative to the run directory.
+    inputs: paths the run reads (``--model``, ``--data``); none of them may
+      be, or lie inside, an output.
+
+  Raises:
+    SystemExit: a fresh run into a directory holding outputs (without
+      ``--overwrite``), ``--resume`` into a missing directory, a run
+      directory that is a file, or an input that is an output.
+  """
+  import jax
+  lead = jax.process_index() == 0
+  made = args.run_dir is None
+  run = pathlib.Path(tempfile.mkdtemp(prefix=f"jax_ring_{example}-") if made
+                     else args.run_dir)
+  args.run_dir = str(run)
+  if lead:
+    print(f"run directory: {run}" + (" (new; --run-dir chooses one)"
+                                     if made else ""), file=sys.stderr,
+          flush=True)
+  for path in (pathlib.Path(p).resolve() for p in inputs if p is not None):
+    for out in outputs:
+      if (run / out).resolve() in (path, *path.parents):
+        raise SystemExit(f"{path} is read by this run but lies in "
+                         f"{run / out}, which it writes: move it or choose "
+                         f"another --run-dir")
+  if run.exists() and not run.is_dir():
+    raise SystemExit(f"--run-dir {run} is not a directory")
+  if args.resume:
+    if not run.is_dir():
+      raise SystemExit(f"--resume: {run} does not exist")
+    return run
+  present = [out for out in outputs if _holds_something(run / out)]
+  if present and not args.overwrite:
+    raise SystemExit(
+        f"{run} holds an earlier run's {', '.join(present)}: pass --resume "
+        f"to continue that run, or --overwrite to delete them and start "
+        f"afresh (or choose another --run-dir)")
+  if lead:
+    for out in present:
+      print(f"--overwrite: deleting {run / out}", file=sys.stderr, flush=True)
+      if (run / out).is_dir() and not (run / out).is_symlink():
+        shutil.rmtree(run / out)
+      else:
+        (run / out).unlink()
+  sync("run directory prepared")
+  return run
+
+
+def _holds_something(path: pathlib.Path) -> bool:
+  """``path`` exists and is not an empty directory."""
+  if path.is_symlink() or path.is_file():
+    return True
+  return path.is_dir() and any(path.iterdir())
+
+
+def sync(name: str) -> None:
+  """Wait here for every process (a no-op in a single process)."""
+  import jax
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
