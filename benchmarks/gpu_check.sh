@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One command on a GPU machine: build the cuDNN extension, run the GPU tests and the
 # CPU suite on the GPU image's jax, then the cuDNN benchmark. Results and logs
-# go to $OUT (default: benchmarks/results). Wheels the image lacks are carried
-# in .whl/ (nvidia-cudnn-frontend==1.32.0, hypothesis, pytest-xdist, ...).
+# go to $OUT (default: benchmarks/results). Wheels the machine lacks may be
+# placed in .whl/ (nvidia-cudnn-frontend==1.32.0, hypothesis, pytest-xdist, ...).
 set -uo pipefail
 . benchmarks/gpu_setup.sh || exit 1
 python3 -m pytest -q -m gpu tests/test_cudnn.py 2>&1 | tee "$OUT/test_cudnn.log" | tail -30

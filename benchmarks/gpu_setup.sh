@@ -1,7 +1,8 @@
-# Source on a fresh GPU machine (device tool), from the repo root:
+# Source on a GPU machine with jax[cuda13] installed, from the repo root:
 #   . benchmarks/gpu_setup.sh
-# Installs the wheels the image lacks (carried in .whl/: nvidia-cudnn-frontend
-# 1.32.0, hypothesis, pytest-xdist, ...), builds the cuDNN extension, and sets
+# Installs any wheels placed in .whl/ (for a machine without a package index:
+# nvidia-cudnn-frontend 1.32.0, hypothesis, pytest-xdist, ...), builds the
+# cuDNN extension, and sets
 # OUT (default benchmarks/results), NCCL_NVLS_ENABLE=0 and unbuffered output.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-benchmarks/results}

@@ -70,19 +70,21 @@ ERRORS = {
                    "key_value_seq_lengths must be an int array of shape (B,) ="
                    " (2,); got float32 (2,)"),
     "bias_shape": (dict(bias=jnp.ones((2, 3, 8, 6))),
-                   "bias must be 4-D and broadcastable to (B, N, T, S) = "
-                   "(2, 4, 8, 6); got shape (2, 3, 8, 6)"),
+                   "bias must be broadcastable to (B, N, T, S) = (2, 4, 8, "
+                   "6), with leading dims added as needed; got shape (2, 3, "
+                   "8, 6)"),
     "mask_dtype": (dict(mask=jnp.ones((1, 1, 8, 6))),
                    "mask must be a boolean array (True = attend); got dtype "
                    "float32 with shape (1, 1, 8, 6). Pass additive masks as "
                    "bias."),
-    "mask_shape": (dict(mask=jnp.ones((1, 8, 6), bool)),
-                   "mask must be 4-D and broadcastable to (B, N, T, S) = "
-                   "(2, 4, 8, 6); got shape (1, 8, 6)"),
+    "mask_shape": (dict(mask=jnp.ones((3, 8, 6), bool)),
+                   "mask must be broadcastable to (B, N, T, S) = (2, 4, 8, "
+                   "6), with leading dims added as needed; got shape (1, 3, "
+                   "8, 6)"),
     "soft_cap": (dict(logits_soft_cap=-1.0),
                  "logits_soft_cap must be a positive finite number; got -1.0"),
     "scale": (dict(scale=float("nan")),
-              "scale must be a finite Python number; got nan"),
+              "scale must be finite; got nan"),
     "implementation": (dict(implementation="triton"),
                        "implementation must be None or one of ('xla', "
                        "'cudnn'); got 'triton'"),

@@ -243,8 +243,8 @@ def _forward_group(q, kv, kv_ids, tm, cfg, plan, r):
   def calls_fwd(calls):
     rows = {}  # query rows -> (out, lse), merged over that chunk's calls
     for c in calls:
-      part = kernel.attention(q[:, c.rows], kv[0][:, c.cols],
-                              kv[1][:, c.cols], None, c.mask, c.config(cfg))
+      part = kernel.forward(q[:, c.rows], kv[0][:, c.cols],
+                            kv[1][:, c.cols], None, c.mask, c.config(cfg))
       key = (c.rows.start, c.rows.stop)
       rows[key] = merge(*rows[key], *part) if key in rows else (
           part[0].astype(jnp.float32), part[1])
@@ -363,13 +363,15 @@ def all_gather_attention(query, key, value, *, axis_name: str,
   """
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   cp = validate.mesh_axis(axis_name)
-  validate.ring_options(load_balance, None, query.shape[1], cp)
-  validate.strategy_layout("all_gather", load_balance)
   tm, cfg = shard_call.prepare(
       query, key, value, segment_ids=segment_ids,
       lengths=(query_seq_lengths, key_value_seq_lengths),
       local_window_size=local_window_size, is_causal=is_causal, scale=scale,
-      logits_soft_cap=logits_soft_cap, implementation=implementation)
+      logits_soft_cap=logits_soft_cap, implementation=implementation,
+      cp_size=cp)
+  validate.self_attention("all_gather", query.shape, key.shape)
+  validate.ring_options(load_balance, None, query.shape[1], cp)
+  validate.strategy_layout("all_gather", load_balance)
   validate.kv_chunk_heads(kv_chunk_heads, key.shape[2])
   return all_gather(query, key, value, tm, cfg, ShardPlan(
       axis_name, cp, load_balance,

@@ -7,12 +7,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ring._src import backends, kernel, partition, validate
+from jax_ring._src import backends, kernel, layout, partition, validate
 from jax_ring._src import cudnn  # noqa: F401  (registers cuDNN when built)
 from jax_ring._src.config import (AttentionConfig, ContextParallel,
                                   loop_from_environment)
 from jax_ring._src.mask import BlockMask, TokenMask
+from jax_ring._src.xla_backend import MASK_VALUE
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *,
@@ -61,31 +63,23 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     that see no key (fully masked) are 0 with zero gradient; ``jax.nn``
     gives the mean of V there instead.
   """
-  query, key, value = (jnp.asarray(x) for x in (query, key, value))
-  unbatched = query.ndim == 3
-  if unbatched:
-    query, key, value = query[None], key[None], value[None]
+  q_rank = jnp.ndim(query)
+  query, key, value = (_batched(x) for x in (query, key, value))
   validate.qkv(query, key, value)
-  validate.scalar_options(scale, logits_soft_cap)
+  scale, logits_soft_cap = validate.scalar_options(scale, logits_soft_cap)
   validate.implementation(implementation)
-  window = validate.window(local_window_size)
   b, t, n, h = query.shape
   s = key.shape[1]
+  window = validate.window(local_window_size, t, s)
   target = (b, n, t, s)
-  if unbatched:
-    bias = _add_batch(bias)
-    mask = _add_batch(mask)
-
   if bias is not None:
-    bias = jnp.asarray(bias)
-    validate.broadcastable("bias", bias, target)
+    bias = validate.broadcastable("bias", jnp.asarray(bias), target)
     bias = _broadcast_ts(bias, t, s)
   dense = None
   if mask is not None:
     dense = jnp.asarray(mask)
     validate.bool_mask(dense)
-    validate.broadcastable("mask", dense, target)
-    dense = _broadcast_ts(dense, t, s)
+    dense = _broadcast_ts(validate.broadcastable("mask", dense, target), t, s)
   for name, lengths in (("query_seq_lengths", query_seq_lengths),
                         ("key_value_seq_lengths", key_value_seq_lengths)):
     if lengths is not None:
@@ -95,45 +89,84 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     q_ids, kv_ids = validate.segment_ids(segment_ids, query.shape, key.shape)
 
   config = AttentionConfig(
-      scale=float(1.0 / math.sqrt(h) if scale is None else scale),
+      scale=1.0 / math.sqrt(h) if scale is None else scale,
       is_causal=bool(is_causal), local_window=window,
-      logits_soft_cap=None if logits_soft_cap is None else float(
-          logits_soft_cap))
+      logits_soft_cap=logits_soft_cap)
+  unbatch = (lambda x: x[0]) if q_rank == 3 else (lambda x: x)
+  if context_parallel is not None:
+    mesh = validate.context_parallel(
+        context_parallel, query, key, bias=bias, mask=mask,
+        return_residual=return_residual)
+    tm = TokenMask(q_segment_ids=q_ids,
+                   kv_segment_ids=None if kv_ids is q_ids else kv_ids,
+                   q_lengths=query_seq_lengths,
+                   kv_lengths=key_value_seq_lengths).as_int32()
+    return unbatch(_context_parallel(query, key, value, tm, config,
+                                     context_parallel, mesh, implementation))
   block_mask = BlockMask(q_segment_ids=q_ids, kv_segment_ids=kv_ids,
                          q_lengths=query_seq_lengths,
                          kv_lengths=key_value_seq_lengths, dense=dense)
-  if context_parallel is not None:
-    validate.context_parallel(context_parallel, query, key, bias=bias,
-                              mask=mask, return_residual=return_residual)
-    # The loop form is read from the environment here, at the edge, once.
-    context_parallel = dataclasses.replace(
-        context_parallel, loop=context_parallel.loop or loop_from_environment())
-    i32 = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
-    tm = TokenMask(q_segment_ids=i32(q_ids),
-                   kv_segment_ids=None if kv_ids is q_ids else i32(kv_ids),
-                   q_lengths=i32(query_seq_lengths),
-                   kv_lengths=i32(key_value_seq_lengths))
-    # The backend is resolved on each shard (partition.py): its limits are
-    # per call. A request is checked here, on a one-token block, so that
-    # what does not depend on the length fails at trace time.
-    if implementation is not None:
-      one = lambda x: jax.ShapeDtypeStruct(x.shape[:1] + (1,) + x.shape[2:],
-                                           x.dtype)
-      backends.resolve(implementation, config, one(query), one(key), None,
-                       block_mask)
-    config = config.replace(implementation=implementation)
-    out = partition.attention(query, key, value, tm, config, context_parallel)
-    return out[0] if unbatched else out
-  config = config.replace(implementation=backends.resolve(
-      implementation, config, query, key, bias, block_mask))
-  out, lse = kernel.attention(query, key, value, bias, block_mask, config)
-  if unbatched:
-    out, lse = out[0], lse[0]
+  if 0 in (b, t, s):  # nothing to attend: fully masked rows, or no rows
+    out, lse = (jnp.zeros(query.shape, query.dtype),
+                jnp.full(query.shape[:3], MASK_VALUE, jnp.float32))
+  else:
+    config = config.replace(implementation=backends.resolve(
+        implementation, config, query, key, bias, block_mask))
+    out, lse = kernel.attention(query, key, value, bias, block_mask, config)
+  out, lse = unbatch(out), unbatch(lse)
   return (out, lse) if return_residual else out
 
 
-def _add_batch(x):
-  return None if x is None else jnp.asarray(x)[None]
+def _context_parallel(query, key, value, tm: TokenMask,
+                      config: AttentionConfig, cp: ContextParallel, mesh,
+                      implementation):
+  """``partition.attention`` of global arrays on ``mesh`` (validated), the
+  same eagerly and under ``jax.jit``, on Auto and Explicit mesh axes."""
+  # The loop form is read from the environment here, at the edge, once.
+  cp = dataclasses.replace(cp, loop=cp.loop or loop_from_environment())
+  # The backend is resolved on each shard (partition.py): its limits are
+  # per call. A request is checked here, on a one-token block, so that
+  # what does not depend on the length fails at trace time.
+  if implementation is not None:
+    one = lambda x: jax.ShapeDtypeStruct(x.shape[:1] + (1,) + x.shape[2:],
+                                         x.dtype)
+    backends.resolve(implementation, config, one(query), one(key), None,
+                     tm.block_mask())
+  config = config.replace(implementation=implementation)
+  if 0 in query.shape[:2]:
+    return jnp.zeros(query.shape, query.dtype)
+
+  # The sequence goes to the context axes (hybrid: ring-major) whatever the
+  # arrays' placement: the partition rule needs a mesh with those axes.
+  seq = cp.axis[::-1] if isinstance(cp.axis, tuple) else cp.axis
+  u = P.UNCONSTRAINED
+
+  def call(q, k, v, tm):
+    scope = jax.sharding.get_abstract_mesh()
+    on = lambda x, *spec: jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh if scope.empty else scope, P(*spec)))
+    q, k, v = (on(x, u, seq, u, u) for x in (q, k, v))
+    tm = TokenMask(**{f: None if x is None else
+                      on(x, u) if f.endswith("lengths") else on(x, u, seq)
+                      for f, x in vars(tm).items()})
+    return partition.attention(q, k, v, tm, config, cp)
+
+  explicit = layout.explicit_axes(mesh)
+  if explicit:
+    # The partition rule places the shards; it runs on Auto axes.
+    call = jax.sharding.auto_axes(call, axes=explicit,
+                                  out_sharding=jax.typeof(query).sharding)
+  if not isinstance(query, jax.core.Tracer):
+    # Called eagerly, custom_partitioning would run the unpartitioned body
+    # on the whole arrays, which knows nothing of the load-balance layout.
+    call = jax.jit(call)
+  return call(query, key, value, tm)
+
+
+def _batched(x):
+  """``(T, N, H)`` -> ``(1, T, N, H)``; other ranks as they are."""
+  x = jnp.asarray(x)
+  return x[None] if x.ndim == 3 else x
 
 
 def _broadcast_ts(x, t, s):

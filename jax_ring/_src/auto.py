@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_ring._src import config
+from jax_ring._src import config, validate
 from jax_ring._src.config import ContextParallel, loop_from_environment
 
 FWD_TFLOPS, FWD_L_HALF, FWD_L_SLOW = 610.0, 750.0, 1.5e6
@@ -140,17 +140,18 @@ def _tflops(length, backward):
 
 
 def _pass_ms(backward, *, batch, seq, heads, kv_heads, head_dim, cp, share,
-             dtype_bytes, load_balance) -> dict:
-  """Modelled milliseconds of each candidate for one pass."""
+             dtype_bytes, load_balance, cross) -> dict:
+  """Modelled milliseconds of each candidate for one pass (``cross``:
+  T != S, which only Ulysses serves)."""
   work, sends = (2.5, 3) if backward else (1.0, 1)
   flops = work * 4 * batch * seq * seq * heads * head_dim * share / cp
   gathered = 2 * batch * seq * kv_heads * head_dim * dtype_bytes
   frac = (cp - 1) / cp
   compute = flops / (_tflops(seq / cp, backward) * 1e12)
   per_step = max(compute / cp, sends * gathered / cp / (P2P_GBS * 1e9))
-  times = {"ring": (compute / cp + (cp - 1) * per_step +
-                    cp * STEP_US * 1e-6)}
-  if load_balance != "striped":  # all-gather computes contiguous ranges
+  times = {} if cross else {"ring": (compute / cp + (cp - 1) * per_step +
+                                    cp * STEP_US * 1e-6)}
+  if load_balance != "striped" and not cross:  # all-gather computes contiguous ranges
     times["all_gather"] = compute + frac * sends * gathered / (
         COLLECTIVE_GBS * 1e9)
   if heads % cp == 0:
@@ -164,15 +165,17 @@ def _pass_ms(backward, *, batch, seq, heads, kv_heads, head_dim, cp, share,
 
 
 def estimate(*, batch, seq, heads, kv_heads, head_dim, cp, is_causal=True,
-             window=None, dtype_bytes=2, load_balance=None) -> Choice:
+             window=None, dtype_bytes=2, load_balance=None,
+             kv_seq=None) -> Choice:
   """Model the candidates for one layer's forward and backward, per
-  device."""
+  device; ``kv_seq`` (default ``seq``): the key length S."""
   share = 0.5 if is_causal else 1.0
   if window is not None:
     share = min(share, (sum(window) + 1) / seq)
   kw = dict(batch=batch, seq=seq, heads=heads, kv_heads=kv_heads,
             head_dim=head_dim, cp=cp, share=share, dtype_bytes=dtype_bytes,
-            load_balance=load_balance)
+            load_balance=load_balance,
+            cross=kv_seq is not None and kv_seq != seq)
   by_pass = {p: _pass_ms(p == "backward", **kw) for p in PASSES}
   picks, why = {}, []
   for p, times in by_pass.items():
@@ -189,7 +192,8 @@ def estimate(*, batch, seq, heads, kv_heads, head_dim, cp, is_causal=True,
 
 
 def resolve(cpc: ContextParallel, mesh, q_shape, local_heads, kv_heads=None,
-            *, backward: bool = False, **mask) -> ContextParallel:
+            *, kv_seq=None, backward: bool = False,
+            **mask) -> ContextParallel:
   """``cpc`` with ``auto`` replaced by the modelled choice for the forward
   pass, or for the backward one."""
   if cpc.strategy != "auto":
@@ -200,7 +204,7 @@ def resolve(cpc: ContextParallel, mesh, q_shape, local_heads, kv_heads=None,
   choice = estimate(batch=b, seq=s, heads=local_heads,
                     kv_heads=kv_heads or local_heads, head_dim=h,
                     cp=mesh.shape[cpc.axis],
-                    load_balance=cpc.load_balance, **mask)
+                    load_balance=cpc.load_balance, kv_seq=kv_seq, **mask)
   return dataclasses.replace(
       cpc, strategy=choice.backward if backward else choice.forward)
 
@@ -209,20 +213,30 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
             local_window_size=None, dtype_bytes=2,
             context_parallel: ContextParallel | None = None) -> Choice:
   """What ``ContextParallel(strategy="auto")`` picks, for the forward and
-  for the backward pass, for global shapes ``query (B, S, N, H)`` and
-  ``key (B, S, K, H)`` on ``cp_size`` devices, the modelled time of each
-  candidate (see the module docstring), and every default the call
-  applies, given ``context_parallel`` (default ``ContextParallel()``).
-  ``print(explain(...))`` shows it all."""
-  from jax_ring._src import validate
-  window = validate.window(local_window_size)
-  cpc = context_parallel or ContextParallel()
-  b, s, n, h = query_shape
-  choice = estimate(batch=b, seq=s, heads=n, kv_heads=key_shape[2],
-                    head_dim=h, cp=cp_size, is_causal=is_causal,
-                    window=window, dtype_bytes=dtype_bytes,
-                    load_balance=cpc.load_balance)
-  return dataclasses.replace(choice, defaults=defaults(
+  for the backward pass, for global shapes ``query (B, T, N, H)`` and
+  ``key (B, S, K, H)`` on ``cp_size`` devices (a ``(ulysses, ring)`` pair of
+  sizes for a pair of axes), the modelled time of each candidate (see the
+  module docstring), and every default the call applies, given
+  ``context_parallel`` (default ``ContextParallel(strategy="auto")``).
+  Arguments are checked as the call checks them: what it would refuse,
+  this refuses with the same ``ValueError``. ``print(explain(...))`` shows
+  it all."""
+  cpc = context_parallel or ContextParallel(strategy="auto")
+  sizes = validate.explain_args(query_shape, key_shape, cp_size, dtype_bytes,
+                                cpc)
+  b, t, n, h = query_shape
+  s = key_shape[1]
+  window = validate.window(local_window_size, t, s)
+  defaults_ = defaults(
       batch=b, seq=s, kv_heads=key_shape[2], head_dim=h,
       dtype_bytes=dtype_bytes, load_balance=cpc.load_balance, loop=cpc.loop,
-      kv_sends=cpc.kv_sends, kv_chunk_heads=cpc.kv_chunk_heads))
+      kv_sends=cpc.kv_sends, kv_chunk_heads=cpc.kv_chunk_heads)
+  if isinstance(cpc.axis, tuple):
+    return Choice("hybrid", "hybrid", {}, f"a pair of axes {cpc.axis!r} "
+                  f"(sizes {tuple(sizes.values())}): Ulysses inside a ring",
+                  defaults_)
+  choice = estimate(batch=b, seq=t, heads=n, kv_heads=key_shape[2],
+                    head_dim=h, cp=sizes[cpc.axis], is_causal=is_causal,
+                    window=window, dtype_bytes=dtype_bytes,
+                    load_balance=cpc.load_balance, kv_seq=s)
+  return dataclasses.replace(choice, defaults=defaults_)

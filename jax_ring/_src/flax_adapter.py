@@ -105,7 +105,7 @@ def attention_fn(*, is_causal=False, local_window_size=None,
     ``attention_fn(query, key, value, bias=None, mask=None, ...)`` with
     flax's signature, returning ``[batch..., T, N, H]``.
   """
-  window = validate.window(local_window_size)
+  window = validate.window(local_window_size, None, None)
   validate.scalar_options(None, logits_soft_cap)
   validate.implementation(implementation)
   if context_parallel is not None and not isinstance(context_parallel,

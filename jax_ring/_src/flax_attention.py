@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_ring._src import layout
 from jax_ring._src.api import dot_product_attention
 from jax_ring._src.config import ContextParallel
 
@@ -241,9 +242,19 @@ def apply_rope(x, positions, max_wavelength: float = 10_000.0,
 def constrain(x, logical_axes, rules: LogicalRules):
   """Sharding constraint from logical names, under the current mesh
   (``jax.set_mesh``). A no-op without rules or without a mesh, so that the
-  same code runs on one device."""
-  if not rules or jax.sharding.get_abstract_mesh().empty:
+  same code runs on one device. The layers place activations by these
+  constraints, so the mesh's axes must be Auto (a ``ValueError`` names the
+  Explicit ones)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if not rules or mesh.empty:
     return x
+  explicit = layout.explicit_axes(mesh)
+  if explicit:
+    raise ValueError(
+        f"jax_ring's Flax layers and models shard by logical-axis rules, "
+        f"which need mesh axes of type Auto; the mesh in scope has Explicit "
+        f"axes {explicit}: make it with jax.make_mesh(..., "
+        f"axis_types=(jax.sharding.AxisType.Auto,) * {len(mesh.axis_names)})")
   table = dict(rules)
   spec = jax.sharding.PartitionSpec(*(table.get(a) for a in logical_axes))
   return jax.lax.with_sharding_constraint(x, spec)

@@ -206,15 +206,17 @@ def hybrid_attention(query, key, value, *, axis_name: tuple[str, str],
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   u_axis, r_axis = axis_pair(axis_name)
   u, r = validate.mesh_axis(u_axis), validate.mesh_axis(r_axis)
-  validate.ulysses_heads(query.shape[2], u_axis, u)
-  # The ring sees the ulysses group's gathered T * U tokens.
-  validate.ring_options(load_balance, loop, query.shape[1] * u, r,
-                        kv_sends)
   tm, cfg = shard_call.prepare(
       query, key, value, segment_ids=segment_ids,
       lengths=(query_seq_lengths, key_value_seq_lengths),
       local_window_size=local_window_size, is_causal=is_causal, scale=scale,
-      logits_soft_cap=logits_soft_cap, implementation=implementation)
+      logits_soft_cap=logits_soft_cap, implementation=implementation,
+      cp_size=u * r)
+  validate.self_attention("hybrid", query.shape, key.shape)
+  validate.ulysses_heads(query.shape[2], u_axis, u)
+  # The ring sees the ulysses group's gathered T * U tokens.
+  validate.ring_options(load_balance, loop, query.shape[1] * u, r,
+                        kv_sends)
   plans = (ShardPlan(u_axis, u, None),
            ShardPlan(r_axis, r, load_balance, loop or loop_from_environment(),
                      kv_sends=kv_sends))

@@ -243,6 +243,13 @@ batching.primitive_batchers[_bwd_p] = _bwd_batch
 
 # --- the contract -----------------------------------------------------------
 
+def forward(q, k, v, bias, mask: BlockMask, config: AttentionConfig):
+  """Block forward ``(out, lse)`` without a VJP of its own: for callers that
+  define theirs (every strategy does). Unlike :func:`attention` it binds no
+  custom VJP, so it also runs in an eager ``shard_map``."""
+  return _forward(q, k, v, bias, mask, config)
+
+
 def _forward(q, k, v, bias, mask, config):
   args, params = _pack(bias, mask)
   operands = vma.match(q, k, v, *args)

@@ -32,6 +32,7 @@ positions, segment ids, labels and loss masks.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -57,8 +58,24 @@ def _split(x, parts, seq_axis, layout, needs):
                    x.shape[seq_axis + 1:])
 
 
+def explicit_axes(mesh) -> tuple[str, ...]:
+  """The mesh's axes of type Explicit (jax 0.10's ``make_mesh`` default)."""
+  return tuple(a for a, kind in zip(mesh.axis_names, mesh.axis_types)
+               if kind == jax.sharding.AxisType.Explicit)
+
+
 def _reorder(x, cp_size, seq_axis, layout, inverse):
   x = jnp.asarray(x)
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  explicit = explicit_axes(sharding.mesh) if sharding is not None else ()
+  if explicit:  # the permutation is a gather: placed by the partitioner
+    return jax.sharding.auto_axes(
+        lambda y: _permute(y, cp_size, seq_axis, layout, inverse),
+        axes=explicit, out_sharding=sharding)(x)
+  return _permute(x, cp_size, seq_axis, layout, inverse)
+
+
+def _permute(x, cp_size, seq_axis, layout, inverse):
   seq_axis = seq_axis % x.ndim
   if layout == "dual_chunk":
     chunks = _split(x, 2 * cp_size, seq_axis, layout, "2 * cp_size")

@@ -111,6 +111,17 @@ class TokenMask:
     """The kv segment ids (the query's when they are the same)."""
     return self.q_segment_ids if self.same_ids else self.kv_segment_ids
 
+  def as_int32(self) -> "TokenMask":
+    """Every array as int32."""
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.int32), self)
+
+  def block_mask(self) -> BlockMask:
+    """One block call over the whole (unsharded) sequence: global
+    positions, offsets 0, the same ids kept as one array."""
+    return BlockMask(q_segment_ids=self.q_segment_ids,
+                     kv_segment_ids=self.kv_segment_ids,
+                     q_lengths=self.q_lengths, kv_lengths=self.kv_lengths)
+
 
 def block_visibility(mask: BlockMask, config, *, q_start, kv_start, block_q,
                      block_kv, q_len, kv_len, heads):

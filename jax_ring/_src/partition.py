@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_ring._src import auto, kernel, shard_call, validate
 from jax_ring._src.config import ContextParallel, ShardPlan
-from jax_ring._src.mask import BlockMask, TokenMask
+from jax_ring._src.mask import TokenMask
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(TokenMask))
 _LENGTHS = frozenset({"q_lengths", "kv_lengths"})
@@ -55,25 +55,34 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
   module and its plan, for the forward pass or the backward one. The mesh is
   first known here, so the shape checks that need its sizes, and the
   ``auto`` choice (made per pass), are made here."""
-  q_shape = arg_shapes[0]
-  sharding = q_shape.sharding
-  spec = tuple(sharding.spec) + (None,) * 4 if sharding is not None else ()
-  batch, heads = (spec[0], spec[2]) if spec else (None, None)
+  q_shape, k_shape = arg_shapes[0], arg_shapes[1]
   b, seq, n, _ = q_shape.shape
-  head_axes = heads if isinstance(heads, tuple) else (heads,)
-  tp = math.prod(mesh.shape[a] for a in head_axes if a)
+  k = k_shape.shape[2]
+  # A replicated operand may come as a GSPMDSharding, which has no spec.
+  spec = tuple(getattr(q_shape.sharding, "spec", ())) + (None,) * 4
+  size = lambda axes: math.prod(mesh.shape[a] for a in (
+      axes if isinstance(axes, tuple) else (axes,)) if a)
+  # Batch and heads keep their axes where those split them evenly (and, for
+  # Ulysses, leave whole heads per device); otherwise they are gathered.
+  seq_names = set(cpc.axis if isinstance(cpc.axis, tuple) else (cpc.axis,))
+  free = lambda axes: not seq_names & set(
+      axes if isinstance(axes, tuple) else (axes,))
+  batch = spec[0] if b % size(spec[0]) == 0 and free(spec[0]) else None
+  heads = spec[2] if (n % size(spec[2]) == 0 and k % size(spec[2]) == 0 and
+                      free(spec[2])) else None
+  u = mesh.shape[cpc.axis[0] if isinstance(cpc.axis, tuple) else cpc.axis]
+  if cpc.strategy != "ring" and (n // size(heads)) % u and n % u == 0:
+    heads = None
+  tp = size(heads)
   local_heads = n // tp
   cpc = auto.resolve(cpc, mesh, q_shape.shape, local_heads,
-                     kv_heads=max(1, arg_shapes[1].shape[2] // tp),
+                     kv_heads=max(1, k // tp), kv_seq=k_shape.shape[1],
                      backward=backward, is_causal=cfg.is_causal,
                      window=cfg.local_window)
-  validate.strategy_layout(cpc.strategy, cpc.load_balance)
+  validate.cp_shapes(cpc, mesh.shape, q_shape.shape, k_shape.shape,
+                     local_heads)
   axes = cpc.axis if isinstance(cpc.axis, tuple) else (cpc.axis,)
-  cp = math.prod(mesh.shape[a] for a in axes)
-  if seq % cp:
-    raise ValueError(f"context_parallel: sequence length {seq} of query "
-                     f"{tuple(q_shape.shape)} must be divisible by the "
-                     f"{cpc.axis!r} axis size {cp}")
+  cp = size(axes)
   # The ring's backward is lowered apart from its forward, so its K/V sends
   # cannot merge with the forward's (as they do inside one shard_map
   # program): it gathers K/V once instead, up to the ring's size cap.
@@ -81,18 +90,11 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
   if cpc.strategy == "hybrid":
     u_axis, r_axis = cpc.axis
     u, r = mesh.shape[u_axis], mesh.shape[r_axis]
-    validate.ulysses_heads(local_heads, u_axis, u)
-    validate.ring_options(cpc.load_balance, cpc.loop, seq // r, r,
-                          cpc.kv_sends)
     plan = (ShardPlan(u_axis, u),
             ShardPlan(r_axis, r, cpc.load_balance, cpc.loop,
                       backward_kv=kv_source, kv_sends=cpc.kv_sends))
     seq_axes = (r_axis, u_axis)  # ring-major
   else:
-    if cpc.strategy == "ulysses":
-      validate.ulysses_heads(local_heads, cpc.axis, cp)
-    validate.ring_options(cpc.load_balance, cpc.loop, seq // cp, cp,
-                          cpc.kv_sends)
     plan = ShardPlan(cpc.axis, cp, cpc.load_balance, cpc.loop,
                      kv_chunk_heads=cpc.kv_chunk_heads, backward_kv=kv_source,
                      kv_sends=cpc.kv_sends)
@@ -120,7 +122,9 @@ def _pack(tm: TokenMask):
 def _functions(present: tuple[str, ...]):
   """The (forward, backward) custom_partitioning pair for one set of mask
   operands."""
-  rule = "".join(", b" if f in _LENGTHS else ", b s" for f in present)
+  # Factors: t the query sequence, s the key sequence (T != S: Ulysses).
+  rule = "".join(", b" if f in _LENGTHS else ", b t" if f == "q_segment_ids"
+                 else ", b s" for f in present)
   n = len(present)
 
   def split(args):
@@ -132,16 +136,11 @@ def _functions(present: tuple[str, ...]):
     partition rule (a backend's limits are per call), else the whole."""
     return shard_call.resolve(cfg.implementation, cfg, q, k, tm)
 
-  def whole(tm: TokenMask):
-    """The unpartitioned (one device) mask: global positions, offsets 0
-    (kv ids None = the query's, in both)."""
-    return BlockMask(**{f: getattr(tm, f) for f in _FIELDS})
-
   # -- forward: (q, k, v, *mask operands) -> (out, lse)
   @functools.partial(custom_partitioning, static_argnums=(0, 1))
   def fwd(cfg, cpc, *args):
     (q, k, v), tm = split(args)
-    return kernel.attention(q, k, v, None, whole(tm), local(cfg, q, k, tm))
+    return kernel.forward(q, k, v, None, tm.block_mask(), local(cfg, q, k, tm))
 
   def fwd_partition(cfg, cpc, mesh, arg_shapes, result_shape):
     batch, heads, seq, strategy, plan = _axes(mesh, arg_shapes, cpc, cfg,
@@ -161,14 +160,15 @@ def _functions(present: tuple[str, ...]):
 
   fwd.def_partition(
       partition=fwd_partition, infer_sharding_from_operands=fwd_infer,
-      sharding_rule=f"b s n h, b s k h, b s k h{rule} -> b s n h, b s n")
+      sharding_rule=f"b t n h, b s k h, b s k h{rule} -> b t n h, b t n")
 
   # -- backward: (q, k, v, out, lse, dout, *mask operands) -> (dq, dk, dv)
   @functools.partial(custom_partitioning, static_argnums=(0, 1))
   def bwd(cfg, cpc, *args):
     (q, k, v, out, lse, dout), tm = split(args)
-    return kernel.attention_backward(q, k, v, None, whole(tm), out, lse, dout,
-                                     None, local(cfg, q, k, tm))[:3]
+    return kernel.attention_backward(q, k, v, None, tm.block_mask(), out,
+                                     lse, dout, None,
+                                     local(cfg, q, k, tm))[:3]
 
   def bwd_partition(cfg, cpc, mesh, arg_shapes, result_shape):
     batch, heads, seq, strategy, plan = _axes(mesh, arg_shapes, cpc, cfg,
@@ -190,8 +190,8 @@ def _functions(present: tuple[str, ...]):
 
   bwd.def_partition(
       partition=bwd_partition, infer_sharding_from_operands=bwd_infer,
-      sharding_rule=("b s n h, b s k h, b s k h, b s n h, b s n, b s n h"
-                     f"{rule} -> b s n h, b s k h, b s k h"))
+      sharding_rule=("b t n h, b s k h, b s k h, b t n h, b t n, b t n h"
+                     f"{rule} -> b t n h, b s k h, b s k h"))
   return fwd, bwd
 
 

@@ -390,11 +390,13 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   cp = validate.mesh_axis(axis_name)
   loop = loop or loop_from_environment()
-  validate.ring_options(load_balance, loop, query.shape[1], cp, kv_sends)
   tm, cfg = shard_call.prepare(
       query, key, value, segment_ids=segment_ids,
       lengths=(query_seq_lengths, key_value_seq_lengths),
       local_window_size=local_window_size, is_causal=is_causal, scale=scale,
-      logits_soft_cap=logits_soft_cap, implementation=implementation)
+      logits_soft_cap=logits_soft_cap, implementation=implementation,
+      cp_size=cp)
+  validate.self_attention("ring", query.shape, key.shape)
+  validate.ring_options(load_balance, loop, query.shape[1], cp, kv_sends)
   plan = ShardPlan(axis_name, cp, load_balance, loop, kv_sends=kv_sends)
   return ring(query, key, value, tm, cfg, plan)

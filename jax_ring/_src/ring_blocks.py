@@ -160,7 +160,7 @@ def masked(b, rows, n, h, like, dtype=jnp.float32):
 def _fwd(blk: _Block, cfg, dtype=None):
   """(out, lse f32) of a block, over the local q rows ``blk.rows`` of t;
   out in ``dtype``, or the kernel's (q's) if None."""
-  o, l = kernel.attention(blk.q_rows, *blk.kv_rows, None, blk.mask, cfg)
+  o, l = kernel.forward(blk.q_rows, *blk.kv_rows, None, blk.mask, cfg)
   return o.astype(dtype or o.dtype), l
 
 

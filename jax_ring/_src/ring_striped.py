@@ -160,7 +160,7 @@ def striped_fwd(q, tm, kv, r, src, ds, cfg, plan, own=False):
   b, t, n, h = q.shape
 
   def fwd(kv, mask, c):
-    return kernel.attention(q, kv[0][0], kv[0][1], None, mask, c)
+    return kernel.forward(q, kv[0][0], kv[0][1], None, mask, c)
 
   skip = lambda: blocks.masked(b, t, n, h, (q, kv[0][0]), q.dtype)
   return _striped_call(fwd, skip, q, tm, kv, r, src, ds, cfg, plan, own)

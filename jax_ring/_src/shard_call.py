@@ -20,21 +20,23 @@ import jax.numpy as jnp
 
 from jax_ring._src import backends, validate
 from jax_ring._src.config import AttentionConfig
-from jax_ring._src.mask import BlockMask, TokenMask
+from jax_ring._src.mask import TokenMask
 
 
 def prepare(query, key, value, *, segment_ids, lengths, local_window_size,
-            is_causal, scale, logits_soft_cap, implementation):
+            is_causal, scale, logits_soft_cap, implementation, cp_size):
   """Validated ``(TokenMask, AttentionConfig)`` for local shards
-  ``query (B, T, N, H)``, ``key``/``value (B, T, K, H)``.
+  ``query (B, T, N, H)``, ``key``/``value (B, S, K, H)`` of a sequence
+  split over ``cp_size`` devices.
 
   ``lengths`` is the ``(query_seq_lengths, key_value_seq_lengths)`` pair,
   ``(B,)`` each, in global positions.
   """
   validate.qkv(query, key, value)
-  validate.scalar_options(scale, logits_soft_cap)
+  scale, logits_soft_cap = validate.scalar_options(scale, logits_soft_cap)
   validate.implementation(implementation)
-  window = validate.window(local_window_size)
+  window = validate.window(local_window_size, query.shape[1] * cp_size,
+                           key.shape[1] * cp_size)
   b = query.shape[0]
   q_len, kv_len = (None if x is None else jnp.asarray(x) for x in lengths)
   for name, x in (("query_seq_lengths", q_len),
@@ -44,19 +46,13 @@ def prepare(query, key, value, *, segment_ids, lengths, local_window_size,
   q_ids = kv_ids = None
   if segment_ids is not None:
     q_ids, kv_ids = validate.segment_ids(segment_ids, query.shape, key.shape)
-    same = kv_ids is q_ids  # one array: "same ids" (cuDNN exploits it)
-    q_ids = jnp.asarray(q_ids, jnp.int32)
-    kv_ids = None if same else jnp.asarray(kv_ids, jnp.int32)
+    kv_ids = None if kv_ids is q_ids else kv_ids  # one array: "same ids"
   tm = TokenMask(q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-                 q_lengths=None if q_len is None else q_len.astype(jnp.int32),
-                 kv_lengths=None if kv_len is None else kv_len.astype(
-                     jnp.int32))
+                 q_lengths=q_len, kv_lengths=kv_len).as_int32()
   cfg = AttentionConfig(
-      scale=float(1.0 / math.sqrt(query.shape[-1]) if scale is None else
-                  scale),
+      scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else scale,
       is_causal=bool(is_causal), local_window=window,
-      logits_soft_cap=None if logits_soft_cap is None else float(
-          logits_soft_cap))
+      logits_soft_cap=logits_soft_cap)
   return tm, resolve(implementation, cfg, query, key, tm)
 
 
@@ -66,11 +62,8 @@ def resolve(implementation, cfg: AttentionConfig, query, key,
   (``implementation`` requested, or ``None`` for the best available),
   judged on a representative block: static offsets, the same operand
   kinds. Shard shapes, not global ones: a backend's limits are per call."""
-  block = BlockMask(q_segment_ids=tm.q_segment_ids,
-                    kv_segment_ids=tm.kv_segment_ids,
-                    q_lengths=tm.q_lengths, kv_lengths=tm.kv_lengths)
   return cfg.replace(implementation=backends.resolve(
-      implementation, cfg, query, key, None, block))
+      implementation, cfg, query, key, None, tm.block_mask()))
 
 
 def differentiable(forward, backward):

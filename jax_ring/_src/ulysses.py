@@ -144,8 +144,8 @@ def _forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   """Local shards in, ``(out (B, T, N, H), lse (B, T, N) f32)`` out, both in
   the shards' layout."""
   kv = _stacked_kv_to_heads(k, v, plan)
-  out, lse = kernel.attention(_to_heads(q, plan, 1), kv[0], kv[1], None,
-                              _block_mask(tm, plan), cfg)
+  out, lse = kernel.forward(_to_heads(q, plan, 1), kv[0], kv[1], None,
+                            _block_mask(tm, plan), cfg)
   return _to_tokens(out, plan, 1), _to_tokens(lse, plan, 1)
 
 
@@ -209,12 +209,13 @@ def ulysses_attention(query, key, value, *, axis_name: str, is_causal=False,
   """
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   cp = validate.mesh_axis(axis_name)
-  validate.ring_options(load_balance, None, query.shape[1], cp)
-  validate.ulysses_heads(query.shape[2], axis_name, cp)
   tm, cfg = shard_call.prepare(
       query, key, value, segment_ids=segment_ids,
       lengths=(query_seq_lengths, key_value_seq_lengths),
       local_window_size=local_window_size, is_causal=is_causal, scale=scale,
-      logits_soft_cap=logits_soft_cap, implementation=implementation)
+      logits_soft_cap=logits_soft_cap, implementation=implementation,
+      cp_size=cp)
+  validate.ring_options(load_balance, None, query.shape[1], cp)
+  validate.ulysses_heads(query.shape[2], axis_name, cp)
   return ulysses(query, key, value, tm, cfg, ShardPlan(axis_name, cp,
                                                          load_balance))

@@ -9,14 +9,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ring._src.config import IMPLEMENTATIONS, KV_SENDS, LOAD_BALANCES
+from jax_ring._src.config import (IMPLEMENTATIONS, KV_SENDS, LOAD_BALANCES,
+                                  STRATEGIES, ContextParallel)
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                 jnp.dtype(jnp.float16))
 
 
 def qkv(query, key, value) -> None:
-  """Layout ``q (B, T, N, H)``, ``k, v (B, S, K, H)``, one float dtype."""
+  """Layout ``q (B, T, N, H)``, ``k, v (B, S, K, H)``, one float dtype.
+  T, S and B may be 0 (the output is then empty or zero); heads and
+  head_dim may not."""
   for name, x in (("query", query), ("key", key), ("value", value)):
     if x.ndim != 4:
       raise ValueError(
@@ -29,7 +32,11 @@ def qkv(query, key, value) -> None:
     raise ValueError(
         f"query and key must agree on batch (dim 0) and head_dim (dim 3); got "
         f"query {tuple(query.shape)} and key {tuple(key.shape)}")
-  n, k = query.shape[2], key.shape[2]
+  n, k, h = query.shape[2], key.shape[2], query.shape[3]
+  if not (n and k and h):
+    raise ValueError(
+        f"query heads, key/value heads and head_dim must be positive; got "
+        f"query {tuple(query.shape)} and key {tuple(key.shape)}")
   if n % k:
     raise ValueError(
         f"query heads ({n}) must be divisible by key/value heads ({k}); got "
@@ -45,33 +52,69 @@ def qkv(query, key, value) -> None:
         f"{query.dtype}")
 
 
-def window(local_window_size) -> tuple[int, int] | None:
-  """``int | (left, right) | None`` -> ``(left, right) | None``."""
+def window(local_window_size, q_len: int | None, kv_len: int | None):
+  """``int | (left, right) | None`` -> ``(left, right) | None`` for global
+  lengths T = ``q_len`` and S = ``kv_len``.
+
+  A side at least as long as the sequence bounds nothing (``left >= T - 1``
+  or ``right >= S - 1``) and is clamped there, so windows of any size stay
+  exact in int32 position arithmetic; a window that bounds neither side is
+  ``None``. Lengths None: only the form is checked.
+  """
   if local_window_size is None:
     return None
   pair = local_window_size
-  if isinstance(pair, (int, np.integer)):
+  if _is_int(pair):
     pair = (pair, pair)
   ok = (isinstance(pair, (tuple, list)) and len(pair) == 2 and
-        all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) and
-            w >= 0 for w in pair))
+        all(_is_int(w) and w >= 0 for w in pair))
   if not ok:
     raise ValueError(
         "local_window_size must be a non-negative int or a (left, right) pair "
         f"of non-negative ints; got {local_window_size!r}")
-  return int(pair[0]), int(pair[1])
+  if q_len is None or kv_len is None:
+    return int(pair[0]), int(pair[1])
+  most = (max(q_len - 1, 0), max(kv_len - 1, 0))
+  if all(int(w) >= m for w, m in zip(pair, most)):
+    return None
+  return tuple(min(int(w), m) for w, m in zip(pair, most))
 
 
-def scalar_options(scale, logits_soft_cap) -> None:
-  if scale is not None and not (isinstance(scale, (int, float)) and
-                                math.isfinite(scale)):
-    raise ValueError(f"scale must be a finite Python number; got {scale!r}")
-  if logits_soft_cap is not None and not (
-      isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0 and
-      math.isfinite(logits_soft_cap)):
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _number(name, x) -> float | None:
+  """A Python or NumPy real scalar, or a concrete 0-d array, as a float.
+  The option is static (it shapes the compiled program), so a traced value
+  is a ``TypeError``."""
+  if x is None:
+    return None
+  if isinstance(x, jax.core.Tracer):
+    raise TypeError(
+        f"{name} must be a concrete number: it is compiled into the program; "
+        f"got a traced {x.dtype} array of shape {tuple(x.shape)} (pass it "
+        "as a static argument of jax.jit, or close over it)")
+  if isinstance(x, bool) or not (
+      isinstance(x, (int, float, np.integer, np.floating)) or
+      (hasattr(x, "shape") and np.shape(x) == () and
+       np.issubdtype(np.asarray(x).dtype, np.number) and
+       not np.issubdtype(np.asarray(x).dtype, np.complexfloating))):
+    raise TypeError(f"{name} must be a real number; got {x!r}")
+  return float(x)
+
+
+def scalar_options(scale, logits_soft_cap) -> tuple[float | None,
+                                                     float | None]:
+  """``(scale, logits_soft_cap)`` as floats (None where not given)."""
+  scale = _number("scale", scale)
+  cap = _number("logits_soft_cap", logits_soft_cap)
+  if scale is not None and not math.isfinite(scale):
+    raise ValueError(f"scale must be finite; got {scale!r}")
+  if cap is not None and not (cap > 0 and math.isfinite(cap)):
     raise ValueError(
-        f"logits_soft_cap must be a positive finite number; got "
-        f"{logits_soft_cap!r}")
+        f"logits_soft_cap must be a positive finite number; got {cap!r}")
+  return scale, cap
 
 
 def implementation(impl) -> None:
@@ -80,12 +123,16 @@ def implementation(impl) -> None:
                      f"{IMPLEMENTATIONS}; got {impl!r}")
 
 
-def broadcastable(name, x, target) -> None:
-  """``bias``/``mask``: 4-D and broadcastable to ``(B, N, T, S)``."""
+def broadcastable(name, x, target):
+  """``bias``/``mask`` of rank <= 4, broadcastable to ``(B, N, T, S)`` once
+  leading 1s are added (as ``jax.nn`` does); returns it 4-D."""
+  if x.ndim <= 4:
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
   if x.ndim != 4 or any(d not in (1, t) for d, t in zip(x.shape, target)):
     raise ValueError(
-        f"{name} must be 4-D and broadcastable to (B, N, T, S) = "
-        f"{tuple(target)}; got shape {tuple(x.shape)}")
+        f"{name} must be broadcastable to (B, N, T, S) = {tuple(target)}, "
+        f"with leading dims added as needed; got shape {tuple(x.shape)}")
+  return x
 
 
 def bool_mask(mask) -> None:
@@ -172,6 +219,17 @@ def strategy_layout(strategy: str, load_balance) -> None:
         "device's calls are contiguous key ranges); use 'dual_chunk' or None")
 
 
+def self_attention(strategy: str, q_shape, k_shape) -> None:
+  """The ring and the all-gather place keys by the queries' positions: they
+  serve T == S only (context parallelism's self-attention). Ulysses
+  gathers whole sequences and serves any T, S."""
+  if q_shape[1] != k_shape[1] and strategy != "ulysses":
+    raise ValueError(
+        f"strategy {strategy!r} needs the query and key sequences equally "
+        f"long (self-attention); got query {tuple(q_shape)} and key "
+        f"{tuple(k_shape)}. Use strategy 'ulysses' for T != S")
+
+
 def ring_options(load_balance, loop, local_len, cp_size,
                  kv_sends=None) -> None:
   """Layout and loop of local shards of ``local_len`` tokens on cp_size
@@ -185,27 +243,11 @@ def ring_options(load_balance, loop, local_len, cp_size,
         f"the local query length is {local_len}")
 
 
-def context_parallel(cp, query, key, *, bias, mask, return_residual) -> None:
-  """What the automatic context-parallel path serves."""
-  from jax_ring._src.config import ContextParallel  # avoid an import cycle
-  if not isinstance(cp, ContextParallel):
-    raise ValueError(f"context_parallel must be a jax_ring.ContextParallel; "
-                     f"got {cp!r}")
-  from jax_ring._src.config import STRATEGIES
-  if cp.strategy not in STRATEGIES:
-    raise ValueError(f"context_parallel.strategy must be one of "
-                     f"{STRATEGIES}; got {cp.strategy!r}")
-  pair = (isinstance(cp.axis, tuple) and len(cp.axis) == 2 and
-          all(isinstance(a, str) for a in cp.axis) and cp.axis[0] != cp.axis[1])
-  if cp.strategy == "hybrid" and not pair:
-    raise ValueError(f"context_parallel.axis must be a pair (ulysses_axis, "
-                     f"ring_axis) of distinct axis names for strategy "
-                     f"'hybrid'; got {cp.axis!r}")
-  if cp.strategy != "hybrid" and not isinstance(cp.axis, str):
-    raise ValueError(f"context_parallel.axis must be one axis name for "
-                     f"strategy {cp.strategy!r}; got {cp.axis!r}")
-  ring_choices(cp.load_balance, cp.loop, cp.kv_sends)
-  kv_chunk_heads(cp.kv_chunk_heads, key.shape[2])
+def context_parallel(cp, query, key, *, bias, mask, return_residual):
+  """What the automatic context-parallel path serves, on the mesh in scope
+  (returned): every check that the partition rule would make, made here
+  at trace time, so that it surfaces as a ``ValueError``."""
+  cp_fields(cp, key.shape[2])
   unsupported = [name for name, value in (("bias", bias), ("mask", mask))
                  if value is not None]
   if return_residual:
@@ -215,26 +257,113 @@ def context_parallel(cp, query, key, *, bias, mask, return_residual) -> None:
         f"context_parallel does not support {', '.join(unsupported)}: they "
         f"are not sharded along the sequence; got query "
         f"{tuple(query.shape)}, key {tuple(key.shape)}")
-  mesh_axes(cp.axis, query)
+  mesh = mesh_axes(cp.axis, query)
+  sizes = {a: mesh.shape[a] for a in mesh.axis_names}
+  cp_shapes(cp, sizes, query.shape, key.shape, query.shape[2])
+  return mesh
 
 
-def _mesh_in_scope(x):
+def cp_fields(cp, kv_heads: int) -> None:
+  """A ``ContextParallel`` whose fields are each a valid choice."""
+  if not isinstance(cp, ContextParallel):
+    raise ValueError(f"context_parallel must be a jax_ring.ContextParallel; "
+                     f"got {cp!r}")
+  if cp.strategy not in STRATEGIES:
+    raise ValueError(f"context_parallel.strategy must be one of "
+                     f"{STRATEGIES}; got {cp.strategy!r}")
+  pair = (isinstance(cp.axis, tuple) and len(cp.axis) == 2 and
+          all(isinstance(a, str) for a in cp.axis) and cp.axis[0] != cp.axis[1])
+  if cp.strategy in ("hybrid", "auto") and isinstance(cp.axis, tuple):
+    if not pair:
+      raise ValueError(f"context_parallel.axis must be one axis name or a "
+                       f"pair (ulysses_axis, ring_axis) of distinct axis "
+                       f"names; got {cp.axis!r}")
+  elif cp.strategy == "hybrid":
+    raise ValueError(f"context_parallel.axis must be a pair (ulysses_axis, "
+                     f"ring_axis) of distinct axis names for strategy "
+                     f"'hybrid'; got {cp.axis!r}")
+  elif not isinstance(cp.axis, str):
+    raise ValueError(f"context_parallel.axis must be one axis name for "
+                     f"strategy {cp.strategy!r}; got {cp.axis!r}")
+  ring_choices(cp.load_balance, cp.loop, cp.kv_sends)
+  kv_chunk_heads(cp.kv_chunk_heads, kv_heads)
+
+
+def explain_args(query_shape, key_shape, cp_size, dtype_bytes, cp) -> dict:
+  """``explain``'s arguments, checked as the call they describe checks its
+  own; returns the axis sizes (``cp_size``: one size, or a (ulysses, ring)
+  pair of sizes for a pair of axes)."""
+  shapes_ok = all(
+      isinstance(x, (tuple, list)) and len(x) == 4 and
+      all(_is_int(d) and d >= 0 for d in x) for x in (query_shape, key_shape))
+  if not shapes_ok:
+    raise ValueError(f"query_shape and key_shape must be (B, T, N, H) and "
+                     f"(B, S, K, H) tuples of non-negative ints; got "
+                     f"{query_shape!r} and {key_shape!r}")
+  as_array = lambda shape: jax.ShapeDtypeStruct(tuple(shape), jnp.bfloat16)
+  qkv(as_array(query_shape), as_array(key_shape), as_array(key_shape))
+  if dtype_bytes not in (2, 4) or isinstance(dtype_bytes, bool):
+    raise ValueError(f"dtype_bytes must be 2 (bfloat16, float16) or 4 "
+                     f"(float32); got {dtype_bytes!r}")
+  cp_fields(cp, key_shape[2])
+  axes = cp.axis if isinstance(cp.axis, tuple) else (cp.axis,)
+  sizes = cp_size if isinstance(cp_size, (tuple, list)) else (cp_size,)
+  if len(sizes) != len(axes) or not all(_is_int(c) and c > 0 for c in sizes):
+    want = ("a pair of positive ints (ulysses, ring) for the axes "
+            f"{cp.axis!r}" if len(axes) == 2 else "a positive int")
+    raise ValueError(f"cp_size must be {want}; got {cp_size!r}")
+  sizes = dict(zip(axes, map(int, sizes)))
+  cp_shapes(cp, sizes, query_shape, key_shape, query_shape[2])
+  return sizes
+
+
+def cp_shapes(cp, sizes, q_shape, k_shape, local_heads) -> None:
+  """Global shapes ``q_shape``/``k_shape`` against ``cp`` (a
+  ``ContextParallel``) on a mesh of axis ``sizes``: divisibility, layout,
+  Ulysses' heads, self-attention. ``auto`` is held to what its candidates
+  share (a pair of axes: hybrid's checks)."""
+  strategy = cp.strategy
+  if strategy == "auto" and isinstance(cp.axis, tuple):
+    strategy = "hybrid"
+  axes = cp.axis if isinstance(cp.axis, tuple) else (cp.axis,)
+  total = math.prod(sizes[a] for a in axes)
+  for name, shape in (("query", q_shape), ("key", k_shape)):
+    if shape[1] % total:
+      raise ValueError(
+          f"context_parallel: the sequence length of {name} "
+          f"{tuple(shape)} must be divisible by the {cp.axis!r} axis size "
+          f"{total}")
+  strategy_layout(strategy, cp.load_balance)
+  if strategy == "auto" and q_shape[1] != k_shape[1]:
+    strategy = "ulysses"  # its one candidate for T != S
+  self_attention(strategy, q_shape, k_shape)
+  if strategy in ("ulysses", "hybrid"):
+    u_axis = axes[0]
+    ulysses_heads(local_heads, u_axis, sizes[u_axis])
+  ring_cp = sizes[axes[-1]] if strategy == "hybrid" else total
+  ring_options(cp.load_balance, cp.loop, q_shape[1] // ring_cp, ring_cp,
+               cp.kv_sends)
+
+
+def mesh_in_scope(x):
   """The mesh that a call on ``x`` runs on, as far as tracing can see it:
-  the one of ``jax.set_mesh``, else the one ``x``'s sharding names (jit
-  arguments placed with a ``NamedSharding`` carry it in their type)."""
+  the one of ``jax.set_mesh``, else the one ``x``'s sharding names (arrays
+  placed with a ``NamedSharding`` carry it in their type)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", mesh)
+    if mesh.empty and not isinstance(x, jax.core.Tracer):
+      mesh = getattr(getattr(x, "sharding", None), "mesh", mesh)
   return mesh
 
 
-def mesh_axes(axis, query) -> None:
-  """The context-parallel axis (or both axes of a hybrid pair) exist on the
-  mesh in scope. Without this check a wrong name fails inside XLA's
+def mesh_axes(axis, query):
+  """The mesh in scope, on which the context-parallel axis (or both axes of
+  a hybrid pair) exist. Without this check a wrong name fails inside XLA's
   partitioner, and a call with no mesh at all runs on one device, silently
   without context parallelism."""
-  mesh = _mesh_in_scope(query)
+  mesh = mesh_in_scope(query)
   names = axis if isinstance(axis, tuple) else (axis,)
   if mesh.empty:
     raise ValueError(
@@ -249,3 +378,4 @@ def mesh_axes(axis, query) -> None:
         f"is not an axis of the mesh in scope, whose axes are "
         f"{tuple(mesh.axis_names)} (sizes {tuple(mesh.axis_sizes)}); got "
         f"query {tuple(query.shape)}")
+  return mesh

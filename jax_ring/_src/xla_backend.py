@@ -167,7 +167,9 @@ def forward(q, k, v, bias, mask: BlockMask, config: AttentionConfig):
     lo, hi = mask_lib.kv_block_range(config, mask, q_start, tl.bq, tl.bk,
                                      tl.nk)
     m, l, acc = lax.fori_loop(lo, hi, kv_step, init)
-    seen = l > 0
+    # l == 0: no visible key (zeros). A NaN reaching the row's logits makes
+    # l NaN, and `!=` keeps it (`l > 0` would turn the row into zeros).
+    seen = l != 0
     out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None],
                     0.0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), MASK_VALUE)
