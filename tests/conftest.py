@@ -3,13 +3,11 @@
 * 8 simulated CPU devices, so that the context-parallel tests run on one
   machine;
 * on GPUs, no preallocation of GPU memory (the multi-process test starts
-  more jax processes on the same GPUs);
-* innermost-frame HLO locations. With full Python tracebacks (jax's
-  default), XLA:CPU's ``PropagateCallMetadata``, run when calls are inlined,
-  can take minutes on a context-parallel program traced deep under pytest:
-  the compile looks like a hang, and comes and goes with unrelated code
-  changes. The setting changes nothing but debug metadata. (The example
-  sets it too; see ``examples/train_lm.py``.)
+  more jax processes on the same GPUs).
+
+jax's other defaults stand, full Python tracebacks in HLO locations
+included: ``test_compile_default_flags.py`` guards the compile they once
+stalled (see ``jax_ring/_src/__init__.py``).
 """
 
 import os
@@ -20,4 +18,3 @@ import jax
 # each takes memory as it needs it rather than 75% of every GPU at start.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_include_full_tracebacks_in_locations", False)

@@ -28,8 +28,6 @@ def main(process_id, num_processes, port, out_path, platform="cpu"):
     # CPU collectives across processes: gloo over TCP (jaxlib's default on
     # CPU, set explicitly so that the test states what it relies on).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  # See tests/conftest.py: keeps XLA's compile from stalling.
-  jax.config.update("jax_include_full_tracebacks_in_locations", False)
   jax.distributed.initialize(
       f"localhost:{port}", num_processes=num_processes, process_id=process_id,
       initialization_timeout=60,
