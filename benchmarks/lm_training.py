@@ -257,7 +257,6 @@ def main():
   if a.cpu:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 4)
-  jax.config.update("jax_include_full_tracebacks_in_locations", False)
   sys.path.insert(0, str(ROOT / "benchmarks"))
   from common import write
 

@@ -12,7 +12,7 @@ of one file and the start of the next (``segment_ids``, positions restart).
   python examples/train_lm.py --run-dir runs/a --resume
                                                # continue from its last
                                                # checkpoint, same losses
-  python examples/train_lm.py --preset 1b --mesh data=1,context=4   # GPUs
+  python examples/train_lm.py --preset 1b --mesh data=1,context=2   # 2 GPUs
 
 On GPUs the compute dtype defaults to bfloat16, so ``implementation=None``
 picks the cuDNN backend. Under ``jax.distributed`` (one process per host)
@@ -159,10 +159,6 @@ def setup_jax(args):
   """Process-level setup; must run before jax touches a device."""
   import jax
   jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-  # Full Python tracebacks in HLO locations can make XLA's call-inlining
-  # metadata pass take minutes on this program (see tests/locations.py);
-  # the innermost frame is enough for error messages and profiles.
-  jax.config.update("jax_include_full_tracebacks_in_locations", False)
   if args.distributed:
     # CPU collectives across processes go through gloo (TCP).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

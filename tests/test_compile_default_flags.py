@@ -59,6 +59,8 @@ def _child():
 
   import jax
 
+  # XLA:CPU's 8 simulated devices, also on a machine with GPUs.
+  jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", 8)
   import jax.numpy as jnp
   import numpy as np

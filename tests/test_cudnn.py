@@ -322,3 +322,28 @@ def test_packed_causal_api_default_picks_cudnn():
   hlo = jax.jit(lambda q, k, v: jax_ring.dot_product_attention(
       q, k, v, is_causal=True, segment_ids=ids)).lower(q, k, v).as_text()
   assert "jax_ring_sdpa_fwd" in hlo
+
+
+@pytest.mark.parametrize("where", ["q_nan", "k_nan", "k_inf"])
+def test_non_finite_inputs_propagate_as_in_jax_nn(where):
+  """cuDNN's blocks: the rows whose visible logits hold a NaN or an Inf are
+  NaN, exactly jax.nn's rows (causal, packed documents), never zeros."""
+  q, k, v, _ = ref.random_qkv(5, 2, 128, 128, 8, 2, 64, jnp.bfloat16)
+  q, k = np.array(q.astype(jnp.float32)), np.array(k.astype(jnp.float32))
+  if where == "q_nan":
+    q[0, 40, 3, 7] = np.nan
+  else:
+    k[1, 70, 1, 2] = np.nan if where == "k_nan" else np.inf
+  q, k = jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16)
+  ids = jnp.asarray(np.repeat([1, 2], 64)[None].repeat(2, 0), jnp.int32)
+  ours = jax.jit(lambda q, k, v: jax_ring.dot_product_attention(
+      q, k, v, is_causal=True, segment_ids=ids, implementation="cudnn"))(
+          q, k, v)
+  theirs = jax.nn.dot_product_attention(
+      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+      is_causal=True, mask=(ids[:, :, None] == ids[:, None, :])[:, None],
+      implementation="xla")
+  nan_ours = np.isnan(np.asarray(ours.astype(jnp.float32)))
+  nan_theirs = np.isnan(np.asarray(theirs))
+  assert nan_theirs.any()
+  np.testing.assert_array_equal(nan_ours, nan_theirs)

@@ -52,11 +52,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     implementation: ``None`` (best available), ``"xla"`` (pure-JAX
       blockwise) or ``"cudnn"``.
     return_residual: also return the logsumexp ``(B, T, N)`` float32.
-    context_parallel: a :class:`ContextParallel`: under ``jax.jit`` with q, k,
-      v sharded on the sequence dimension over its ``axis`` (NamedSharding),
-      run that strategy on each shard. Inputs must be in its load-balance
-      layout. Serves every option except ``bias``, ``mask`` and
-      ``return_residual``.
+    context_parallel: a :class:`ContextParallel`: on the mesh in scope
+      (``jax.set_mesh``, or q's ``NamedSharding``), split the sequence over
+      its ``axis`` and run that strategy on each shard, eagerly or under
+      ``jax.jit`` (the same numbers). Inputs must be in its load-balance
+      layout. Needs T == S, except with ``strategy="ulysses"``. Serves every
+      option except ``bias``, ``mask`` and ``return_residual``.
 
   Returns:
     ``(B, T, N, H)`` in the input dtype (and the logsumexp if asked). Rows
