@@ -47,7 +47,7 @@ def _examples(n):
                   suppress_health_check=[HealthCheck.too_slow])
 
 
-test_random_problems_match_reference = _examples(10)(
+test_random_problems_match_reference = _examples(4)(
     given(problems())(_matches_reference))
 test_many_random_problems_match_reference = pytest.mark.slow(_examples(60)(
     given(problems())(_matches_reference)))

@@ -134,7 +134,7 @@ def _context_parallel(query, key, value, tm: TokenMask,
     backends.resolve(implementation, config, one(query), one(key), None,
                      tm.block_mask())
   config = config.replace(implementation=implementation)
-  if 0 in query.shape[:2]:
+  if 0 in query.shape[:2] + key.shape[1:2]:  # as on one device
     return jnp.zeros(query.shape, query.dtype)
 
   # The sequence goes to the context axes (hybrid: ring-major) whatever the
