@@ -1,9 +1,9 @@
 """The LM example: context parallelism trains like one device (loss and
 gradients at step 0, losses over 5 optimizer steps), with the weights
 replicated or FSDP-sharded, and --resume continues
-the uninterrupted run's loss trajectory exactly (other settings, or a fresh
-run into its directory, are refused; tests/test_run_dir.py has the rest of
-the run directory's faults)."""
+the uninterrupted run's loss trajectory exactly (a fresh run into its
+directory is refused; tests/test_run_dir.py has the rest of the run
+directory's faults, other settings among them)."""
 
 import pathlib
 import sys
@@ -145,10 +145,6 @@ def test_resume_continues_the_uninterrupted_trajectory(tmp_path):
   for a, b in zip(jax.tree.leaves(resumed["state"]),
                   jax.tree.leaves(whole["state"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  # A different setting refuses to resume rather than silently diverging.
-  with pytest.raises(SystemExit, match="other settings: lr: saved 0.003, "
-                     "now 0.01$"):
-    run(tmp_path / "b", "--resume", "--lr", "1e-2")
   # A fresh run refuses the directory, before building anything.
   with pytest.raises(SystemExit, match="--resume.*--overwrite"):
     run(tmp_path / "b")
