@@ -192,8 +192,7 @@ def kv_chunk_heads(kv_chunk_heads, kv_heads: int) -> None:
   """``kv_chunk_heads``: None, or a positive int dividing the kv heads."""
   if kv_chunk_heads is None:
     return
-  if (not isinstance(kv_chunk_heads, (int, np.integer)) or
-      isinstance(kv_chunk_heads, bool) or kv_chunk_heads < 1 or
+  if (not _is_int(kv_chunk_heads) or kv_chunk_heads < 1 or
       kv_heads % kv_chunk_heads):
     raise ValueError(
         f"kv_chunk_heads must be None or a positive int dividing the "
