@@ -408,8 +408,8 @@ def test_lane_covers_the_matrix():
            CPU_SHAPES[0]),
     CpCase("all_gather_chunked", "window", None, "jit", 4, CPU_SHAPES[0]),
     CpCase("hybrid", "soft_cap", "dual_chunk", "shard_map", 4, CPU_SHAPES[0]),
-    CpCase("all_gather", "packed", "dual_chunk", "shard_map", 4,
-           CPU_SHAPES[0]),
+    pytest.param(CpCase("all_gather", "packed", "dual_chunk", "shard_map", 4,
+                        CPU_SHAPES[0]), marks=pytest.mark.slow),
 ], ids=str)
 def test_harness_on_cpu(case):
   """The lane's own code (inputs, layouts, both entry points, the spy, the

@@ -269,7 +269,10 @@ def test_remat_modes_give_the_same_loss_and_gradients(checkpoints):
                                  atol=1e-6)
 
 
-@pytest.mark.parametrize("chunk", [16, 97, 40])
+# 40: a padded last chunk, in the default run; 16 and 97 with -m slow.
+@pytest.mark.parametrize("chunk", [pytest.param(16, marks=pytest.mark.slow),
+                                   pytest.param(97, marks=pytest.mark.slow),
+                                   40])
 def test_vocab_chunked_loss_equals_the_whole_one(chunk, checkpoints):
   """The running logsumexp over vocabulary chunks (40: the last chunk is
   padded) gives the whole-vocabulary loss and gradients."""

@@ -95,11 +95,13 @@ KV_LENGTHS = np.array([S - 3, 29], np.int32)
 
 
 def _default_lane(cp, causal, load_balance, loop):
-  """The default run's share of the full matrix: every layout x mask x loop
-  at cp = 4, and every layout causal and unrolled at cp = 2 and 8 (rank-
+  """The default run's share of the full matrix: every layout x mask at cp
+  = 4 (causal in both loop forms), and every layout causal and unrolled at
+  cp = 2 and 8 (rank-
   coded shards make a misplaced shard show at any cp). The rest runs with
   ``-m slow``."""
-  return cp == 4 or (causal and loop == "unrolled")
+  return (cp == 4 and (causal or loop == "unrolled")) or (
+      causal and loop == "unrolled")
 
 
 @pytest.mark.parametrize(
@@ -125,7 +127,8 @@ _SLOW = pytest.mark.slow
 
 @pytest.mark.parametrize(
     "cp, load_balance, causal, window, loop",
-    [(4, "dual_chunk", True, (5, 0), "unrolled"),
+    [(2, "dual_chunk", True, (5, 0), "unrolled"),
+     pytest.param(4, "dual_chunk", True, (5, 0), "unrolled", marks=_SLOW),
      pytest.param(4, "dual_chunk", True, (13, 0), "scan", marks=_SLOW),
      (2, None, True, (7, 0), "scan"),
      (4, None, False, (9, 4), "unrolled"),
@@ -139,7 +142,7 @@ _SLOW = pytest.mark.slow
      pytest.param(8, "striped", True, (13, 0), "scan", marks=_SLOW),
      (4, "striped", True, None, "unrolled"),
      (4, "striped", False, None, "scan")],
-    ids=["n4_dual_causal_w5", "n4_dual_causal_w13_scan", "n2_contig_w7",
+    ids=["n2_dual_causal_w5", "n4_dual_causal_w5", "n4_dual_causal_w13_scan", "n2_contig_w7",
          "n4_contig_full_w9_4", "n2_dual_full_w3_11",
          "n4_dual_full_w3_11_scan",
          "n4_dual_causal_pad_only", "n4_contig_causal_pad_only_scan",
@@ -252,7 +255,7 @@ def test_backward_sends_no_kv_a_second_time(path, monkeypatch):
 
 @pytest.mark.parametrize("cp, causal, load_balance, extra", [
     (2, True, "dual_chunk", {}),
-    (4, True, "dual_chunk", {}),
+    pytest.param(4, True, "dual_chunk", {}, marks=pytest.mark.slow),
     (4, True, "dual_chunk", dict(loop="scan")),
     (4, True, None, {}),
     (8, True, "striped", {}),
@@ -478,12 +481,18 @@ def test_2d_mesh_data_by_cp_with_heads_unsharded():
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True))
 
 
+# Each layout with one loop form in the default run; -m slow adds the other.
 @pytest.mark.parametrize(
-    "load_balance, kv_sends",
-    [(None, "neighbour"), ("dual_chunk", "neighbour"),
-     ("striped", "neighbour"), ("dual_chunk", "gather")],
-    ids=["contiguous", "dual_chunk", "striped", "dual_chunk_gather"])
-@pytest.mark.parametrize("loop", ["scan", "unrolled"])
+    "load_balance, kv_sends, loop",
+    [pytest.param(*c, marks=() if default else pytest.mark.slow)
+     for i, (lb, sends) in enumerate([
+         (None, "neighbour"), ("dual_chunk", "neighbour"),
+         ("striped", "neighbour"), ("dual_chunk", "gather")])
+     for loop, default in (("scan", i % 2 == 0), ("unrolled", i % 2 == 1))
+     for c in [(lb, sends, loop)]],
+    ids=[f"{name}-{loop}" for name in ("contiguous", "dual_chunk", "striped",
+                                       "dual_chunk_gather")
+         for loop in ("scan", "unrolled")])
 def test_ring_packed_segments_cross_shard_boundaries(load_balance, kv_sends,
                                                      loop):
   cp = 4

@@ -50,8 +50,11 @@ def rel_err(got, want):
   return np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
 
 
-@pytest.mark.parametrize("shard_weights", [False, True],
-                         ids=["replicated", "fsdp"])
+# The FSDP case in the default run (its weights move too); -m slow adds
+# the replicated one.
+@pytest.mark.parametrize("shard_weights", [
+    pytest.param(False, marks=pytest.mark.slow), True],
+    ids=["replicated", "fsdp"])
 def test_context_parallel_training_matches_single_device(shard_weights):
   mesh = make_mesh()
   cpc = jax_ring.ContextParallel(axis="context", strategy="ring",
