@@ -1,80 +1,46 @@
 """``strategy="auto"``: pick a context-parallel strategy from a cost model.
 
-The model is deliberately simple and written down here, so a user can check
-a decision by hand (``jax_ring.explain`` prints it). The forward and the
-backward are separate programs (two partition rules) that share one token
-layout and one residual (the local q, k, v and the global out and lse), so
-each pass picks its own strategy: a forward-only run gets the fastest
-forward, a training step the fastest forward plus the fastest backward.
-Per device, for one layer:
+The model is deliberately simple, so a user can check a decision by hand
+(``jax_ring.explain`` prints it). The forward and the backward are separate
+programs (two partition rules) that share one token layout and one
+residual (the local q, k, v and the global out and lse), so each pass picks
+its own strategy. Per device, for one layer:
 
-* compute: ``F = 4 B S^2 N H / cp`` FLOPs in the forward (halved when
-  causal, scaled by the window's share of keys), ``2.5 F`` in the backward,
-  at a throughput that depends on the length ``L`` of each kernel call,
-  fit to single-GPU cuDNN on an H200 (causal, 4k-256k tokens):
+* compute: ``F = 4 B S^2 N H / cp`` FLOPs forward (halved when causal,
+  scaled by the window's share of keys), ``2.5 F`` backward, at a
+  throughput that depends on the length ``L`` of each kernel call
+  (``FWD_*``, ``BWD_*``: T = S / cp for the ring and all-gather, S for
+  Ulysses' one call);
+* communication: the bytes each strategy moves, over ``P2P_GBS`` for a
+  neighbour permute and ``COLLECTIVE_GBS`` for all-gather and all-to-all;
+* overlap: the ring's time is its own step's compute, then cp - 1 steps
+  of ``max(compute, comm)`` each, plus ``STEP_US`` per step (launches,
+  predicates, merges); the all-gather and Ulysses add their communication
+  to their compute.
 
-  ========  ==========================================  ====================
-  pass      TFLOP/s at call length L                    measured (4k/64k/256k)
-  ========  ==========================================  ====================
-  forward   610 L / (L + 750) / (1 + L / 1.5M)           519 / 593 / 522
-  backward  540 L / (L + 1250)                           402 / 524 / 535
-  ========  ==========================================  ====================
+Ulysses is a candidate only when the local query heads divide by cp,
+all-gather only without the striped layout, and Ulysses alone for T != S.
+The smallest modelled time wins each pass; ties keep the order ring,
+all_gather, ulysses. A pair of axes means ``hybrid``. :func:`explain` also
+states every default the call would apply (layout, loop form, K/V sends,
+the backward's K/V source, the all-gather's head groups, the block
+backend), so nothing the library chooses is hidden.
 
-  The ring and all-gather make calls of the local length T = S / cp;
-  Ulysses one call of the whole S (so it loses the forward's long-call
-  slowdown the ring avoids).
-* communication, in bytes ``e`` per element of K/V (2 for 16-bit), G = the
-  gathered KV bytes ``2 B S K H e``, K' = the kv heads Ulysses sends:
-
-  ==========  ======================  ======================  ============
-  strategy    forward bytes/device    backward bytes/device   hidden?
-  ==========  ======================  ======================  ============
-  ring        (cp-1)/cp G: KV, one    3 (cp-1)/cp G: KV and   yes, behind
-              neighbour per step      float32 dK/dV           each step
-  all_gather  (cp-1)/cp G             3 (cp-1)/cp G: gather,  no
-                                      float32 reduce-scatter
-  ulysses     (cp-1)/cp^2 B S H e     (cp-1)/cp^2 B S H e     no
-              (2N + 2K')              (4N + 4K')
-  ==========  ======================  ======================  ============
-
-  over ``P2P_GBS`` for a neighbour permute and ``COLLECTIVE_GBS`` for the
-  all-to-all and all-gather. The ring also pays ``STEP_US`` per step and
-  pass (launches, its ``lax.cond`` predicate copies, merges), and its
-  per-step time is ``max(compute, comm)``; the others add their
-  communication to their compute.
-
-Ulysses is a candidate only when the local query heads divide by cp, and
-all-gather only without the striped layout. The smallest modelled time wins
-each pass; ties keep the order ring, all_gather, ulysses. A pair of axes
-means ``hybrid``. The three communication constants were fit to the 4x H200
-strategies run (``benchmarks/results/strategies_4xH200.json``): with
-them every pass's pick there, forward, backward and their sum, is within
-4.7% of the fastest measured. On runs not used to fit them (8 H200s, and
-2 H200s with the neighbour ring) its forward+backward picks stay within
-3.2%; per pass, the 8-GPU forward at 128k MHA misses by 7.9% (ring picked,
-Ulysses faster). On 2 H200s with the gathering ring (the default), the
-picks at 16k and 32k GQA (all-gather / Ulysses) are 5.6-6.5% slower than
-the ring (``strategies_2xH200.json``). On other
-machines the model keeps its shape but the crossover points move. The
-ring row is the neighbour ring it was fit to; the ring's default gathers
-K/V up to 2 GiB and ran 1-12 points faster on 4 H200s
-(docs/decisions.md, "K/V sends"): at 32k still short of Ulysses (73/73%
-against 80/84%, forward / forward+backward, from two separate runs), so
-the picks there stand, but the model overstates the ring's time and was
-not refit.
-
-:func:`explain` also states every default the call would apply (layout,
-loop form, K/V sends, the backward's K/V source, the all-gather's head
-groups, the block backend), so nothing the library chooses is hidden.
+The formulas: docs/design.md, "The automatic strategy"; how the constants
+were fit and where the picks miss: docs/decisions.md, "The automatic path".
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jax_ring._src import config, validate
-from jax_ring._src.config import ContextParallel, loop_from_environment
+from jax_ring._src.core import config, validate
+from jax_ring._src.core.config import ContextParallel
 
+# The model's constants: kernel throughput (TFLOP/s as a function of the
+# call length L), link bandwidths (GB/s) and the per-step overhead of the
+# ring (microseconds). How they were fit: docs/decisions.md, "The automatic
+# path".
 FWD_TFLOPS, FWD_L_HALF, FWD_L_SLOW = 610.0, 750.0, 1.5e6
 BWD_TFLOPS, BWD_L_HALF = 540.0, 1250.0
 P2P_GBS = 100.0
@@ -113,7 +79,7 @@ def defaults(*, batch, seq, kv_heads, head_dim, dtype_bytes, load_balance,
   size = (f"the gathered K/V, {gathered / 2**20:.0f} MiB, "
           f"{'fit' if fits else 'exceed'} GATHER_KV_MAX_BYTES "
           f"({config.GATHER_KV_MAX_BYTES / 2**30:g} GiB)")
-  env = loop_from_environment()
+  env = ContextParallel().with_environment().loop
   return {
       "load_balance": (load_balance, "as given (ContextParallel's default "
                        "'dual_chunk' balances causal work)"),
@@ -198,7 +164,7 @@ def resolve(cpc: ContextParallel, mesh, q_shape, local_heads, kv_heads=None,
   pass, or for the backward one."""
   if cpc.strategy != "auto":
     return cpc
-  if isinstance(cpc.axis, tuple):
+  if cpc.is_hybrid:
     return dataclasses.replace(cpc, strategy="hybrid")
   b, s, _, h = q_shape
   choice = estimate(batch=b, seq=s, heads=local_heads,
@@ -231,7 +197,7 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
       batch=b, seq=s, kv_heads=key_shape[2], head_dim=h,
       dtype_bytes=dtype_bytes, load_balance=cpc.load_balance, loop=cpc.loop,
       kv_sends=cpc.kv_sends, kv_chunk_heads=cpc.kv_chunk_heads)
-  if isinstance(cpc.axis, tuple):
+  if cpc.is_hybrid:
     return Choice("hybrid", "hybrid", {}, f"a pair of axes {cpc.axis!r} "
                   f"(sizes {tuple(sizes.values())}): Ulysses inside a ring",
                   defaults_)

@@ -1,76 +1,63 @@
 """The automatic path: context parallelism under ``jax.jit`` on sharded arrays.
 
 ``dot_product_attention(..., context_parallel=ContextParallel(axis="cp"))``
-binds two ``custom_partitioning`` functions, a strategy's forward and its
-backward, tied by a custom VJP. Their partition rules run the strategy
-(ring, all-gather, Ulysses, hybrid; ``auto`` is decided here, where the mesh
-is first known, for each pass on its own) on each shard: the sequence
+binds :func:`attention`: a custom VJP over two ``custom_partitioning``
+functions, a strategy's forward ``(q, k, v, *mask) -> (out, lse)`` and its
+backward ``(q, k, v, out, lse, dout, *mask) -> (dq, dk, dv)``. Their
+partition rules run where the mesh is first known: they decide ``auto``
+for their own pass, check what needs the mesh's sizes, and run the strategy
+(ring, all-gather, Ulysses, hybrid) on each shard, with the sequence
 dimension sharded over the context axis (or axes), the batch over whatever
 axes it already has (data, fsdp), the heads over theirs (tensor), head_dim
 never. The block backend is chosen here too, on the shards' shapes. A
 Shardy sharding rule names the factors for propagation;
 ``infer_sharding_from_operands`` serves GSPMD.
 
-==========  =========================  ==========================
-operand     shape                      sharding on each shard
-==========  =========================  ==========================
-q, out      (B, S, N, H)               (batch, cp, heads, -)
-k, v        (B, S, K, H)               (batch, cp, heads, -)
-lse         (B, S, N)                  (batch, cp, heads)
-seg ids     (B, S)                     (batch, cp)
-lengths     (B,)                       (batch)
-==========  =========================  ==========================
-
 The mask operands are the fields of a ``TokenMask`` that are present; which
 ones are present is part of the cache key of the partitioned functions.
+The table of operand shardings, and why the backward gathers K/V:
+docs/design.md, "Partitioning under jax.jit".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ring._src import auto, kernel, shard_call, validate
-from jax_ring._src.config import ContextParallel, ShardPlan
-from jax_ring._src.mask import TokenMask
+from jax_ring._src import auto
+from jax_ring._src.core import kernel, validate
+from jax_ring._src.strategies import STRATEGIES, base
+from jax_ring._src.core.config import ContextParallel
+from jax_ring._src.core.mask import TokenMask
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(TokenMask))
 _LENGTHS = frozenset({"q_lengths", "kv_lengths"})
 
 
-def _strategy(name: str):
-  """The module of a strategy (each is ``jax_ring._src.<name>``, with
-  ``_forward`` and ``_backward`` on local shards)."""
-  return importlib.import_module(f"jax_ring._src.{name}")
-
-
 def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
   """(batch axes, head axes, sequence axes) of q's sharding, the strategy
-  module and its plan, for the forward pass or the backward one. The mesh is
-  first known here, so the shape checks that need its sizes, and the
-  ``auto`` choice (made per pass), are made here."""
+  and its plan, for the forward pass or the backward one. The mesh is first
+  known here, so the shape checks that need its sizes, and the ``auto``
+  choice (made per pass), are made here."""
   q_shape, k_shape = arg_shapes[0], arg_shapes[1]
-  b, seq, n, _ = q_shape.shape
+  b, _, n, _ = q_shape.shape
   k = k_shape.shape[2]
   # A replicated operand may come as a GSPMDSharding, which has no spec.
   spec = tuple(getattr(q_shape.sharding, "spec", ())) + (None,) * 4
-  size = lambda axes: math.prod(mesh.shape[a] for a in (
-      axes if isinstance(axes, tuple) else (axes,)) if a)
+  names = lambda axes: set(axes if isinstance(axes, tuple) else (axes,))
+  size = lambda axes: math.prod(mesh.shape[a] for a in names(axes) if a)
   # Batch and heads keep their axes where those split them evenly (and, for
   # Ulysses, leave whole heads per device); otherwise they are gathered.
-  seq_names = set(cpc.axis if isinstance(cpc.axis, tuple) else (cpc.axis,))
-  free = lambda axes: not seq_names & set(
-      axes if isinstance(axes, tuple) else (axes,))
+  free = lambda axes: not set(cpc.axes) & names(axes)
   batch = spec[0] if b % size(spec[0]) == 0 and free(spec[0]) else None
   heads = spec[2] if (n % size(spec[2]) == 0 and k % size(spec[2]) == 0 and
                       free(spec[2])) else None
-  u = mesh.shape[cpc.axis[0] if isinstance(cpc.axis, tuple) else cpc.axis]
+  u = mesh.shape[cpc.ulysses_axis]
   if cpc.strategy != "ring" and (n // size(heads)) % u and n % u == 0:
     heads = None
   tp = size(heads)
@@ -81,25 +68,12 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
                      window=cfg.local_window)
   validate.cp_shapes(cpc, mesh.shape, q_shape.shape, k_shape.shape,
                      local_heads)
-  axes = cpc.axis if isinstance(cpc.axis, tuple) else (cpc.axis,)
-  cp = size(axes)
+  strategy = STRATEGIES[cpc.strategy]
   # The ring's backward is lowered apart from its forward, so its K/V sends
   # cannot merge with the forward's (as they do inside one shard_map
   # program): it gathers K/V once instead, up to the ring's size cap.
-  kv_source = "gather" if backward else "ring"
-  if cpc.strategy == "hybrid":
-    u_axis, r_axis = cpc.axis
-    u, r = mesh.shape[u_axis], mesh.shape[r_axis]
-    plan = (ShardPlan(u_axis, u),
-            ShardPlan(r_axis, r, cpc.load_balance, cpc.loop,
-                      backward_kv=kv_source, kv_sends=cpc.kv_sends))
-    seq_axes = (r_axis, u_axis)  # ring-major
-  else:
-    plan = ShardPlan(cpc.axis, cp, cpc.load_balance, cpc.loop,
-                     kv_chunk_heads=cpc.kv_chunk_heads, backward_kv=kv_source,
-                     kv_sends=cpc.kv_sends)
-    seq_axes = cpc.axis
-  return batch, heads, seq_axes, _strategy(cpc.strategy), plan
+  plan = strategy.plan(cpc, mesh.shape, "gather" if backward else "ring")
+  return batch, heads, cpc.sequence_axes, strategy, plan
 
 
 def _shardings(mesh, batch, heads, cp_axis, present):
@@ -134,7 +108,7 @@ def _functions(present: tuple[str, ...]):
   def local(cfg, q, k, tm: TokenMask):
     """``cfg`` with the backend resolved on these arrays: the shards in a
     partition rule (a backend's limits are per call), else the whole."""
-    return shard_call.resolve(cfg.implementation, cfg, q, k, tm)
+    return base.resolve(cfg.implementation, cfg, q, k, tm)
 
   # -- forward: (q, k, v, *mask operands) -> (out, lse)
   @functools.partial(custom_partitioning, static_argnums=(0, 1))
@@ -149,7 +123,7 @@ def _functions(present: tuple[str, ...]):
 
     def lowered(*args):
       (q, k, v), tm = split(args)
-      return strategy._forward(q, k, v, tm, local(cfg, q, k, tm), plan)
+      return strategy.forward(q, k, v, tm, local(cfg, q, k, tm), plan)
 
     return mesh, lowered, (tok, stat), (tok, tok, tok) + masks
 
@@ -177,7 +151,7 @@ def _functions(present: tuple[str, ...]):
 
     def lowered(*args):
       (q, k, v, out, lse, dout), tm = split(args)
-      return strategy._backward(q, k, v, tm, out, lse, dout,
+      return strategy.backward(q, k, v, tm, out, lse, dout,
                                 local(cfg, q, k, tm), plan)
 
     return (mesh, lowered, (tok, tok, tok),

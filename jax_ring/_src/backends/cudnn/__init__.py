@@ -1,0 +1,163 @@
+"""The cuDNN backend: the block-kernel contract on cuDNN's fused flash
+attention, through our XLA FFI handlers (``ffi``), with a block's mask
+mapped onto cuDNN's band (``band``) and packed documents onto ragged
+virtual batches (``packed``). It registers as ``"cudnn"`` when the
+extension is built (``JAX_RING_CUDNN=ON pip install``).
+
+Rows that see no key get ``out = 0`` and ``lse = MASK_VALUE``, whatever
+cuDNN wrote. A soft cap is a cuDNN score modifier; cuDNN then takes the
+band inside the modifier and has no padding mask, so soft cap with padding
+is not served.
+
+Not served (the registry picks ``"xla"``): float32 (cuDNN computes in
+16-bit; we do not cast silently), bias, dense masks, soft cap with padding
+or segment ids, segment ids with padding lengths, with a window between
+different id arrays or with a causal diagonal before the keys' start
+(kv_offset < q_offset), traced offsets, head_dim not a multiple of 8 or
+above 256, and a backward with an ``lse`` cotangent (cuDNN's backward has no
+input for it; that call alone runs on ``xla``). How each mask maps onto
+cuDNN: docs/design.md, "The cuDNN backend".
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ring._src.backends import xla
+from jax_ring._src.backends.cudnn import ffi, packed
+from jax_ring._src.backends.cudnn.band import (band, col_valid, needs_padding,
+                                               row_valid, rows_may_be_empty,
+                                               window_lengths)
+from jax_ring._src.backends.cudnn.ffi import (LOAD_ERROR, recording, sdpa,
+                                              attrs, no_ragged, version,
+                                              workspace_bytes)
+from jax_ring._src.backends.cudnn.packed import SLOTS
+from jax_ring._src.core import registry
+from jax_ring._src.core.mask import MASK_VALUE
+
+__all__ = ["LOAD_ERROR", "SLOTS", "backward", "backward_dkv", "band",
+           "forward", "recording", "unsupported", "version",
+           "workspace_bytes"]
+
+def forward(q, k, v, bias, mask, config):
+  if unsupported(config, q, k, bias, mask):
+    # The strategy resolved cudnn on a representative block; this one (say,
+    # a ring block whose q and kv ids differ under a band) it cannot serve.
+    return xla.forward(q, k, v, bias, mask, config)
+  b, t, n, _ = q.shape
+  s = k.shape[1]
+  bnd = band(config, mask.q_offset, mask.kv_offset, t, s)
+  if bnd.empty:
+    return jnp.zeros_like(q), jnp.full((b, t, n), MASK_VALUE, jnp.float32)
+  if mask.q_segment_ids is not None:
+    docs, bnd = packed.packed_slots(config, mask, bnd)
+    return jax.lax.cond(
+        docs.fits, lambda: packed.packed_forward(q, k, v, docs, config, bnd),
+        lambda: xla.forward(q, k, v, None, mask, config))
+  seq_q, seq_kv, padding = window_lengths(mask, bnd, b, t, s)
+  rows = t - bnd.row_start
+  out, stats = sdpa(
+      "jax_ring_sdpa_fwd",
+      (jax.ShapeDtypeStruct(q.shape, q.dtype),
+       jax.ShapeDtypeStruct((b, n, rows), jnp.float32)),
+      q, k, v, seq_q, seq_kv, *no_ragged(), **attrs(config, bnd, padding))
+  lse = jnp.pad(jnp.swapaxes(stats, 1, 2), ((0, 0), (bnd.row_start, 0), (0, 0)))
+  if rows_may_be_empty(bnd, padding, t, s):
+    valid = row_valid(bnd, seq_q, seq_kv, t)
+    out = jnp.where(valid[:, :, None, None], out, 0)
+    lse = jnp.where(valid[:, :, None], lse, MASK_VALUE)
+  return out, lse
+
+
+def backward(q, k, v, bias, mask, out, lse, dout, dlse, config):
+  dq, (dk, dv) = _backward(q, k, v, bias, mask, out, lse, dout, dlse, config,
+                           stack=False)
+  return dq, dk, dv, None
+
+
+def backward_dkv(q, k, v, bias, mask, out, lse, dout, dlse, config):
+  """As :func:`backward`, with dK/dV written by cuDNN into one stacked
+  ``(2, B, S, K, H)`` buffer (the ring's wire layout): no stacking copy."""
+  dq, dkv = _backward(q, k, v, bias, mask, out, lse, dout, dlse, config,
+                      stack=True)
+  return dq, dkv, None
+
+
+def _backward(q, k, v, bias, mask, out, lse, dout, dlse, config, stack):
+  """(dq, dK/dV): a stacked (2, B, S, K, H) array if ``stack``, else a
+  (dk, dv) pair."""
+  pack = (lambda dk, dv: jnp.stack([dk, dv])) if stack else (
+      lambda dk, dv: (dk, dv))
+  # No lse-cotangent input in cuDNN's backward; other options as forward.
+  if dlse is not None or unsupported(config, q, k, bias, mask):
+    dq, dk, dv, _ = xla.backward(q, k, v, bias, mask, out, lse, dout,
+                                         dlse, config)
+    return dq, pack(dk, dv)
+  b, t, _, _ = q.shape
+  s = k.shape[1]
+  bnd = band(config, mask.q_offset, mask.kv_offset, t, s)
+  if bnd.empty:
+    return jnp.zeros_like(q), pack(jnp.zeros_like(k), jnp.zeros_like(v))
+  if mask.q_segment_ids is not None:
+    docs, bnd = packed.packed_slots(config, mask, bnd)
+    dq, dk, dv = jax.lax.cond(
+        docs.fits,
+        lambda: packed.packed_backward(q, k, v, docs, out, lse, dout, config, bnd),
+        lambda: xla.backward(q, k, v, None, mask, out, lse, dout,
+                                     None, config)[:3])
+    return dq, pack(dk, dv)
+  seq_q, seq_kv, padding = window_lengths(mask, bnd, b, t, s)
+  stats = jnp.swapaxes(lse[:, bnd.row_start:], 1, 2).astype(jnp.float32)
+  grads = (jax.ShapeDtypeStruct((2,) + k.shape, k.dtype),) if stack else (
+      jax.ShapeDtypeStruct(k.shape, k.dtype),
+      jax.ShapeDtypeStruct(v.shape, v.dtype))
+  dq, *dkv = sdpa(
+      "jax_ring_sdpa_bwd_dkv" if stack else "jax_ring_sdpa_bwd",
+      (jax.ShapeDtypeStruct(q.shape, q.dtype),) + grads,
+      q, k, v, out, stats, dout, seq_q, seq_kv, *no_ragged(),
+      **attrs(config, bnd, padding))
+  dkv = dkv[0] if stack else tuple(dkv)
+  if rows_may_be_empty(bnd, padding, t, s):
+    dq = jnp.where(row_valid(bnd, seq_q, seq_kv, t)[:, :, None, None], dq, 0)
+  if padding or bnd.col_start:
+    keep = col_valid(bnd, seq_kv, s)[:, :, None, None]
+    dkv = jax.tree.map(lambda x: jnp.where(keep, x, 0), dkv)
+  return dq, dkv
+
+
+def unsupported(config, query, key, bias, mask) -> str | None:
+  """Why cuDNN cannot serve this call, or None."""
+  if jax.default_backend() != "gpu":
+    return f"platform {jax.default_backend()!r} (cuDNN needs an NVIDIA GPU)"
+  if query.dtype not in (jnp.bfloat16, jnp.float16):
+    return (f"dtype {query.dtype} (cuDNN takes bfloat16 or float16; float32 "
+            "runs on implementation='xla')")
+  h = query.shape[-1]
+  if h % 8 or h > 256:
+    return f"head_dim {h} (cuDNN needs a multiple of 8, at most 256)"
+  for name, value in (("bias", bias), ("mask", mask.dense)):
+    if value is not None:
+      return name
+  for name in ("q_offset", "kv_offset"):
+    if not isinstance(getattr(mask, name), (int, np.integer)):
+      return f"a traced {name} (cuDNN's diagonal is fixed when it compiles)"
+  if mask.q_segment_ids is not None:
+    why = packed.unsupported_ids(config, query, key, mask)
+    if why:
+      return why
+  if config.logits_soft_cap is not None:
+    t, s = query.shape[1], key.shape[1]
+    bnd = band(config, mask.q_offset, mask.kv_offset, t, s)
+    if needs_padding(mask, bnd, t, s):
+      return ("logits_soft_cap with padding lengths (cuDNN's score modifier "
+              "excludes its padding mask)")
+  return None
+
+
+if LOAD_ERROR is None:
+  ffi.register_targets()
+  registry.register(registry.Backend("cudnn", forward, backward, unsupported,
+                                     platform="cuda",
+                                     backward_dkv=backward_dkv))

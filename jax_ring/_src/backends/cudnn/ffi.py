@@ -1,0 +1,103 @@
+"""The compiled extension ``jax_ring._cudnn`` and its three XLA FFI
+handlers, ``jax_ring_sdpa_fwd``, ``jax_ring_sdpa_bwd`` and
+``jax_ring_sdpa_bwd_dkv`` (dK/dV stacked; ``csrc/``): loading it,
+registering its targets with jax, and one traced call of a handler
+(:func:`sdpa`), whose cuDNN graph is built at trace time for the size of
+its workspace. :func:`recording` collects the calls traced inside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxlib import xla_client
+
+from jax_ring._src.backends.cudnn.band import Band
+
+try:
+  from jax_ring import _cudnn
+  LOAD_ERROR = None
+except ImportError as e:  # not built: a CPU install, or a failed build
+  _cudnn = None
+  LOAD_ERROR = str(e)
+
+
+def attrs(config, bnd: Band, padding: bool, slots: int = 0):
+  return dict(scale=np.float32(config.scale), row_start=bnd.row_start,
+              col_start=bnd.col_start, right_bound=bnd.right_bound,
+              left_bound=bnd.left_bound, padding=padding,
+              softcap=np.float32(config.logits_soft_cap or 0.0), slots=slots)
+
+
+# The cuDNN calls traced inside ``recording()`` (else None): each one's
+# handler, q/k shapes, dtype and attributes, enough to rebuild its graph.
+RECORD: list | None = None
+
+
+def sdpa(name, results, q, k, *operands, **attrs):
+  """``jax.ffi.ffi_call`` of handler ``name`` (q and k lead the operands),
+  noted in the active recording.
+
+  The call's cuDNN graph is built here, at trace time, for its workspace
+  size: XLA allocates the workspace as one more (discarded) result, so the
+  handler allocates nothing, a compiled program's memory analysis counts
+  it, and the call can be traced into a CUDA graph (command buffer)."""
+  call = dict(backward=name.startswith("jax_ring_sdpa_bwd"), q=q.shape,
+              k=k.shape, dtype=jnp.dtype(q.dtype).name,
+              **{a: x.item() if hasattr(x, "item") else x
+                 for a, x in attrs.items()})
+  if RECORD is not None:
+    RECORD.append(call)
+  workspace = jax.ShapeDtypeStruct((workspace_bytes(call),), jnp.uint8)
+  return jax.ffi.ffi_call(name, (*results, workspace))(q, k, *operands,
+                                                        **attrs)[:-1]
+
+
+@contextlib.contextmanager
+def recording():
+  """Collect the cuDNN calls traced inside (a list of dicts, for
+  :func:`workspace_bytes`). Tracing happens once per input shapes: call
+  ``jax.clear_caches()`` first to see a function traced before."""
+  global RECORD
+  outer, RECORD = RECORD, []
+  try:
+    yield RECORD
+  finally:
+    RECORD = outer
+
+
+def workspace_bytes(call: dict, device: int = 0) -> int:
+  """cuDNN's workspace for one recorded call, from its graph (built and
+  cached as at run time, on local GPU ``device``)."""
+  if _cudnn is None:
+    raise RuntimeError(f"the cuDNN extension is not loaded: {LOAD_ERROR}")
+  (b, t, n, h), (_, s, k, _) = call["q"], call["k"]
+  return _cudnn.workspace_bytes(
+      call["backward"], call["dtype"] == "bfloat16", device, b, t, s, n, k,
+      h, call["slots"], call["row_start"], call["col_start"],
+      call["right_bound"], call["left_bound"], call["padding"],
+      call["scale"], call["softcap"])
+
+
+def no_ragged():
+  """Placeholder ragged-offset operands of an unpacked call (built at trace
+  time: creating arrays at import would start jax's backends)."""
+  return (jnp.zeros((1,), jnp.int32),) * 2
+
+
+def version() -> int | None:
+  """cuDNN's version as the extension reports it; None when not loaded."""
+  return None if _cudnn is None else _cudnn.cudnn_version()
+
+
+def register_targets() -> None:
+  """Register the handlers with jax (CUDA), once the extension loaded.
+  Stages: "initialize" builds the handle and plan before XLA runs or
+  records the program; "execute" launches cuDNN, and may be traced into a
+  command buffer (it allocates nothing and never syncs)."""
+  traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+  for name, stages in _cudnn.registrations().items():
+    jax.ffi.register_ffi_target(name, stages, platform="CUDA", traits=traits)

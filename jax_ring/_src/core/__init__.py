@@ -1,0 +1,6 @@
+"""The block-kernel contract, below every other layer: the static
+configuration (``config``), the runtime mask operands (``mask``), the
+primitives that dispatch one block to a backend (``kernel``), the backend
+registry (``registry``), argument checks (``validate``) and shard_map's
+varying-axes bookkeeping (``vma``). Nothing here imports a backend, a
+strategy or anything above them."""

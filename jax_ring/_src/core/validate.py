@@ -1,0 +1,378 @@
+"""Trace-time validators. Each raises ``ValueError`` naming the argument and
+the shapes involved; each message is pinned by a unit test."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ring._src.core.config import (IMPLEMENTATIONS, KV_SENDS, LOAD_BALANCES,
+                                  STRATEGIES, ContextParallel)
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
+                jnp.dtype(jnp.float16))
+
+
+def qkv(query, key, value) -> None:
+  """Layout ``q (B, T, N, H)``, ``k, v (B, S, K, H)``, one float dtype.
+  T, S and B may be 0 (the output is then empty or zero); heads and
+  head_dim may not."""
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if x.ndim != 4:
+      raise ValueError(
+          f"{name} must have rank 4 (B, T, N, H) or 3 (T, N, H); got shape "
+          f"{tuple(x.shape)}")
+  if key.shape != value.shape:
+    raise ValueError(f"key and value must have the same shape; got key "
+                     f"{tuple(key.shape)} and value {tuple(value.shape)}")
+  if query.shape[0] != key.shape[0] or query.shape[3] != key.shape[3]:
+    raise ValueError(
+        f"query and key must agree on batch (dim 0) and head_dim (dim 3); got "
+        f"query {tuple(query.shape)} and key {tuple(key.shape)}")
+  n, k, h = query.shape[2], key.shape[2], query.shape[3]
+  if not (n and k and h):
+    raise ValueError(
+        f"query heads, key/value heads and head_dim must be positive; got "
+        f"query {tuple(query.shape)} and key {tuple(key.shape)}")
+  if n % k:
+    raise ValueError(
+        f"query heads ({n}) must be divisible by key/value heads ({k}); got "
+        f"query {tuple(query.shape)} and key {tuple(key.shape)}")
+  dtypes = (query.dtype, key.dtype, value.dtype)
+  if len(set(dtypes)) != 1:
+    raise ValueError(
+        f"query, key and value must have one dtype; got query {query.dtype}, "
+        f"key {key.dtype}, value {value.dtype}")
+  if query.dtype not in FLOAT_DTYPES:
+    raise ValueError(
+        f"query, key and value must be float32, bfloat16 or float16; got "
+        f"{query.dtype}")
+
+
+def window(local_window_size, q_len: int | None, kv_len: int | None):
+  """``int | (left, right) | None`` -> ``(left, right) | None`` for global
+  lengths T = ``q_len`` and S = ``kv_len``.
+
+  A side at least as long as the sequence bounds nothing (``left >= T - 1``
+  or ``right >= S - 1``) and is clamped there, so windows of any size stay
+  exact in int32 position arithmetic; a window that bounds neither side is
+  ``None``. Lengths None: only the form is checked.
+  """
+  if local_window_size is None:
+    return None
+  pair = local_window_size
+  if _is_int(pair):
+    pair = (pair, pair)
+  ok = (isinstance(pair, (tuple, list)) and len(pair) == 2 and
+        all(_is_int(w) and w >= 0 for w in pair))
+  if not ok:
+    raise ValueError(
+        "local_window_size must be a non-negative int or a (left, right) pair "
+        f"of non-negative ints; got {local_window_size!r}")
+  if q_len is None or kv_len is None:
+    return int(pair[0]), int(pair[1])
+  most = (max(q_len - 1, 0), max(kv_len - 1, 0))
+  if all(int(w) >= m for w, m in zip(pair, most)):
+    return None
+  return tuple(min(int(w), m) for w, m in zip(pair, most))
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _number(name, x) -> float | None:
+  """A Python or NumPy real scalar, or a concrete 0-d array, as a float.
+  The option is static (it shapes the compiled program), so a traced value
+  is a ``TypeError``."""
+  if x is None:
+    return None
+  if isinstance(x, jax.core.Tracer):
+    raise TypeError(
+        f"{name} must be a concrete number: it is compiled into the program; "
+        f"got a traced {x.dtype} array of shape {tuple(x.shape)} (pass it "
+        "as a static argument of jax.jit, or close over it)")
+  if isinstance(x, bool) or not (
+      isinstance(x, (int, float, np.integer, np.floating)) or
+      (hasattr(x, "shape") and np.shape(x) == () and
+       np.issubdtype(np.asarray(x).dtype, np.number) and
+       not np.issubdtype(np.asarray(x).dtype, np.complexfloating))):
+    raise TypeError(f"{name} must be a real number; got {x!r}")
+  return float(x)
+
+
+def scalar_options(scale, logits_soft_cap) -> tuple[float | None,
+                                                     float | None]:
+  """``(scale, logits_soft_cap)`` as floats (None where not given)."""
+  scale = _number("scale", scale)
+  cap = _number("logits_soft_cap", logits_soft_cap)
+  if scale is not None and not math.isfinite(scale):
+    raise ValueError(f"scale must be finite; got {scale!r}")
+  if cap is not None and not (cap > 0 and math.isfinite(cap)):
+    raise ValueError(
+        f"logits_soft_cap must be a positive finite number; got {cap!r}")
+  return scale, cap
+
+
+def implementation(impl) -> None:
+  if impl is not None and impl not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be None or one of "
+                     f"{IMPLEMENTATIONS}; got {impl!r}")
+
+
+def broadcastable(name, x, target):
+  """``bias``/``mask`` of rank <= 4, broadcastable to ``(B, N, T, S)`` once
+  leading 1s are added (as ``jax.nn`` does); returns it 4-D."""
+  if x.ndim <= 4:
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  if x.ndim != 4 or any(d not in (1, t) for d, t in zip(x.shape, target)):
+    raise ValueError(
+        f"{name} must be broadcastable to (B, N, T, S) = {tuple(target)}, "
+        f"with leading dims added as needed; got shape {tuple(x.shape)}")
+  return x
+
+
+def bool_mask(mask) -> None:
+  if mask.dtype != jnp.bool_:
+    raise ValueError(
+        f"mask must be a boolean array (True = attend); got dtype {mask.dtype}"
+        f" with shape {tuple(mask.shape)}. Pass additive masks as bias.")
+
+
+def seq_lengths(name, lengths, batch) -> None:
+  if lengths.ndim != 1 or lengths.shape[0] != batch or not jnp.issubdtype(
+      lengths.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an int array of shape (B,) = "
+                     f"({batch},); got {lengths.dtype} {tuple(lengths.shape)}")
+
+
+def segment_ids(ids, q_shape, kv_shape):
+  """``(B, T)`` array (needs T == S) or a ``(q_ids, kv_ids)`` pair."""
+  b, t = q_shape[:2]
+  s = kv_shape[1]
+  if isinstance(ids, (tuple, list)):
+    if len(ids) != 2:
+      raise ValueError(f"segment_ids pair must be (q_ids, kv_ids); got "
+                       f"{len(ids)} items")
+    q_ids, kv_ids = (jnp.asarray(x) for x in ids)
+  else:
+    q_ids = kv_ids = jnp.asarray(ids)
+  expect = f"(B, T) = {(b, t)} for queries and (B, S) = {(b, s)} for keys"
+  for x, want in ((q_ids, (b, t)), (kv_ids, (b, s))):
+    if tuple(x.shape) != want or not jnp.issubdtype(x.dtype, jnp.integer):
+      got = (f"{q_ids.dtype} {tuple(q_ids.shape)} and {kv_ids.dtype} "
+             f"{tuple(kv_ids.shape)}")
+      raise ValueError(f"segment_ids must be int arrays of shape {expect}; "
+                       f"got {got}")
+  return q_ids, kv_ids
+
+
+def mesh_axis(axis_name) -> int:
+  """Size of ``axis_name``, which must be bound (inside shard_map)."""
+  try:
+    return int(jax.lax.axis_size(axis_name))
+  except NameError:
+    raise ValueError(
+        f"axis_name {axis_name!r} is not a mesh axis bound here: call "
+        "this strategy inside shard_map over a mesh with that axis") from None
+
+
+def ulysses_heads(num_heads: int, axis_name: str, cp_size: int) -> None:
+  """Ulysses splits query heads over the axis: N % cp == 0."""
+  if num_heads % cp_size:
+    raise ValueError(
+        f"ulysses_attention splits query heads over axis {axis_name!r}: query "
+        f"heads ({num_heads}) must be divisible by its size ({cp_size})")
+
+
+def kv_chunk_heads(kv_chunk_heads, kv_heads: int) -> None:
+  """``kv_chunk_heads``: None, or a positive int dividing the kv heads."""
+  if kv_chunk_heads is None:
+    return
+  if (not _is_int(kv_chunk_heads) or kv_chunk_heads < 1 or
+      kv_heads % kv_chunk_heads):
+    raise ValueError(
+        f"kv_chunk_heads must be None or a positive int dividing the "
+        f"key/value heads ({kv_heads}); got {kv_chunk_heads!r}")
+
+
+def ring_choices(load_balance, loop, kv_sends=None) -> None:
+  if load_balance is not None and load_balance not in LOAD_BALANCES:
+    raise ValueError(f"load_balance must be None, 'dual_chunk' or 'striped'; "
+                     f"got {load_balance!r}")
+  if loop not in (None, "scan", "unrolled"):
+    raise ValueError(f"loop must be None, 'scan' or 'unrolled'; got {loop!r}")
+  if kv_sends is not None and kv_sends not in KV_SENDS:
+    raise ValueError(f"kv_sends must be None or one of {KV_SENDS}; got "
+                     f"{kv_sends!r}")
+
+
+def strategy_layout(strategy: str, load_balance) -> None:
+  """All-gather computes contiguous chunk ranges: no striped layout."""
+  if strategy == "all_gather" and load_balance == "striped":
+    raise ValueError(
+        "strategy 'all_gather' does not support load_balance='striped' (each "
+        "device's calls are contiguous key ranges); use 'dual_chunk' or None")
+
+
+def self_attention(strategy: str, q_shape, k_shape) -> None:
+  """The ring and the all-gather place keys by the queries' positions: they
+  serve T == S only (context parallelism's self-attention). Ulysses
+  gathers whole sequences and serves any T, S."""
+  if q_shape[1] != k_shape[1] and strategy != "ulysses":
+    raise ValueError(
+        f"strategy {strategy!r} needs the query and key sequences equally "
+        f"long (self-attention); got query {tuple(q_shape)} and key "
+        f"{tuple(k_shape)}. Use strategy 'ulysses' for T != S")
+
+
+def ring_options(load_balance, loop, local_len, cp_size,
+                 kv_sends=None) -> None:
+  """Layout and loop of local shards of ``local_len`` tokens on cp_size
+  devices. ``"striped"`` needs only S % cp_size == 0, which local shards
+  already are; ``"dual_chunk"`` also needs an even local length."""
+  ring_choices(load_balance, loop, kv_sends)
+  if load_balance == "dual_chunk" and local_len % 2:
+    raise ValueError(
+        f"load_balance='dual_chunk' needs the global sequence length "
+        f"({local_len * cp_size}) divisible by 2 * cp_size = {2 * cp_size}; "
+        f"the local query length is {local_len}")
+
+
+def context_parallel(cp, query, key, *, bias, mask, return_residual):
+  """What the automatic context-parallel path serves, on the mesh in scope
+  (returned): every check that the partition rule would make, made here
+  at trace time, so that it surfaces as a ``ValueError``."""
+  cp_fields(cp, key.shape[2])
+  unsupported = [name for name, value in (("bias", bias), ("mask", mask))
+                 if value is not None]
+  if return_residual:
+    unsupported.append("return_residual")
+  if unsupported:
+    raise ValueError(
+        f"context_parallel does not support {', '.join(unsupported)}: they "
+        f"are not sharded along the sequence; got query "
+        f"{tuple(query.shape)}, key {tuple(key.shape)}")
+  mesh = mesh_axes(cp, query)
+  sizes = {a: mesh.shape[a] for a in mesh.axis_names}
+  cp_shapes(cp, sizes, query.shape, key.shape, query.shape[2])
+  return mesh
+
+
+def cp_fields(cp, kv_heads: int) -> None:
+  """A ``ContextParallel`` whose fields are each a valid choice."""
+  if not isinstance(cp, ContextParallel):
+    raise ValueError(f"context_parallel must be a jax_ring.ContextParallel; "
+                     f"got {cp!r}")
+  if cp.strategy not in STRATEGIES:
+    raise ValueError(f"context_parallel.strategy must be one of "
+                     f"{STRATEGIES}; got {cp.strategy!r}")
+  pair = (isinstance(cp.axis, tuple) and len(cp.axis) == 2 and
+          all(isinstance(a, str) for a in cp.axis) and cp.axis[0] != cp.axis[1])
+  if cp.strategy in ("hybrid", "auto") and cp.is_hybrid:
+    if not pair:
+      raise ValueError(f"context_parallel.axis must be one axis name or a "
+                       f"pair (ulysses_axis, ring_axis) of distinct axis "
+                       f"names; got {cp.axis!r}")
+  elif cp.strategy == "hybrid":
+    raise ValueError(f"context_parallel.axis must be a pair (ulysses_axis, "
+                     f"ring_axis) of distinct axis names for strategy "
+                     f"'hybrid'; got {cp.axis!r}")
+  elif not isinstance(cp.axis, str):
+    raise ValueError(f"context_parallel.axis must be one axis name for "
+                     f"strategy {cp.strategy!r}; got {cp.axis!r}")
+  ring_choices(cp.load_balance, cp.loop, cp.kv_sends)
+  kv_chunk_heads(cp.kv_chunk_heads, kv_heads)
+
+
+def explain_args(query_shape, key_shape, cp_size, dtype_bytes, cp) -> dict:
+  """``explain``'s arguments, checked as the call they describe checks its
+  own; returns the axis sizes (``cp_size``: one size, or a (ulysses, ring)
+  pair of sizes for a pair of axes)."""
+  shapes_ok = all(
+      isinstance(x, (tuple, list)) and len(x) == 4 and
+      all(_is_int(d) and d >= 0 for d in x) for x in (query_shape, key_shape))
+  if not shapes_ok:
+    raise ValueError(f"query_shape and key_shape must be (B, T, N, H) and "
+                     f"(B, S, K, H) tuples of non-negative ints; got "
+                     f"{query_shape!r} and {key_shape!r}")
+  as_array = lambda shape: jax.ShapeDtypeStruct(tuple(shape), jnp.bfloat16)
+  qkv(as_array(query_shape), as_array(key_shape), as_array(key_shape))
+  if dtype_bytes not in (2, 4) or isinstance(dtype_bytes, bool):
+    raise ValueError(f"dtype_bytes must be 2 (bfloat16, float16) or 4 "
+                     f"(float32); got {dtype_bytes!r}")
+  cp_fields(cp, key_shape[2])
+  axes = cp.axes
+  sizes = cp_size if isinstance(cp_size, (tuple, list)) else (cp_size,)
+  if len(sizes) != len(axes) or not all(_is_int(c) and c > 0 for c in sizes):
+    want = ("a pair of positive ints (ulysses, ring) for the axes "
+            f"{cp.axis!r}" if len(axes) == 2 else "a positive int")
+    raise ValueError(f"cp_size must be {want}; got {cp_size!r}")
+  sizes = dict(zip(axes, map(int, sizes)))
+  cp_shapes(cp, sizes, query_shape, key_shape, query_shape[2])
+  return sizes
+
+
+def cp_shapes(cp, sizes, q_shape, k_shape, local_heads) -> None:
+  """Global shapes ``q_shape``/``k_shape`` against ``cp`` (a
+  ``ContextParallel``) on a mesh of axis ``sizes``: divisibility, layout,
+  Ulysses' heads, self-attention. ``auto`` is held to what its candidates
+  share (a pair of axes: hybrid's checks)."""
+  strategy = cp.strategy
+  if strategy == "auto" and cp.is_hybrid:
+    strategy = "hybrid"
+  total = math.prod(sizes[a] for a in cp.axes)
+  for name, shape in (("query", q_shape), ("key", k_shape)):
+    if shape[1] % total:
+      raise ValueError(
+          f"context_parallel: the sequence length of {name} "
+          f"{tuple(shape)} must be divisible by the {cp.axis!r} axis size "
+          f"{total}")
+  strategy_layout(strategy, cp.load_balance)
+  if strategy == "auto" and q_shape[1] != k_shape[1]:
+    strategy = "ulysses"  # its one candidate for T != S
+  self_attention(strategy, q_shape, k_shape)
+  if strategy in ("ulysses", "hybrid"):
+    ulysses_heads(local_heads, cp.ulysses_axis, sizes[cp.ulysses_axis])
+  ring_cp = sizes[cp.ring_axis] if strategy == "hybrid" else total
+  ring_options(cp.load_balance, cp.loop, q_shape[1] // ring_cp, ring_cp,
+               cp.kv_sends)
+
+
+def mesh_in_scope(x):
+  """The mesh that a call on ``x`` runs on, as far as tracing can see it:
+  the one of ``jax.set_mesh``, else the one ``x``'s sharding names (arrays
+  placed with a ``NamedSharding`` carry it in their type)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", mesh)
+    if mesh.empty and not isinstance(x, jax.core.Tracer):
+      mesh = getattr(getattr(x, "sharding", None), "mesh", mesh)
+  return mesh
+
+
+def mesh_axes(cp, query):
+  """The mesh in scope, on which the context-parallel axis (or both axes of
+  a hybrid pair) exist. Without this check a wrong name fails inside XLA's
+  partitioner, and a call with no mesh at all runs on one device, silently
+  without context parallelism."""
+  mesh = mesh_in_scope(query)
+  axis, names = cp.axis, cp.axes
+  if mesh.empty:
+    raise ValueError(
+        f"context_parallel.axis {axis!r} needs a mesh, and none is in scope: "
+        f"query {tuple(query.shape)} is not placed on a mesh and no "
+        f"jax.set_mesh is active; shard q, k, v's sequence dimension over "
+        f"{axis!r} with a NamedSharding, or call under jax.set_mesh(mesh)")
+  missing = [a for a in names if a not in mesh.axis_names]
+  if missing:
+    raise ValueError(
+        f"context_parallel.axis {axis!r}: {', '.join(map(repr, missing))} "
+        f"is not an axis of the mesh in scope, whose axes are "
+        f"{tuple(mesh.axis_names)} (sizes {tuple(mesh.axis_sizes)}); got "
+        f"query {tuple(query.shape)}")
+  return mesh
