@@ -32,7 +32,7 @@ def shape_args(parser, seq):
 def ring_args(parser):
   """The ring's tuning flag ``--kv-sends``; read it back as
   ``ring_attention`` keywords with :func:`ring_kwargs`."""
-  from jax_ring._src.config import KV_SENDS
+  from jax_ring._src.core.config import KV_SENDS
   parser.add_argument("--kv-sends", default=None, choices=KV_SENDS,
                       help="default: jax_ring's (gather up to 2 GiB)")
 
@@ -111,9 +111,9 @@ def environment():
              jax=jax.__version__, jax_ring=jax_ring.__version__,
              pgle=bool(jax.config.jax_enable_pgle))
   try:
-    from jax_ring._src import cudnn
-    if cudnn._cudnn is not None:
-      env["cudnn"] = int(cudnn._cudnn.cudnn_version())
+    from jax_ring._src.backends import cudnn
+    if cudnn.version() is not None:
+      env["cudnn"] = int(cudnn.version())
   except Exception:  # pragma: no cover - informational only
     pass
   return env

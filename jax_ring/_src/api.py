@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ring._src import backends, kernel, layout, partition, validate
-from jax_ring._src import cudnn  # noqa: F401  (registers cuDNN when built)
-from jax_ring._src.config import (AttentionConfig, ContextParallel,
-                                  loop_from_environment)
-from jax_ring._src.mask import BlockMask, TokenMask
-from jax_ring._src.xla_backend import MASK_VALUE
+from jax_ring._src import partition
+from jax_ring._src.core import kernel, registry, validate
+from jax_ring._src.core.config import AttentionConfig, ContextParallel
+from jax_ring._src.core.mask import MASK_VALUE, BlockMask, TokenMask
+from jax_ring._src.strategies import layout
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *,
@@ -98,10 +96,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     mesh = validate.context_parallel(
         context_parallel, query, key, bias=bias, mask=mask,
         return_residual=return_residual)
-    tm = TokenMask(q_segment_ids=q_ids,
-                   kv_segment_ids=None if kv_ids is q_ids else kv_ids,
-                   q_lengths=query_seq_lengths,
-                   kv_lengths=key_value_seq_lengths).as_int32()
+    tm = TokenMask.of(q_ids, kv_ids, query_seq_lengths,
+                      key_value_seq_lengths)
     return unbatch(_context_parallel(query, key, value, tm, config,
                                      context_parallel, mesh, implementation))
   block_mask = BlockMask(q_segment_ids=q_ids, kv_segment_ids=kv_ids,
@@ -111,7 +107,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     out, lse = (jnp.zeros(query.shape, query.dtype),
                 jnp.full(query.shape[:3], MASK_VALUE, jnp.float32))
   else:
-    config = config.replace(implementation=backends.resolve(
+    config = config.replace(implementation=registry.resolve(
         implementation, config, query, key, bias, block_mask))
     out, lse = kernel.attention(query, key, value, bias, block_mask, config)
   out, lse = unbatch(out), unbatch(lse)
@@ -123,15 +119,14 @@ def _context_parallel(query, key, value, tm: TokenMask,
                       implementation):
   """``partition.attention`` of global arrays on ``mesh`` (validated), the
   same eagerly and under ``jax.jit``, on Auto and Explicit mesh axes."""
-  # The loop form is read from the environment here, at the edge, once.
-  cp = dataclasses.replace(cp, loop=cp.loop or loop_from_environment())
+  cp = cp.with_environment()
   # The backend is resolved on each shard (partition.py): its limits are
   # per call. A request is checked here, on a one-token block, so that
   # what does not depend on the length fails at trace time.
   if implementation is not None:
     one = lambda x: jax.ShapeDtypeStruct(x.shape[:1] + (1,) + x.shape[2:],
                                          x.dtype)
-    backends.resolve(implementation, config, one(query), one(key), None,
+    registry.resolve(implementation, config, one(query), one(key), None,
                      tm.block_mask())
   config = config.replace(implementation=implementation)
   if 0 in query.shape[:2] + key.shape[1:2]:  # as on one device
@@ -139,7 +134,7 @@ def _context_parallel(query, key, value, tm: TokenMask,
 
   # The sequence goes to the context axes (hybrid: ring-major) whatever the
   # arrays' placement: the partition rule needs a mesh with those axes.
-  seq = cp.axis[::-1] if isinstance(cp.axis, tuple) else cp.axis
+  seq = cp.sequence_axes
   u = P.UNCONSTRAINED
 
   def call(q, k, v, tm):

@@ -52,9 +52,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_ring._src import layout
+from jax_ring._src.strategies import layout
 from jax_ring._src.api import dot_product_attention
-from jax_ring._src.config import ContextParallel
+from jax_ring._src.core.config import ContextParallel
 
 BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM, EMBED = (
     "batch", "length", "heads", "kv_heads", "head_dim", "embed")
@@ -170,7 +170,7 @@ class AttentionLayerConfig:
     if self.rules:
       cp = self.context_parallel
       length = dict(self.rules)[LENGTH]
-      if cp is not None and _axis_set(length) != _axis_set(cp.axis):
+      if cp is not None and _axis_set(length) != _axis_set(cp.axes):
         raise ValueError(
             f"rules map 'length' to {length!r} but context_parallel.axis is "
             f"{cp.axis!r}; the sequence must be sharded over the context "

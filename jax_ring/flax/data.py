@@ -24,8 +24,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ring._src.config import ContextParallel, LoadBalance
-from jax_ring._src.layout import reorder_for_load_balance
+from jax_ring._src.core.config import ContextParallel, LoadBalance
+from jax_ring._src.strategies.layout import reorder_for_load_balance
 
 
 @jax.tree_util.register_dataclass
@@ -143,12 +143,11 @@ def reorder_size(context_parallel: ContextParallel | None,
                  mesh: jax.sharding.Mesh) -> int:
   """The ``cp_size`` a ``ContextParallel``'s layout is built for: the size of
   its axis, or for ``"hybrid"`` (axis = (ulysses, ring)) of the ring axis
-  (the load balance is a ring-level choice; see ``jax_ring._src.hybrid``).
+  (the load balance is a ring-level choice; see ``jax_ring._src.strategies.hybrid``).
   1 without context parallelism."""
   if context_parallel is None:
     return 1
-  axis = context_parallel.axis
-  return mesh.shape[axis[1] if isinstance(axis, tuple) else axis]
+  return mesh.shape[context_parallel.ring_axis]
 
 
 def prepare_lm_batch(tokens, segment_ids=None, *, mesh: jax.sharding.Mesh,

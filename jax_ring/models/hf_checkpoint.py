@@ -1,5 +1,5 @@
 """Hugging Face checkpoints (``config.json`` plus ``*.safetensors``) in and out
-of :class:`~jax_ring._src.llama.Llama`.
+of :class:`~jax_ring.models.llama.Llama`.
 
 Loading checks every tensor's file, dtype and shape from the safetensors
 headers before it reads any data, then places each tensor on the mesh as it
@@ -31,8 +31,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jax_ring._src.flax_attention import Llama3RopeScaling
-from jax_ring._src.llama import Llama, LlamaConfig
+from jax_ring.flax.attention import Llama3RopeScaling
+from jax_ring.models.llama import Llama, LlamaConfig
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"

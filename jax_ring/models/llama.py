@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_ring._src.config import ContextParallel
-from jax_ring._src.flax_attention import (EMBED, Attention,
+from jax_ring._src.core.config import ContextParallel
+from jax_ring.flax.attention import (EMBED, Attention,
                                           AttentionLayerConfig,
                                           Llama3RopeScaling, constrain,
                                           logical_rules, sharded_param)

@@ -1,0 +1,21 @@
+"""Type stub of the compiled extension ``jax_ring._cudnn`` (``csrc/ffi.cc``):
+the cuDNN fused-attention XLA FFI handlers, built with
+``JAX_RING_CUDNN=ON pip install``."""
+
+from typing import Any
+
+def registrations() -> dict[str, dict[str, Any]]:
+  """``{target: {"initialize": capsule, "execute": capsule}}`` for
+  ``jax.ffi.register_ffi_target``: ``jax_ring_sdpa_fwd``,
+  ``jax_ring_sdpa_bwd`` and ``jax_ring_sdpa_bwd_dkv``."""
+
+def cudnn_version() -> int:
+  """The version of the cuDNN library loaded (e.g. 91900 for 9.19.0)."""
+
+def workspace_bytes(backward: bool, bf16: bool, device: int, b: int, t: int,
+                    s: int, n: int, k: int, h: int, slots: int,
+                    row_start: int, col_start: int, right_bound: int,
+                    left_bound: int, padding: bool, scale: float,
+                    softcap: float) -> int:
+  """The workspace of one call's cuDNN graph, built and cached on local GPU
+  ``device`` as for a run; raises ``RuntimeError`` if cuDNN rejects it."""
