@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,7 @@ from jax_ring._src import partition
 from jax_ring._src.core import kernel, registry, validate
 from jax_ring._src.core.config import AttentionConfig, ContextParallel
 from jax_ring._src.core.mask import MASK_VALUE, BlockMask, TokenMask
-from jax_ring._src.strategies import layout
+from jax_ring._src.strategies import base, layout
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *,
@@ -64,54 +63,55 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
   """
   q_rank = jnp.ndim(query)
   query, key, value = (_batched(x) for x in (query, key, value))
-  validate.qkv(query, key, value)
-  scale, logits_soft_cap = validate.scalar_options(scale, logits_soft_cap)
-  validate.implementation(implementation)
-  b, t, n, h = query.shape
-  s = key.shape[1]
-  window = validate.window(local_window_size, t, s)
-  target = (b, n, t, s)
-  if bias is not None:
-    bias = validate.broadcastable("bias", jnp.asarray(bias), target)
-    bias = _broadcast_ts(bias, t, s)
-  dense = None
-  if mask is not None:
-    dense = jnp.asarray(mask)
-    validate.bool_mask(dense)
-    dense = _broadcast_ts(validate.broadcastable("mask", dense, target), t, s)
-  for name, lengths in (("query_seq_lengths", query_seq_lengths),
-                        ("key_value_seq_lengths", key_value_seq_lengths)):
-    if lengths is not None:
-      validate.seq_lengths(name, jnp.asarray(lengths), b)
-  q_ids = kv_ids = None
-  if segment_ids is not None:
-    q_ids, kv_ids = validate.segment_ids(segment_ids, query.shape, key.shape)
-
-  config = AttentionConfig(
-      scale=1.0 / math.sqrt(h) if scale is None else scale,
-      is_causal=bool(is_causal), local_window=window,
-      logits_soft_cap=logits_soft_cap)
+  tm, config = base.prepare(
+      query, key, value, segment_ids=segment_ids,
+      lengths=(query_seq_lengths, key_value_seq_lengths),
+      local_window_size=local_window_size, is_causal=is_causal, scale=scale,
+      logits_soft_cap=logits_soft_cap, implementation=implementation,
+      cp_size=1)
+  bias, dense = _bias_and_mask(bias, mask, query.shape, key.shape)
   unbatch = (lambda x: x[0]) if q_rank == 3 else (lambda x: x)
   if context_parallel is not None:
     mesh = validate.context_parallel(
         context_parallel, query, key, bias=bias, mask=mask,
         return_residual=return_residual)
-    tm = TokenMask.of(q_ids, kv_ids, query_seq_lengths,
-                      key_value_seq_lengths)
     return unbatch(_context_parallel(query, key, value, tm, config,
                                      context_parallel, mesh, implementation))
-  block_mask = BlockMask(q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-                         q_lengths=query_seq_lengths,
-                         kv_lengths=key_value_seq_lengths, dense=dense)
-  if 0 in (b, t, s):  # nothing to attend: fully masked rows, or no rows
-    out, lse = (jnp.zeros(query.shape, query.dtype),
-                jnp.full(query.shape[:3], MASK_VALUE, jnp.float32))
-  else:
-    config = config.replace(implementation=registry.resolve(
-        implementation, config, query, key, bias, block_mask))
-    out, lse = kernel.attention(query, key, value, bias, block_mask, config)
+  out, lse = _one_device(query, key, value, bias, dense, tm, config)
   out, lse = unbatch(out), unbatch(lse)
   return (out, lse) if return_residual else out
+
+
+def _bias_and_mask(bias, mask, q_shape, k_shape):
+  """``bias`` and the boolean ``mask``, checked broadcastable to ``(B, N,
+  T, S)`` and materialised along T and S (the blockwise tiles slice them);
+  None stays None."""
+  (b, t, n, _), s = q_shape, k_shape[1]
+  if bias is not None:
+    bias = validate.broadcastable("bias", jnp.asarray(bias), (b, n, t, s))
+    bias = _broadcast_ts(bias, t, s)
+  if mask is not None:
+    mask = jnp.asarray(mask)
+    validate.bool_mask(mask)
+    mask = _broadcast_ts(validate.broadcastable("mask", mask, (b, n, t, s)),
+                         t, s)
+  return bias, mask
+
+
+def _one_device(query, key, value, bias, dense, tm: TokenMask,
+                config: AttentionConfig):
+  """``(out, lse)`` of one block call over the whole arrays, on the backend
+  the registry picks for them."""
+  block_mask = BlockMask(q_segment_ids=tm.q_segment_ids,
+                         kv_segment_ids=tm.kv_segment_ids,
+                         q_lengths=tm.q_lengths, kv_lengths=tm.kv_lengths,
+                         dense=dense)
+  if 0 in query.shape[:2] + key.shape[1:2]:  # no rows, or no key to see
+    return (jnp.zeros(query.shape, query.dtype),
+            jnp.full(query.shape[:3], MASK_VALUE, jnp.float32))
+  config = config.replace(implementation=registry.resolve(
+      config.implementation, config, query, key, bias, block_mask))
+  return kernel.attention(query, key, value, bias, block_mask, config)
 
 
 def _context_parallel(query, key, value, tm: TokenMask,

@@ -9,6 +9,46 @@ attention (and context parallelism) by changing one argument::
           is_causal=True, context_parallel=jax_ring.ContextParallel("cp")))
 
 and the same for ``flax.linen.MultiHeadDotProductAttention``.
+
+The arguments flax passes on each call are handled as follows:
+
+==========================  ==========================================
+flax argument               what the adapter does
+==========================  ==========================================
+query, key, value           ``[batch..., T|S, N, H]``; several batch
+                            dims are flattened into one and restored
+mask                        cast to bool (flax masks are often float)
+                            and passed on; under ``context_parallel``
+                            a ``ValueError``: use ``is_causal`` /
+                            ``local_window_size`` here instead
+bias                        passed on; a ``ValueError`` under
+                            ``context_parallel``, as ``mask``
+is_causal (nnx's call)      OR'd with this ``is_causal``
+dtype, promote_dtype        q, k, v cast as flax casts them
+                            (``promote_dtype((q, k, v), dtype=dtype)``:
+                            to ``dtype`` if given, else their common
+                            float type); the output has that dtype
+dropout_rate                ``0``, or any rate with
+                            ``deterministic=True``; else ``ValueError``
+deterministic               see ``dropout_rate``
+dropout_rng,                ignored (they only matter with dropout)
+broadcast_dropout
+precision                   must be ``None`` (jax_ring picks the matmul
+                            precision: HIGHEST for float32)
+module                      must be ``None``: flax passes it only to
+                            sow the attention weights
+                            (``sow_weights=True``), which jax_ring
+                            never materialises
+force_fp32_for_softmax      accepted: the softmax is always float32
+einsum_dot_general,         must be ``None`` (they replace the einsums,
+qk_attn_weights_einsum,     e.g. AQT quantisation, which jax_ring's
+attn_weights_value_einsum   kernels do not call)
+anything else               ``TypeError`` naming it
+==========================  ==========================================
+
+(linen drops keywords that ``attention_fn``'s signature does not name, so
+a keyword that a newer linen adds never reaches this function; nnx passes
+every keyword, and an unknown one raises.)
 """
 
 from __future__ import annotations
@@ -43,50 +83,9 @@ def attention_fn(*, is_causal=False, local_window_size=None,
     batch... (B after flattening), T query length, S key length,
     N heads, H head dim
 
-  The options here are static, fixed when the module is built; the
-  arguments flax passes on each call are handled as follows:
-
-  ==========================  ==========================================
-  flax argument               what the adapter does
-  ==========================  ==========================================
-  query, key, value           ``[batch..., T|S, N, H]``; several batch
-                              dims are flattened into one and restored
-  mask                        cast to bool (flax masks are often float)
-                              and passed on; under ``context_parallel``
-                              a ``ValueError``: use ``is_causal`` /
-                              ``local_window_size`` here instead
-  bias                        passed on; a ``ValueError`` under
-                              ``context_parallel``, as ``mask``
-  is_causal (nnx's call)      OR'd with this ``is_causal``
-  dtype, promote_dtype        q, k, v cast as flax casts them
-                              (``promote_dtype((q, k, v), dtype=dtype)``:
-                              to ``dtype`` if given, else their common
-                              float type); the output has that dtype
-  dropout_rate                ``0``, or any rate with
-                              ``deterministic=True``; else ``ValueError``
-  deterministic               see ``dropout_rate``
-  dropout_rng,                ignored (they only matter with dropout)
-  broadcast_dropout
-  precision                   must be ``None`` (jax_ring picks the matmul
-                              precision: HIGHEST for float32)
-  module                      must be ``None``: flax passes it only to
-                              sow the attention weights
-                              (``sow_weights=True``), which jax_ring
-                              never materialises
-  force_fp32_for_softmax      accepted: the softmax is always float32
-  einsum_dot_general,         must be ``None`` (they replace the einsums,
-  qk_attn_weights_einsum,     e.g. AQT quantisation, which jax_ring's
-  attn_weights_value_einsum   kernels do not call)
-  anything else               ``TypeError`` naming it
-  ==========================  ==========================================
-
-  (linen drops keywords that ``attention_fn``'s signature does not name, so
-  a keyword that a newer linen adds never reaches this function; nnx passes
-  every keyword, and an unknown one raises.)
-
-  Packed documents (``segment_ids``) change per batch, and flax's modules
-  have no argument to carry them: use :class:`jax_ring.flax.Attention`, or a
-  mask on one device.
+  The options are fixed when the module is built; the module docstring
+  says how each argument flax passes is served. Packed documents have no
+  flax argument: use :class:`jax_ring.flax.Attention`.
 
   Args:
     is_causal: query ``i`` attends keys ``j <= i``, in sequence order also
@@ -133,15 +132,7 @@ def attention_fn(*, is_causal=False, local_window_size=None,
                         qk_attn_weights_einsum=qk_attn_weights_einsum,
                         attn_weights_value_einsum=attn_weights_value_einsum)
     if context_parallel is not None:
-      for name, x in (("mask", mask), ("bias", bias)):
-        if x is not None:
-          raise ValueError(
-              f"jax_ring.flax.attention_fn: {name} of shape "
-              f"{tuple(jnp.shape(x))} cannot be served under "
-              f"context_parallel (a dense {name} is not sharded along the "
-              f"sequence); call the module without {name}= and pass "
-              f"is_causal=True or local_window_size= to attention_fn "
-              f"instead")
+      _check_unsharded(mask=mask, bias=bias)
     promote = promote_dtype or dtypes.promote_dtype
     query, key, value = promote((query, key, value), dtype=dtype)
     if mask is not None:
@@ -185,6 +176,18 @@ def _check_flax_options(unknown, dropout_rate, deterministic, precision,
       raise ValueError(
           f"jax_ring.flax.attention_fn: {name} must be None (jax_ring's "
           f"kernels do their own matmuls); got {value!r}")
+
+
+def _check_unsharded(**dense):
+  """A dense mask or bias cannot be served under context parallelism."""
+  for name, x in dense.items():
+    if x is not None:
+      raise ValueError(
+          f"jax_ring.flax.attention_fn: {name} of shape "
+          f"{tuple(jnp.shape(x))} cannot be served under context_parallel "
+          f"(a dense {name} is not sharded along the sequence); call the "
+          f"module without {name}= and pass is_causal=True or "
+          f"local_window_size= to attention_fn instead")
 
 
 def _like_query(x, batch):

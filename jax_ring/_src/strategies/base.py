@@ -67,6 +67,7 @@ def run(strategy: Strategy, cpc: ContextParallel, query, key, value, *,
       local_window_size=local_window_size, is_causal=is_causal, scale=scale,
       logits_soft_cap=logits_soft_cap, implementation=implementation,
       cp_size=math.prod(sizes.values()))
+  cfg = resolve(implementation, cfg, query, key, tm)
   strategy.check(cpc, sizes, query.shape, key.shape)
   return strategy.attention(query, key, value, tm, cfg,
                             strategy.plan(cpc, sizes, "ring"))
@@ -76,7 +77,9 @@ def prepare(query, key, value, *, segment_ids, lengths, local_window_size,
             is_causal, scale, logits_soft_cap, implementation, cp_size):
   """Validated ``(TokenMask, AttentionConfig)`` for local shards
   ``query (B, T, N, H)``, ``key``/``value (B, S, K, H)`` of a sequence
-  split over ``cp_size`` devices.
+  split over ``cp_size`` devices (1: one device, global arrays): the one
+  check of the options every entry point shares. The config's backend is
+  left as requested (:func:`resolve` picks it on the arrays that run).
 
   ``lengths`` is the ``(query_seq_lengths, key_value_seq_lengths)`` pair,
   ``(B,)`` each, in global positions.
@@ -99,8 +102,8 @@ def prepare(query, key, value, *, segment_ids, lengths, local_window_size,
   cfg = AttentionConfig(
       scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else scale,
       is_causal=bool(is_causal), local_window=window,
-      logits_soft_cap=logits_soft_cap)
-  return tm, resolve(implementation, cfg, query, key, tm)
+      logits_soft_cap=logits_soft_cap, implementation=implementation)
+  return tm, cfg
 
 
 def resolve(implementation, cfg: AttentionConfig, query, key,
