@@ -5,11 +5,11 @@
 
 Device ``r`` of a ``cp``-way ring (``--rank``, default 1) runs cp block
 calls: the causal diagonal on its own K/V, then cp - 1 steps, each a
-``lax.cond`` between half-KV and half-Q on ``src < r`` (``ring.py``'s
+``lax.cond`` between half-KV and half-Q on ``src < r`` (``ring/schedule.py``'s
 schedule table), merged in float32; the backward runs the same blocks from
 the global out and lse, and sends each step's dK/dV part back to its owner.
 Here the same calls run from the ring's own block functions
-(``ring_blocks``), with every step's K/V an input, the K/V device ``src``
+(``ring/blocks.py``), with every step's K/V an input, the K/V device ``src``
 holds in the dual-chunk layout: no collective, and ``r`` a run-time operand,
 so every ``lax.cond`` is a real branch. The result is device r's rows of the
 full attention (checked against the single-GPU call) and its time is what a
@@ -45,9 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_ring
-from jax_ring._src import ring, ring_blocks as blocks
-from jax_ring._src.config import AttentionConfig, ShardPlan
-from jax_ring._src.mask import TokenMask
+from jax_ring._src.strategies import base, layout
+from jax_ring._src.strategies.ring import blocks, schedule
+from jax_ring._src.core.config import AttentionConfig, ShardPlan
+from jax_ring._src.core.mask import TokenMask
 from common import (jit_variant, random_qkv, rel_err, shape_args,
                     time_fn, write)
 
@@ -70,16 +71,17 @@ def device_forward(q, kvs, r, *, cp, cfg):
   """(out f32, lse) of device ``r``'s queries ``q (B, T, N, H)`` from
   ``kvs``: step i's (k, v), each ``(B, T, K, H)``, those of device
   ``(r - i) % cp`` (dual-chunk layout). ``r`` traced: a cond per step."""
-  cfgs, tm = ring._cfgs(cfg), TokenMask()
+  cfgs, tm = schedule.block_cfgs(cfg), TokenMask()
   carry = None
   for plan, kind, src, kv in _steps(kvs, r, cp, tm):
-    qc, kc = blocks.chunk_ids(plan, r), blocks.chunk_ids(plan, src)
+    qc, kc = layout.chunk_ids(plan, r), layout.chunk_ids(plan, src)
     if kind is not None:
       part = blocks.kind_fwd(kind, q, tm, kv, qc, kc, cfgs)
     else:
-      part = ring._step_call(lambda kind, kv: blocks.kind_fwd(
+      part = schedule.step_call(lambda kind, kv: blocks.kind_fwd(
           kind, q, tm, kv, qc, kc, cfgs), plan, True, r, src, kv)
-    carry = ring._f32(part) if carry is None else blocks.merge(*carry, *part)
+    carry = (schedule.as_f32(part) if carry is None else
+             base.merge(*carry, *part))
   return carry
 
 
@@ -87,15 +89,15 @@ def device_backward(q, kvs, r, out, lse, dout, *, cp, cfg):
   """(dq f32, [dK/dV part of step i, stacked (2, B, T, K, H) float32]):
   device r's dq and what it sends back to each step's owner (widened to
   float32 here, as the owner does on receipt)."""
-  cfgs, tm = ring._cfgs(cfg), TokenMask()
+  cfgs, tm = schedule.block_cfgs(cfg), TokenMask()
   dq, parts = 0.0, []
   grads = (out, lse, dout)
   for plan, kind, src, kv in _steps(kvs, r, cp, tm):
-    qc, kc = blocks.chunk_ids(plan, r), blocks.chunk_ids(plan, src)
+    qc, kc = layout.chunk_ids(plan, r), layout.chunk_ids(plan, src)
     if kind is not None:
       dq_i, part = blocks.kind_bwd(kind, q, tm, kv, qc, kc, *grads, cfgs)
     else:
-      dq_i, part = ring._step_call(lambda kind, kv: blocks.kind_bwd(
+      dq_i, part = schedule.step_call(lambda kind, kv: blocks.kind_bwd(
           kind, q, tm, kv, qc, kc, *grads, cfgs), plan, True, r, src, kv)
     dq = dq + dq_i.astype(jnp.float32)
     parts.append(part.astype(jnp.float32))

@@ -102,7 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--context", type=int, default=None, help="context-parallel "
                  "degree; the other devices form the data axis (default 4 "
                  "on 8 devices, else all devices)")
-  strategies = tuple(s for s in train_lm._choices("strategy") if s != "hybrid")
+  strategies = tuple(s for s in train_lm.field_choices("strategy")
+                     if s != "hybrid")
   p.add_argument("--strategy", default="ring", choices=strategies)
   p.add_argument("--seq", type=int, default=None, help="tokens per row")
   p.add_argument("--batch", type=int, default=None, help="rows per step")
@@ -128,7 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "time, so the float32 logits are never whole (default: "
                  "whole)")
   run_dir.add_flags(p, "finetune")
-  train_lm._add_process_flags(p)
+  train_lm.add_process_flags(p)
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   args = p.parse_args(argv)
   run_dir.check_flags(p, args)
@@ -639,7 +640,7 @@ def save_final(model, model_dir: pathlib.Path, final: pathlib.Path,
 def main(argv=None):
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # as train_lm.main
   process_flags = argparse.ArgumentParser(add_help=False)
-  train_lm._add_process_flags(process_flags)
+  train_lm.add_process_flags(process_flags)
   train_lm.setup_jax(process_flags.parse_known_args(argv)[0])
   args = parse_args(argv)
   result = train(args)

@@ -86,7 +86,7 @@ PRESETS = {
 }
 
 
-def _choices(field: str) -> tuple[str, ...]:
+def field_choices(field: str) -> tuple[str, ...]:
   """The values ContextParallel's Literal field allows, read from the
   library, so new strategies appear here without editing the example."""
   import jax_ring
@@ -96,7 +96,7 @@ def _choices(field: str) -> tuple[str, ...]:
             for a in typing.get_args(arg) if isinstance(a, str)))
 
 
-def _add_process_flags(p: argparse.ArgumentParser):
+def add_process_flags(p: argparse.ArgumentParser):
   p.add_argument("--cpu-devices", type=int, default=8,
                  help="simulated CPU devices (per process)")
   p.add_argument("--distributed", action="store_true",
@@ -113,10 +113,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--mesh", default=None,
                  help="axis=size,... over data, context, tensor; default "
                  "data=2,context=4 on 8 devices, else context=<all devices>")
-  p.add_argument("--strategy", default="ring", choices=_choices("strategy"),
+  p.add_argument("--strategy", default="ring",
+                 choices=field_choices("strategy"),
                  help="context-parallel strategy")
   p.add_argument("--load-balance", default="dual_chunk",
-                 choices=_choices("load_balance") + ("none",),
+                 choices=field_choices("load_balance") + ("none",),
                  help="token layout; none = contiguous shards")
   p.add_argument("--loop", choices=["scan", "unrolled"], default=None,
                  help="ring loop form (default: the library's)")
@@ -143,7 +144,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="FSDP: split weights and optimizer state over the data "
                  "and context axes (default: replicated on each)")
   run_dir.add_flags(p, "train_lm")
-  _add_process_flags(p)
+  add_process_flags(p)
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   args = p.parse_args(argv)
   run_dir.check_flags(p, args)
@@ -636,7 +637,7 @@ def main(argv=None):
   # Process-level flags first: jax's devices must be set up before anything
   # (importing jax_ring included) may touch them.
   process_flags = argparse.ArgumentParser(add_help=False)
-  _add_process_flags(process_flags)
+  add_process_flags(process_flags)
   setup_jax(process_flags.parse_known_args(argv)[0])
   args = parse_args(argv)
   result = train(args)

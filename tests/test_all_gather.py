@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 import reference as ref
-from jax_ring._src import validate
-from jax_ring._src import all_gather as ag
-from test_ring import (check, collectives, layout_vjp, mesh,
-                       run_shard_map)
-from test_ulysses import B, H, S, SPEC, coded_qkv
+from jax_ring._src.core import validate
+from jax_ring._src.strategies import all_gather as ag
+from helpers import (B, H, S, SPEC, check, coded_qkv, collectives,
+                     layout_vjp, mesh, run_shard_map)
 
 # coded_qkv: N = 8 query heads, S = 48 tokens, each of the 2 * cp chunks and
 # each head shifted by its own constant (a misplaced chunk changes numbers).

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_ring
 import reference as ref
-from test_ring import B, H, S, check, rank_coded_qkv
+from helpers import B, H, S, check, rank_coded_qkv
 
 RESULTS = pathlib.Path(__file__).parents[1] / "benchmarks" / "results"
 

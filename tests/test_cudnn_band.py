@@ -10,7 +10,13 @@ import itertools
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ring._src import cudnn
+from jax_ring._src.backends import cudnn
+from jax_ring._src.backends.cudnn import ffi, packed
+# The band module's names (the package's ``band`` is the function, which
+# hides the module of that name).
+from jax_ring._src.backends.cudnn.band import (Band, band, row_valid,
+                                               rows_may_be_empty,
+                                               window_lengths)
 import reference as ref
 
 
@@ -33,7 +39,7 @@ def test_band_reproduces_every_causal_window_offset_mask():
         range(-9, 10)):
       case = ref.Case(1.0, is_causal=causal, window=window,
                       q_offset=max(d, 0), kv_offset=max(-d, 0))
-      bnd = cudnn.band(ref.config(case), case.q_offset, case.kv_offset, t, s)
+      bnd = band(ref.config(case), case.q_offset, case.kv_offset, t, s)
       want = ref.visibility(case, 1, 1, t, s)[0, 0]
       np.testing.assert_array_equal(cudnn_visibility(bnd, t, s), want,
                                     err_msg=f"{case} {t}x{s} -> {bnd}")
@@ -41,9 +47,9 @@ def test_band_reproduces_every_causal_window_offset_mask():
         # cuDNN's own limits: right_bound >= 0 (or none: -1), left >= 1.
         assert bnd.right_bound >= -1 and bnd.left_bound >= 0
         full = jnp.full((1,), t - bnd.row_start), jnp.full((1,), s - bnd.col_start)
-        valid = np.asarray(cudnn._row_valid(bnd, *full, t))[0]
+        valid = np.asarray(row_valid(bnd, *full, t))[0]
         np.testing.assert_array_equal(valid, want.any(-1))
-        if not cudnn._rows_may_be_empty(bnd, False, t, s):
+        if not rows_may_be_empty(bnd, False, t, s):
           assert valid.all()
       checked += 1
   assert checked == 3 * 2 * 6 * 19
@@ -54,8 +60,8 @@ def test_padding_lengths_follow_the_shifted_window():
   mask = ref.block_mask(ref.Case(1.0, q_offset=6, kv_offset=0,
                                  q_lengths=np.array([9, 20], np.int32),
                                  kv_lengths=np.array([3, 20], np.int32)))
-  bnd = cudnn.band(ref.config(case), 6, 0, 8, 8)
-  seq_q, seq_kv, padding = cudnn._window_lengths(mask, bnd, 2, 8, 8)
+  bnd = band(ref.config(case), 6, 0, 8, 8)
+  seq_q, seq_kv, padding = window_lengths(mask, bnd, 2, 8, 8)
   assert padding
   np.testing.assert_array_equal(np.asarray(seq_q), [3, 8])
   np.testing.assert_array_equal(np.asarray(seq_kv), [3, 8])
@@ -86,14 +92,14 @@ def test_packed_documents_become_ragged_batches_that_reproduce_the_mask():
   other = np.stack([same[0], np.roll(same[1], 3), same[2][::-1]])  # unsorted
   for q_ids, kv_ids in ((same, same), (same, np.sort(other, axis=1)),
                         (same[:, :t], same[:, ::2].repeat(2, 1))):
-    docs = cudnn._documents(jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    docs = packed.documents(jnp.asarray(q_ids), jnp.asarray(kv_ids))
     assert bool(docs.fits)
     for row in range(b):
       want = q_ids[row][:, None] == kv_ids[row][None, :]
       got = ragged_visibility(docs, row, t, kv_ids.shape[1])
       np.testing.assert_array_equal(got, want)
     # Offsets of each slot's first element, in BSHD buffers of 2 heads x 8.
-    rq, rk = cudnn._doc_rows(docs, jnp.zeros((b, t, 2, 8)),
+    rq, rk = packed.doc_rows(docs, jnp.zeros((b, t, 2, 8)),
                              jnp.zeros((b, kv_ids.shape[1], 2, 8)))[2:]
     assert rq.shape == (b * cudnn.SLOTS + 1,) and rq[-1] == b * t * 16
     np.testing.assert_array_equal(
@@ -106,8 +112,8 @@ def test_striped_ring_blocks_of_packed_documents_become_causal_slots():
   2..5) with packed documents: the slots that start each document's
   queries at its first key's diagonal, under cuDNN's top-left causal mask,
   see exactly the pairs of the global causal same-document mask."""
-  from jax_ring._src import ring_striped
-  from jax_ring._src.mask import BlockMask
+  from jax_ring._src.strategies.ring import striped as ring_striped
+  from jax_ring._src.core.mask import BlockMask
   checked = 0
   for cp, seed in itertools.product((2, 3, 4, 5), range(3)):
     t = 11
@@ -121,13 +127,13 @@ def test_striped_ring_blocks_of_packed_documents_become_causal_slots():
                        q_segment_ids=jnp.asarray(q_ids),
                        kv_segment_ids=jnp.asarray(kv_ids))
       assert bnd.is_causal and bnd.window is None, bnd  # lo in {0, 1}
-      docs, inner = cudnn._packed_slots(cfg, mask, cudnn.Band())
-      assert bool(docs.fits) and inner == cudnn.Band(right_bound=0)
+      docs, inner = packed.packed_slots(cfg, mask, Band())
+      assert bool(docs.fits) and inner == Band(right_bound=0)
       want = ((q_ids[0][:, None] == kv_ids[0][None, :])
               & (pos[src::cp][None, :] <= pos[r::cp][:, None]))
       got = ragged_visibility(docs, 0, t, t, causal=True)
       np.testing.assert_array_equal(got, want, err_msg=f"cp {cp} {r}<-{src}")
-      valid = np.asarray(cudnn._doc_row_valid(docs, t))[0]
+      valid = np.asarray(packed.doc_row_valid(docs, t))[0]
       np.testing.assert_array_equal(valid, want.any(-1))
       checked += 1
   assert checked == 3 * (4 + 9 + 16 + 25)
@@ -139,7 +145,7 @@ def test_packed_documents_that_do_not_fit_are_flagged():
   split = np.array([[1] * 10 + [2] * 10 + [1] * 20], np.int32)  # id 1 twice
   for q_ids, kv_ids in ((too_many, too_many), (split, split),
                         (np.ones((1, t), np.int32), split)):
-    assert not bool(cudnn._documents(jnp.asarray(q_ids),
+    assert not bool(packed.documents(jnp.asarray(q_ids),
                                      jnp.asarray(kv_ids)).fits)
 
 
@@ -150,11 +156,11 @@ def test_recording_notes_each_traced_call_with_its_graph_key(monkeypatch):
   call's workspace is one of its results, of the size that graph needs."""
   import jax
   import jax_ring
-  from jax_ring._src.mask import BlockMask
+  from jax_ring._src.core.mask import BlockMask
 
   monkeypatch.setattr(cudnn, "unsupported", lambda *_: None)  # as on a GPU
   # Sizing a call's workspace builds its graph on the GPU; here, 256 bytes.
-  monkeypatch.setattr(cudnn, "workspace_bytes", lambda call: 256)
+  monkeypatch.setattr(ffi, "workspace_bytes", lambda call: 256)
   b, t, n, k, h = 2, 8, 4, 2, 16
   q = jnp.ones((b, t, n, h), jnp.bfloat16)
   kv = jnp.ones((b, t, k, h), jnp.bfloat16)
@@ -168,7 +174,7 @@ def test_recording_notes_each_traced_call_with_its_graph_key(monkeypatch):
         q, kv, kv, None, BlockMask(), q, lse, q, None, cfg))(q, kv)
     jax.make_jaxpr(lambda q, kv: cudnn.forward(
         q, kv, kv, None, BlockMask(q_segment_ids=ids), cfg))(q, kv)
-  assert cudnn._RECORD is None
+  assert ffi.RECORD is None
   assert "u8[256]" in str(fwd)  # the workspace: one more result of the call
   assert [(c["backward"], c["slots"]) for c in calls] == [
       (False, 0), (True, 0), (False, cudnn.SLOTS)]

@@ -23,12 +23,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jax_ring
-from jax_ring import flax as jrf
-from jax_ring import models
+from jax_ring import flax as jrf, models
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
 import finetune  # noqa: E402
-from test_models import TOLERANCE, relative_error  # noqa: E402
+from helpers import TOLERANCE, relative_error  # noqa: E402
 
 DP, CP = 2, 4
 SEQ = 64

@@ -11,12 +11,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ring
 import reference as ref
-from jax_ring._src import hybrid as hyb
-from jax_ring._src import ring
-from jax_ring._src.config import ShardPlan
-from jax_ring._src.mask import TokenMask
-from test_ring import check, layout_vjp
-from test_ulysses import B, H, S, coded_qkv
+from jax_ring._src.strategies import hybrid as hyb, ring
+from jax_ring._src.core.config import ShardPlan
+from jax_ring._src.core.mask import TokenMask
+from helpers import B, H, S, check, coded_qkv, layout_vjp
 
 # N = 8 query heads, S = 48: 2 R U coded chunks of 3 or more tokens for
 # meshes of U x R in 2 x 2, 2 x 4, 4 x 2 (ids u2_r2, u2_r4, u4_r2).
@@ -80,7 +78,7 @@ def test_hybrid_packed_segments_cross_shard_boundaries(monkeypatch, ur,
   (kv ids None), forward and backward, which cuDNN keys on; with a pair it
   gets two arrays."""
   seen = []
-  for name in ("_forward", "_backward"):
+  for name in ("forward", "backward"):
     orig = getattr(ring, name)
 
     def spy(q, k, v, tm, *rest, orig=orig, name=name):
@@ -97,7 +95,7 @@ def test_hybrid_packed_segments_cross_shard_boundaries(monkeypatch, ur,
             load_balance=load_balance)
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True,
                                    q_segment_ids=q_ids, kv_segment_ids=kv_ids))
-  assert sorted(seen) == [("_backward", not pair), ("_forward", not pair)]
+  assert sorted(seen) == [("backward", not pair), ("forward", not pair)]
 
 
 @pytest.mark.parametrize("ur, causal, window, load_balance, soft_cap", [
@@ -144,14 +142,14 @@ def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):
 
 
 def test_forward_lse_comes_back_sequence_sharded():
-  """``_forward``'s lse (the backward's residual) in the shards' layout."""
+  """``forward``'s lse (the backward's residual) in the shards' layout."""
   u, r = 2, 2
   q, k, v, _ = coded_qkv(60, u * r, 2)
   case = ref.Case(H**-0.5, is_causal=True)
   plans = (ShardPlan("ulysses", u), ShardPlan("ring", r, "dual_chunk"))
   f = jax.jit(jax.shard_map(
-      lambda q, k, v: hyb._forward(q, k, v, TokenMask(), ref.config(case),
-                                   plans),
+      lambda q, k, v: hyb.forward(q, k, v, TokenMask(), ref.config(case),
+                                  plans),
       mesh=mesh2d(u, r), in_specs=(SPEC,) * 3, out_specs=(SPEC, SPEC)))
   to = lambda x: jax_ring.reorder_for_load_balance(x, r)
   out, lse = f(to(q), to(k), to(v))

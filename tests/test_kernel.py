@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 import jax_ring
-from jax_ring._src import kernel
+from jax_ring._src.core import kernel
 import reference as ref
+from helpers import TILES, check_kernel, run_kernel
 
 B, T, S, N, K, H = 2, 37, 29, 4, 2, 16
-TILES = dict(block_q=16, block_kv=8)
 SCALE = 0.3
 
 
@@ -51,43 +51,10 @@ CASES = {
 }
 
 
-def run_kernel(q, k, v, do, case, bias=None, dlse=None, **tiles):
-  """jax_ring forward and vjp through the contract, jitted."""
-  cfg = ref.config(case, **(tiles or TILES))
-  mask = ref.block_mask(case)
-
-  @jax.jit
-  def f(q, k, v, bias, mask):
-    (out, lse), vjp = jax.vjp(
-        lambda q, k, v, bias: kernel.attention(q, k, v, bias, mask, cfg),
-        q, k, v, bias)
-    cts = (do, jnp.zeros_like(lse) if dlse is None else dlse)
-    return out, lse, vjp(cts)
-
-  return f(q, k, v, bias, mask)
-
-
-def check(q, k, v, do, case, *, bias=None, dlse=None, **tiles):
-  out, lse, (dq, dk, dv, dbias) = run_kernel(q, k, v, do, case, bias, dlse,
-                                             **tiles)
-  r_out, r_lse, r_g = ref.attention(q, k, v, case, bias=bias, dout=do,
-                                    dlse=dlse)
-  dt = q.dtype
-  ref.assert_close(out, r_out, dt, "out")
-  # lse is float32 whatever the input dtype; its error follows the logits'.
-  ref.assert_close(lse, r_lse, dt, "lse")
-  ref.assert_close(dq, r_g["q"], dt, "dq")
-  ref.assert_close(dk, r_g["k"], dt, "dk")
-  ref.assert_close(dv, r_g["v"], dt, "dv")
-  if bias is not None:
-    ref.assert_close(dbias, r_g["bias"], dt, "dbias")
-  return out, lse
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_mask_cases_match_reference(name):
   q, k, v, do = ref.random_qkv(hash(name) % 1000, B, T, S, N, K, H)
-  check(q, k, v, do, CASES[name])
+  check_kernel(q, k, v, do, CASES[name])
 
 
 @pytest.mark.parametrize("groups", [
@@ -95,14 +62,14 @@ def test_mask_cases_match_reference(name):
 def test_gqa_groups(groups):
   kh = 2
   q, k, v, do = ref.random_qkv(groups, B, T, S, kh * groups, kh, H)
-  check(q, k, v, do, CASES["causal_q_after_kv"])
+  check_kernel(q, k, v, do, CASES["causal_q_after_kv"])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("name", ["causal", "everything"])
 def test_dtypes(dtype, name):
   q, k, v, do = ref.random_qkv(5, B, T, S, N, K, H, dtype)
-  out, _ = check(q, k, v, do, CASES[name])
+  out, _ = check_kernel(q, k, v, do, CASES[name])
   assert out.dtype == dtype
 
 
@@ -113,13 +80,13 @@ def test_dtypes(dtype, name):
 def test_bias_and_its_gradient(bias_shape):
   q, k, v, do = ref.random_qkv(7, B, T, S, N, K, H)
   bias = jax.random.normal(jax.random.key(8), bias_shape)
-  check(q, k, v, do, CASES["causal"], bias=bias)
+  check_kernel(q, k, v, do, CASES["causal"], bias=bias)
 
 
 def test_lse_cotangent():
   q, k, v, do = ref.random_qkv(9, B, T, S, N, K, H)
   dlse = jax.random.normal(jax.random.key(10), (B, T, N))
-  check(q, k, v, do, CASES["window_causal_offset"], dlse=dlse)
+  check_kernel(q, k, v, do, CASES["window_causal_offset"], dlse=dlse)
 
 
 @pytest.mark.parametrize("tiles", [dict(block_q=37, block_kv=29),
@@ -127,7 +94,7 @@ def test_lse_cotangent():
                                    dict(block_q=64, block_kv=3)])
 def test_tile_sizes_do_not_change_the_result(tiles):
   q, k, v, do = ref.random_qkv(11, B, T, S, N, K, H)
-  check(q, k, v, do, CASES["everything"], **tiles)
+  check_kernel(q, k, v, do, CASES["everything"], **tiles)
 
 
 def test_fully_masked_rows_are_zero_with_finite_grads():

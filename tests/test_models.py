@@ -17,11 +17,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_ring
-from jax_ring import flax as jrf
-from jax_ring import models
+from jax_ring import flax as jrf, models
+from helpers import TOLERANCE, relative_error
 
 V = 97
-TOLERANCE = 1e-4  # float32 logits, relative to max |logit|
 COMMON = dict(vocab_size=V, hidden_size=48, intermediate_size=80,
               num_hidden_layers=2, num_attention_heads=6,
               num_key_value_heads=2)
@@ -44,10 +43,6 @@ CONFIGS = {
 def mesh_2x4():
   return jax.make_mesh((2, 4), ("data", "context"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
-
-
-def relative_error(got, want):
-  return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import reference as ref
-from test_kernel import check
+from helpers import check_kernel
 
 
 @st.composite
@@ -38,7 +38,7 @@ def problems(draw):
 def _matches_reference(problem):
   shape, case, tiles, seed = problem
   q, k, v, do = ref.random_qkv(seed, *shape[:3], *shape[3:], jnp.float32)
-  check(q, k, v, do, case, **tiles)
+  check_kernel(q, k, v, do, case, **tiles)
 
 
 def _examples(n):

@@ -13,79 +13,13 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ring
 import reference as ref
-
-B, S, N, K, H = 2, 48, 4, 2, 16  # S divisible by 2 * cp for cp in 2, 4, 8
-
-
-def mesh(cp):
-  if len(jax.devices()) < cp:
-    pytest.skip(f"needs {cp} devices")
-  return Mesh(np.array(jax.devices()[:cp]), ("cp",))
-
-
-def rank_coded_qkv(seed, cp, kv_heads=K, load_balance=None):
-  """Random q, k, v, dout (natural order) with the tokens device r holds
-  under ``load_balance`` shifted by r / 2, so that a shard landing on the
-  wrong device changes the numbers."""
-  q, k, v, do = ref.random_qkv(seed, B, S, S, N, kv_heads, H)
-  code = ref.shard_code(S, cp, load_balance)
-  return q + code, k - code, v + code, do
-
-
-def layout_vjp(f, cp, load_balance, q, k, v, do, *extra):
-  """``out, (dq, dk, dv)`` of ``f(q, k, v, *extra)`` for global inputs in
-  natural order: they enter the load-balance layout, results leave it."""
-  to = lambda x: (jax_ring.reorder_for_load_balance(
-      x, cp, layout=load_balance) if load_balance else x)
-  back = lambda x: (jax_ring.reorder_from_load_balance(
-      x, cp, layout=load_balance) if load_balance else x)
-
-  @jax.jit
-  def go(q, k, v, do, *extra):
-    extra = [to(x) for x in extra]
-    out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, *extra), to(q), to(k),
-                       to(v))
-    return back(out), tuple(back(g) for g in vjp(to(do)))
-
-  return go(q, k, v, do, *extra)
-
-
-def check(got, q, k, v, do, case):
-  """Output and grads against the float64 reference, at q's tolerance."""
-  out, (dq, dk, dv) = got
-  r_out, _, g = ref.attention(q, k, v, case, dout=do)
-  ref.assert_close(out, r_out, q.dtype, "out")
-  for name, grad in (("q", dq), ("k", dk), ("v", dv)):
-    ref.assert_close(grad, g[name], q.dtype, "d" + name)
-
-
-def run_shard_map(attention, q, k, v, do, cp, **kw):
-  """Global inputs in natural order -> ``attention`` (a strategy's
-  ``*_attention``, xla blocks) on a 1-D cp mesh -> global output and grads.
-  Padding lengths (global, replicated) are closed over."""
-  spec = P(None, "cp")
-  f = jax.shard_map(
-      lambda q, k, v: attention(q, k, v, axis_name="cp", implementation="xla",
-                                **kw),
-      mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
-  return layout_vjp(f, cp, kw.get("load_balance"), q, k, v, do)
-
+from helpers import (B, H, K, S, case_id, check, collectives, layout_vjp,
+                     mesh, rank_coded_qkv, run_shard_map)
 
 # The neighbour ring unless a test names other sends (the default,
 # kv_sends=None, would gather these small K/V: tested on its own below).
 run_ring = functools.partial(run_shard_map, jax_ring.ring_attention,
                              kv_sends="neighbour")
-
-# Test ids of the (cp, causal, load_balance) matrices.
-case_id = lambda x: {None: "contiguous", True: "causal", False: "full"}.get(
-    x, str(x))
-
-
-def collectives(hlo):
-  """How many of each collective a compiled program runs."""
-  ops = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute",
-         "all-to-all")
-  return {op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo)) for op in ops}
 
 
 # Padding that leaves whole chunks (and, for the kv side, whole devices'
@@ -244,7 +178,7 @@ def test_backward_sends_no_kv_a_second_time(path, monkeypatch):
   apart, so it gathers K/V once there instead of sending them again, up to
   GATHER_KV_MAX_BYTES of gathered K/V; past that it sends them again."""
   if path == "automatic_large_kv":
-    monkeypatch.setattr(jax_ring._src.config, "GATHER_KV_MAX_BYTES", 0)
+    monkeypatch.setattr(jax_ring._src.core.config, "GATHER_KV_MAX_BYTES", 0)
   fwd, counts = unrolled_ring_collectives(path.removesuffix("_large_kv"),
                                           15, "neighbour")
   assert (fwd["collective-permute"], fwd["all-gather"]) == (3, 0), fwd
@@ -339,7 +273,7 @@ def test_default_kv_sends_gather_up_to_the_cap(cap, monkeypatch):
   GATHER_KV_MAX_BYTES (these do: 12 KiB in all), else the neighbour ring;
   exact either way."""
   if cap is not None:
-    monkeypatch.setattr(jax_ring._src.config, "GATHER_KV_MAX_BYTES", cap)
+    monkeypatch.setattr(jax_ring._src.core.config, "GATHER_KV_MAX_BYTES", cap)
   cp = 4
   q, k, v, do = rank_coded_qkv(19, cp)
   spec = P(None, "cp")
@@ -363,9 +297,9 @@ def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):
   for a, b in zip(jax.tree.leaves(scan), jax.tree.leaves(unrolled)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   monkeypatch.setenv("NVTE_FUSED_RING_ATTENTION_USE_SCAN", "1")
-  assert jax_ring._src.config.loop_from_environment() == "scan"
+  assert jax_ring.ContextParallel().with_environment().loop == "scan"
   monkeypatch.setenv("NVTE_FUSED_RING_ATTENTION_USE_SCAN", "0")
-  assert jax_ring._src.config.loop_from_environment() == "unrolled"
+  assert jax_ring.ContextParallel().with_environment().loop == "unrolled"
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -404,7 +338,7 @@ def test_striped_reorder_round_trips_and_places_tokens(cp):
 def test_striped_bands_match_global_positions(n):
   """Each striped block's static band, read with BlockMask semantics, keeps
   exactly the (query, key) pairs the global mask keeps, for every d."""
-  from jax_ring._src import ring_striped
+  from jax_ring._src.strategies.ring import striped as ring_striped
 
   for t, causal, window in itertools.product(
       [1, 2, 5], [True, False], [None, (0, 0), (5, 0), (3, 7), (1, 12)]):
@@ -605,19 +539,20 @@ def test_automatic_path_picks_the_backend_on_shard_shapes(monkeypatch):
   """A backend whose limit is per call (cuDNN's ragged buffers under
   2**31 elements, say) serves the shards of a sequence longer than it
   takes whole: the choice is made on each shard, not on the global array."""
-  from jax_ring._src import backends, xla_backend
+  from jax_ring._src.core import registry
+  from jax_ring._src.backends import xla
   cp, traced = 4, []
   limit = S // cp  # takes one shard's length, not the whole sequence
 
   def forward(q, *args):
     traced.append(q.shape[1])
-    return xla_backend.forward(q, *args)
+    return xla.forward(q, *args)
 
   def backward(q, *args):
     traced.append(q.shape[1])
-    return xla_backend.backward(q, *args)
+    return xla.backward(q, *args)
 
-  monkeypatch.setitem(backends._REGISTRY, "bounded", backends.Backend(
+  monkeypatch.setitem(registry.BACKENDS, "bounded", registry.Backend(
       "bounded", forward, backward,
       lambda cfg, q, k, *_: None if q.shape[1] <= limit else "too long"))
   m = mesh(cp)

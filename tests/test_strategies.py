@@ -13,17 +13,17 @@ import pytest
 
 import jax_ring
 import reference as ref
-from jax_ring._src import all_gather as ag
-from jax_ring._src import ulysses as uly
-from jax_ring._src.config import ShardPlan
-from jax_ring._src.mask import TokenMask
-from test_ring import case_id, check, layout_vjp, mesh, run_shard_map
-from test_ulysses import B, H, S, SPEC, coded_qkv
+from jax_ring._src.strategies import (STRATEGIES, all_gather as ag,
+                                      ulysses as uly)
+from jax_ring._src.core.mask import TokenMask
+from helpers import (B, H, S, SPEC, case_id, check, coded_qkv, layout_vjp,
+                     mesh, run_shard_map)
 
-# (module, its shard_map entry, cp of the lse test, seed, load balance of
-# the 2-D test): all-gather compiles cp branches, so its lse test runs at 2.
-STRATEGIES = {"ulysses": (uly, uly.ulysses_attention, 4, 50, "dual_chunk"),
-              "all_gather": (ag, ag.all_gather_attention, 2, 60, None)}
+# The entries of the library's STRATEGIES table covered here: name -> (its
+# shard_map entry, cp of the lse test, seed, load balance of the 2-D test).
+# All-gather compiles cp branches, so its lse test runs at 2.
+COVERED = {"ulysses": (uly.ulysses_attention, 4, 50, "dual_chunk"),
+           "all_gather": (ag.all_gather_attention, 2, 60, None)}
 
 
 # K = 2 kv heads: Ulysses at cp = 2 splits them (rep 1), at cp = 4 and 8
@@ -37,26 +37,29 @@ def _default_lane(name, cp, causal, load_balance):
 @pytest.mark.parametrize(
     "name, cp, causal, load_balance",
     [pytest.param(*c, marks=() if _default_lane(*c) else pytest.mark.slow)
-     for c in itertools.product(STRATEGIES, [2, 4, 8], [True, False],
+     for c in itertools.product(COVERED, [2, 4, 8], [True, False],
                                 [None, "dual_chunk"])],
     ids=case_id)
 def test_matches_reference(name, cp, causal, load_balance):
   q, k, v, do = coded_qkv(cp, cp, 2)
-  got = run_shard_map(STRATEGIES[name][1], q, k, v, do, cp, is_causal=causal,
+  got = run_shard_map(COVERED[name][0], q, k, v, do, cp, is_causal=causal,
                       load_balance=load_balance)
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=causal))
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("name", list(COVERED))
 def test_forward_lse_in_the_shards_layout(name):
-  """``_forward``'s lse (the backward's residual), per local row."""
-  module, _, cp, seed, _ = STRATEGIES[name]
+  """The record's ``forward``: its lse (the backward's residual), per local
+  row."""
+  strategy, (_, cp, seed, _) = STRATEGIES[name], COVERED[name]
   q, k, v, _ = coded_qkv(seed, cp, 2)
   case = ref.Case(H**-0.5, is_causal=True)
-  plan = ShardPlan("cp", cp, "dual_chunk")
+  # ShardPlan("cp", cp, "dual_chunk"): the default ContextParallel's plan.
+  plan = strategy.plan(jax_ring.ContextParallel(strategy=name), {"cp": cp},
+                       "ring")
   f = jax.jit(jax.shard_map(
-      lambda q, k, v: module._forward(q, k, v, TokenMask(), ref.config(case),
-                                      plan),
+      lambda q, k, v: strategy.forward(q, k, v, TokenMask(), ref.config(case),
+                                       plan),
       mesh=mesh(cp), in_specs=(SPEC,) * 3, out_specs=(SPEC, SPEC)))
   to = lambda x: jax_ring.reorder_for_load_balance(x, cp)
   out, lse = f(to(q), to(k), to(v))
@@ -65,12 +68,12 @@ def test_forward_lse_in_the_shards_layout(name):
   ref.assert_close(lse, to(r_lse), q.dtype, "lse")
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("name", list(COVERED))
 def test_2d_mesh_data_by_cp_packed(name):
   """Batch on a data axis, sequence on cp: values vary over both axes."""
   if len(jax.devices()) < 8:
     pytest.skip("needs 8 devices")
-  _, attention, _, seed, load_balance = STRATEGIES[name]
+  attention, _, seed, load_balance = COVERED[name]
   dp, cp = 2, 4
   m = jax.sharding.Mesh(np.array(jax.devices()[:dp * cp]).reshape(dp, cp),
                         ("data", "cp"))

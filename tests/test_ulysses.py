@@ -8,26 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import reference as ref
-from jax_ring._src import ulysses as uly
-from test_ring import (check, collectives, layout_vjp, mesh,
-                       run_shard_map)
+from jax_ring._src.strategies import ulysses as uly
+from helpers import (B, H, S, SPEC, check, coded_qkv, collectives,
+                     layout_vjp, mesh, run_shard_map)
 
-# N = 8 query heads split over cp in 2, 4, 8; S divisible by 2 * cp.
-B, S, N, H = 2, 48, 8, 16
-SPEC = P(None, "cp")
-
-
-def coded_qkv(seed, cp, kv_heads, n=N):
-  """Random q, k, v, dout; each of the 2 * cp sequence chunks and each head
-  shifted by its own constant, so that a token or head landing in the wrong
-  place changes the numbers."""
-  q, k, v, do = ref.random_qkv(seed, B, S, S, n, kv_heads, H)
-  chunk = (jnp.arange(S) // (S // (2 * cp)) * 0.25)[None, :, None, None]
-  head = lambda m: (jnp.arange(m) * 0.1)[None, None, :, None]
-  return q + chunk + head(n), k - chunk + head(kv_heads), v + chunk, do
+# coded_qkv (helpers.py): N = 8 query heads split over cp in 2, 4, 8; S
+# divisible by 2 * cp.
 
 
 run = functools.partial(run_shard_map, uly.ulysses_attention)
