@@ -32,3 +32,14 @@ if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
 # each takes memory as it needs it rather than 75% of every GPU at start.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+# The slowest modules first: with two workers, the long example runs then
+# overlap the many short tests instead of finishing the run alone.
+SLOWEST_MODULES = ("test_train_lm.py", "test_finetune.py",
+                   "test_multiprocess.py", "test_readme.py",
+                   "test_compile_default_flags.py", "test_models.py")
+
+
+def pytest_collection_modifyitems(items):
+  items.sort(key=lambda item: item.path.name not in SLOWEST_MODULES)

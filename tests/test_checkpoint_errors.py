@@ -16,7 +16,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from jax_ring import models
-from jax_ring._src.hf_checkpoint import tensor_map
+from jax_ring.models.hf_checkpoint import tensor_map
 
 # With fields the model does not hold, which a save must keep.
 CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"],

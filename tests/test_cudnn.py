@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import jax_ring
-from jax_ring._src import cudnn, kernel
+from jax_ring._src.backends import cudnn
+from jax_ring._src.core import kernel
 import reference as ref
 
 pytestmark = [pytest.mark.gpu,

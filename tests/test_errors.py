@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_ring
-from jax_ring._src import cudnn
+from jax_ring._src.backends import cudnn
 
 Q = jnp.ones((2, 8, 4, 16))
 KV = jnp.ones((2, 6, 2, 16))

@@ -55,7 +55,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_ring
 import reference as ref
-from jax_ring._src import backends, cudnn
+from jax_ring._src.core import registry
+from jax_ring._src.backends import cudnn
 
 GPUS = len(jax.devices("gpu")) if jax.default_backend() == "gpu" else 0
 
@@ -226,7 +227,7 @@ class BackendSpy:
 @contextlib.contextmanager
 def backend_spy():
   spy = BackendSpy()
-  xla, unsupported = backends.XLA, cudnn.unsupported
+  xla, unsupported = registry.BACKENDS["xla"], cudnn.unsupported
 
   def counted(fn):
     def wrapper(*args):
@@ -240,13 +241,13 @@ def backend_spy():
       spy.cudnn_fallbacks.append(why)
     return why
 
-  backends.XLA = dataclasses.replace(xla, forward=counted(xla.forward),
-                                     backward=counted(xla.backward))
+  registry.BACKENDS["xla"] = dataclasses.replace(
+      xla, forward=counted(xla.forward), backward=counted(xla.backward))
   cudnn.unsupported = reasons
   try:
     yield spy
   finally:
-    backends.XLA, cudnn.unsupported = xla, unsupported
+    registry.BACKENDS["xla"], cudnn.unsupported = xla, unsupported
 
 
 def ffi_calls(hlo: str) -> dict[str, int]:
@@ -427,7 +428,7 @@ def test_spy_records_blocks_the_cudnn_backend_passes_on(monkeypatch):
   cuDNN and runs cuDNN's block functions, on CPU, where cuDNN passes every
   block on to the pure-JAX kernel. The spy records each reason, and the
   program holds no FFI call: the lane's assertions would fail."""
-  monkeypatch.setitem(backends._REGISTRY, "cudnn", backends.Backend(
+  monkeypatch.setitem(registry.BACKENDS, "cudnn", registry.Backend(
       "cudnn", cudnn.forward, cudnn.backward, lambda *_: None))
   case = CpCase("ring_neighbour_unrolled", "causal", "dual_chunk",
                 "shard_map", 2, CPU_SHAPES[0])

@@ -26,20 +26,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ring._src.backends import xla
-from jax_ring._src.backends.cudnn import ffi, packed
-from jax_ring._src.backends.cudnn.band import (band, col_valid, needs_padding,
-                                               row_valid, rows_may_be_empty,
-                                               window_lengths)
-from jax_ring._src.backends.cudnn.ffi import (LOAD_ERROR, recording, sdpa,
-                                              attrs, no_ragged, version,
+from jax_ring._src.backends.cudnn import band, ffi, packed
+from jax_ring._src.backends.cudnn.ffi import (LOAD_ERROR, attrs, no_ragged,
+                                              recording, sdpa, version,
                                               workspace_bytes)
 from jax_ring._src.backends.cudnn.packed import SLOTS
 from jax_ring._src.core import registry
 from jax_ring._src.core.mask import MASK_VALUE
 
-__all__ = ["LOAD_ERROR", "SLOTS", "backward", "backward_dkv", "band",
+__all__ = ["LOAD_ERROR", "SLOTS", "backward", "backward_dkv",
            "forward", "recording", "unsupported", "version",
            "workspace_bytes"]
+
 
 def forward(q, k, v, bias, mask, config):
   if unsupported(config, q, k, bias, mask):
@@ -48,7 +46,7 @@ def forward(q, k, v, bias, mask, config):
     return xla.forward(q, k, v, bias, mask, config)
   b, t, n, _ = q.shape
   s = k.shape[1]
-  bnd = band(config, mask.q_offset, mask.kv_offset, t, s)
+  bnd = band.band(config, mask.q_offset, mask.kv_offset, t, s)
   if bnd.empty:
     return jnp.zeros_like(q), jnp.full((b, t, n), MASK_VALUE, jnp.float32)
   if mask.q_segment_ids is not None:
@@ -56,7 +54,7 @@ def forward(q, k, v, bias, mask, config):
     return jax.lax.cond(
         docs.fits, lambda: packed.packed_forward(q, k, v, docs, config, bnd),
         lambda: xla.forward(q, k, v, None, mask, config))
-  seq_q, seq_kv, padding = window_lengths(mask, bnd, b, t, s)
+  seq_q, seq_kv, padding = band.window_lengths(mask, bnd, b, t, s)
   rows = t - bnd.row_start
   out, stats = sdpa(
       "jax_ring_sdpa_fwd",
@@ -64,8 +62,8 @@ def forward(q, k, v, bias, mask, config):
        jax.ShapeDtypeStruct((b, n, rows), jnp.float32)),
       q, k, v, seq_q, seq_kv, *no_ragged(), **attrs(config, bnd, padding))
   lse = jnp.pad(jnp.swapaxes(stats, 1, 2), ((0, 0), (bnd.row_start, 0), (0, 0)))
-  if rows_may_be_empty(bnd, padding, t, s):
-    valid = row_valid(bnd, seq_q, seq_kv, t)
+  if band.rows_may_be_empty(bnd, padding, t, s):
+    valid = band.row_valid(bnd, seq_q, seq_kv, t)
     out = jnp.where(valid[:, :, None, None], out, 0)
     lse = jnp.where(valid[:, :, None], lse, MASK_VALUE)
   return out, lse
@@ -97,7 +95,7 @@ def _backward(q, k, v, bias, mask, out, lse, dout, dlse, config, stack):
     return dq, pack(dk, dv)
   b, t, _, _ = q.shape
   s = k.shape[1]
-  bnd = band(config, mask.q_offset, mask.kv_offset, t, s)
+  bnd = band.band(config, mask.q_offset, mask.kv_offset, t, s)
   if bnd.empty:
     return jnp.zeros_like(q), pack(jnp.zeros_like(k), jnp.zeros_like(v))
   if mask.q_segment_ids is not None:
@@ -108,7 +106,7 @@ def _backward(q, k, v, bias, mask, out, lse, dout, dlse, config, stack):
         lambda: xla.backward(q, k, v, None, mask, out, lse, dout,
                                      None, config)[:3])
     return dq, pack(dk, dv)
-  seq_q, seq_kv, padding = window_lengths(mask, bnd, b, t, s)
+  seq_q, seq_kv, padding = band.window_lengths(mask, bnd, b, t, s)
   stats = jnp.swapaxes(lse[:, bnd.row_start:], 1, 2).astype(jnp.float32)
   grads = (jax.ShapeDtypeStruct((2,) + k.shape, k.dtype),) if stack else (
       jax.ShapeDtypeStruct(k.shape, k.dtype),
@@ -119,10 +117,10 @@ def _backward(q, k, v, bias, mask, out, lse, dout, dlse, config, stack):
       q, k, v, out, stats, dout, seq_q, seq_kv, *no_ragged(),
       **attrs(config, bnd, padding))
   dkv = dkv[0] if stack else tuple(dkv)
-  if rows_may_be_empty(bnd, padding, t, s):
-    dq = jnp.where(row_valid(bnd, seq_q, seq_kv, t)[:, :, None, None], dq, 0)
+  if band.rows_may_be_empty(bnd, padding, t, s):
+    dq = jnp.where(band.row_valid(bnd, seq_q, seq_kv, t)[:, :, None, None], dq, 0)
   if padding or bnd.col_start:
-    keep = col_valid(bnd, seq_kv, s)[:, :, None, None]
+    keep = band.col_valid(bnd, seq_kv, s)[:, :, None, None]
     dkv = jax.tree.map(lambda x: jnp.where(keep, x, 0), dkv)
   return dq, dkv
 
@@ -149,8 +147,8 @@ def unsupported(config, query, key, bias, mask) -> str | None:
       return why
   if config.logits_soft_cap is not None:
     t, s = query.shape[1], key.shape[1]
-    bnd = band(config, mask.q_offset, mask.kv_offset, t, s)
-    if needs_padding(mask, bnd, t, s):
+    bnd = band.band(config, mask.q_offset, mask.kv_offset, t, s)
+    if band.needs_padding(mask, bnd, t, s):
       return ("logits_soft_cap with padding lengths (cuDNN's score modifier "
               "excludes its padding mask)")
   return None
