@@ -14,4 +14,4 @@ fi
 nvidia-smi -L
 JAX_RING_CUDNN=ON python3 -m pip install --no-build-isolation --no-deps -e . \
   > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; return 1; }
-python3 -c "import jax, jax_ring._src.backends.cudnn as c; print('jax', jax.__version__, jax.devices()); print('cudnn ext:', c.LOAD_ERROR or c._cudnn.cudnn_version())"
+python3 -c "import jax, jax_ring._src.backends.cudnn as c; print('jax', jax.__version__, jax.devices()); print('cudnn ext:', c.LOAD_ERROR or c.version())"
