@@ -15,6 +15,7 @@ import jax_ring
 import reference as ref
 from jax_ring._src.strategies import (STRATEGIES, all_gather as ag,
                                       ulysses as uly)
+from jax_ring._src.core.config import STRATEGY_NAMES
 from jax_ring._src.core.mask import TokenMask
 from helpers import (B, H, S, SPEC, case_id, check, coded_qkv, layout_vjp,
                      mesh, run_shard_map)
@@ -24,6 +25,13 @@ from helpers import (B, H, S, SPEC, case_id, check, coded_qkv, layout_vjp,
 # All-gather compiles cp branches, so its lse test runs at 2.
 COVERED = {"ulysses": (uly.ulysses_attention, 4, 50, "dual_chunk"),
            "all_gather": (ag.all_gather_attention, 2, 60, None)}
+
+
+def test_the_table_holds_every_strategy_the_config_names():
+  """``ContextParallel.strategy``'s names are the table's keys and "auto";
+  each record is filed under its own name."""
+  assert set(STRATEGY_NAMES) == set(STRATEGIES) | {"auto"}
+  assert all(s.name == name for name, s in STRATEGIES.items())
 
 
 # K = 2 kv heads: Ulysses at cp = 2 splits them (rep 1), at cp = 4 and 8

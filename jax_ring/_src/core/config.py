@@ -86,8 +86,10 @@ class AttentionConfig:
 LoadBalance = Literal["dual_chunk", "striped"]
 LOAD_BALANCES: tuple[str, ...] = get_args(LoadBalance)
 
-Strategy = Literal["ring", "all_gather", "ulysses", "hybrid", "auto"]
-STRATEGIES: tuple[str, ...] = get_args(Strategy)
+# What ContextParallel.strategy takes: a key of the STRATEGIES table
+# (strategies/__init__.py), or "auto".
+StrategyName = Literal["ring", "all_gather", "ulysses", "hybrid", "auto"]
+STRATEGY_NAMES: tuple[str, ...] = get_args(StrategyName)
 
 # Where the ring's step-i K/V comes from: passed on by the previous device
 # ("neighbour": each send waits for the one before; two K/V blocks held),
@@ -142,7 +144,7 @@ class ContextParallel:
   """
 
   axis: str | tuple[str, str] = "cp"
-  strategy: Strategy = "ring"
+  strategy: StrategyName = "ring"
   load_balance: LoadBalance | None = "dual_chunk"
   loop: Loop | None = None
   kv_chunk_heads: int | None = None

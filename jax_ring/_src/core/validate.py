@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ring._src.core.config import (IMPLEMENTATIONS, KV_SENDS, LOAD_BALANCES,
-                                  STRATEGIES, ContextParallel)
+                                  STRATEGY_NAMES, ContextParallel)
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                 jnp.dtype(jnp.float16))
@@ -267,9 +267,9 @@ def cp_fields(cp, kv_heads: int) -> None:
   if not isinstance(cp, ContextParallel):
     raise ValueError(f"context_parallel must be a jax_ring.ContextParallel; "
                      f"got {cp!r}")
-  if cp.strategy not in STRATEGIES:
+  if cp.strategy not in STRATEGY_NAMES:
     raise ValueError(f"context_parallel.strategy must be one of "
-                     f"{STRATEGIES}; got {cp.strategy!r}")
+                     f"{STRATEGY_NAMES}; got {cp.strategy!r}")
   pair = (isinstance(cp.axis, tuple) and len(cp.axis) == 2 and
           all(isinstance(a, str) for a in cp.axis) and cp.axis[0] != cp.axis[1])
   if cp.strategy in ("hybrid", "auto") and cp.is_hybrid:
