@@ -16,17 +16,18 @@ Public API (everything else lives in ``jax_ring._src``):
 """
 
 import jax_ring._src.backends  # noqa: F401  (the block backends register)
-from jax_ring._src.strategies.all_gather import all_gather_attention
 from jax_ring._src.api import dot_product_attention
 from jax_ring._src.auto import explain
 from jax_ring._src.core.config import AttentionConfig, ContextParallel
-from jax_ring._src.strategies.hybrid import hybrid_attention
 from jax_ring._src.core.kernel import attention, attention_backward
+from jax_ring._src.core.mask import MASK_VALUE, BlockMask
+from jax_ring._src.strategies.all_gather import all_gather_attention
+from jax_ring._src.strategies.hybrid import hybrid_attention
 from jax_ring._src.strategies.layout import (reorder_for_load_balance,
-                                  reorder_from_load_balance)
-from jax_ring._src.core.mask import BlockMask, MASK_VALUE
+                                             reorder_from_load_balance)
 from jax_ring._src.strategies.ring import ring_attention
 from jax_ring._src.strategies.ulysses import ulysses_attention
+
 
 __all__ = [
     "AttentionConfig",

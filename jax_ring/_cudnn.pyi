@@ -4,6 +4,7 @@ the cuDNN fused-attention XLA FFI handlers, built with
 
 from typing import Any
 
+
 def registrations() -> dict[str, dict[str, Any]]:
   """``{target: {"initialize": capsule, "execute": capsule}}`` for
   ``jax.ffi.register_ffi_target``: ``jax_ring_sdpa_fwd``,

@@ -14,6 +14,7 @@ matters: docs/decisions.md, "Tests and CI".
 
 import os
 
+
 try:
   from jax.extend.source_info_util import register_exclusion
 except ImportError:  # jax.extend promises no compatibility across releases

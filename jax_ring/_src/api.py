@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P

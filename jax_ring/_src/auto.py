@@ -37,6 +37,7 @@ import dataclasses
 from jax_ring._src.core import config, validate
 from jax_ring._src.core.config import ContextParallel
 
+
 # The model's constants: kernel throughput (TFLOP/s as a function of the
 # call length L), link bandwidths (GB/s) and the per-step overhead of the
 # ring (microseconds). How they were fit: docs/decisions.md, "The automatic

@@ -31,9 +31,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_ring._src import auto
 from jax_ring._src.core import kernel, validate
-from jax_ring._src.strategies import STRATEGIES, base
 from jax_ring._src.core.config import ContextParallel
 from jax_ring._src.core.mask import TokenMask
+from jax_ring._src.strategies import STRATEGIES, base
+
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(TokenMask))
 _LENGTHS = frozenset({"q_lengths", "kv_lengths"})

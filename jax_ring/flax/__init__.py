@@ -13,14 +13,14 @@
   :func:`reorder_size`.
 """
 
+from jax_ring.flax.adapter import attention_fn
+from jax_ring.flax.attention import (LOGICAL_AXES, Attention,
+                                     AttentionLayerConfig, apply_rope,
+                                     constrain, fsdp_rules, logical_rules)
 from jax_ring.flax.data import (LMBatch, document_positions, make_lm_batch,
                                 prepare_lm_batch, reorder_batch, reorder_size,
                                 shard_batch)
-from jax_ring.flax.adapter import attention_fn
-from jax_ring.flax.attention import (LOGICAL_AXES, Attention,
-                                          AttentionLayerConfig, apply_rope,
-                                          constrain, fsdp_rules,
-                                          logical_rules)
+
 
 __all__ = [
     "Attention",

@@ -58,9 +58,10 @@ import math
 import jax.numpy as jnp
 from flax.nnx.nn import dtypes
 
-from jax_ring._src.core import validate
 from jax_ring._src.api import dot_product_attention
+from jax_ring._src.core import validate
 from jax_ring._src.core.config import ContextParallel
+
 
 # Everything nnx.dot_product_attention and linen's dot_product_attention
 # take. linen passes only the keywords that attention_fn's signature names

@@ -52,9 +52,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_ring._src.strategies import layout
 from jax_ring._src.api import dot_product_attention
 from jax_ring._src.core.config import ContextParallel
+from jax_ring._src.strategies import layout
+
 
 BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM, EMBED = (
     "batch", "length", "heads", "kv_heads", "head_dim", "embed")

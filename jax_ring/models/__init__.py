@@ -13,6 +13,7 @@ from jax_ring.models.hf_checkpoint import load_pretrained, save_pretrained
 from jax_ring.models.hf_config import config_from_hf, config_to_hf
 from jax_ring.models.llama import Llama, LlamaConfig, lm_loss, model_rules
 
+
 __all__ = [
     "Llama",
     "LlamaConfig",

@@ -32,6 +32,7 @@ from jax_ring.models import hf_config
 from jax_ring.models.hf_config import CONFIG
 from jax_ring.models.llama import Llama, LlamaConfig
 
+
 INDEX = "model.safetensors.index.json"
 # Tensors some checkpoints carry that hold nothing the model needs.
 _IGNORED = ("rotary_emb.inv_freq",)

@@ -18,6 +18,7 @@ from typing import Any
 from jax_ring.flax.attention import Llama3RopeScaling
 from jax_ring.models.llama import LlamaConfig
 
+
 CONFIG = "config.json"
 
 

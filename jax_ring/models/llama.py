@@ -41,10 +41,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_ring._src.core.config import ContextParallel
-from jax_ring.flax.attention import (EMBED, Attention,
-                                          AttentionLayerConfig,
-                                          Llama3RopeScaling, constrain,
-                                          logical_rules, sharded_param)
+from jax_ring.flax.attention import (EMBED, Attention, AttentionLayerConfig,
+                                     Llama3RopeScaling, constrain,
+                                     logical_rules, sharded_param)
+
 
 MLP, VOCAB, NORM = "mlp", "vocab", "norm"
 ModelType = Literal["llama", "qwen2", "mistral"]

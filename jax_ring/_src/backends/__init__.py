@@ -4,5 +4,5 @@ imported. ``xla`` (pure JAX, every platform) first; ``cudnn`` (the fused
 cuDNN kernel, through our XLA FFI handlers) after it, and so preferred where
 it serves a call, when its extension is built."""
 
-from jax_ring._src.backends import xla  # noqa: F401  (registers "xla")
 from jax_ring._src.backends import cudnn  # noqa: F401  (registers "cudnn")
+from jax_ring._src.backends import xla  # noqa: F401  (registers "xla")

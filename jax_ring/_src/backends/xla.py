@@ -28,7 +28,7 @@ from jax import lax
 
 from jax_ring._src.core import mask as mask_lib, registry, vma
 from jax_ring._src.core.config import AttentionConfig
-from jax_ring._src.core.mask import BlockMask, MASK_VALUE
+from jax_ring._src.core.mask import MASK_VALUE, BlockMask
 
 
 def _cdiv(a, b):

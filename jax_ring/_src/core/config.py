@@ -21,6 +21,7 @@ import dataclasses
 import os
 from typing import Literal, get_args
 
+
 Implementation = Literal["xla", "cudnn"]
 IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
 

@@ -39,8 +39,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
+from jax import lax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
@@ -48,6 +48,7 @@ from jax.interpreters import batching, mlir
 from jax_ring._src.core import registry, vma
 from jax_ring._src.core.config import AttentionConfig
 from jax_ring._src.core.mask import BlockMask
+
 
 _fwd_p = Primitive("jax_ring_attention_fwd")
 _fwd_p.multiple_results = True

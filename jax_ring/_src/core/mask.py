@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+
 Array = Any
 
 # Finite stand-in for log(0): the logit of a hidden entry and the lse of a

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jax_ring._src.core.config import AttentionConfig
 
+
 FALLBACK = "xla"
 
 

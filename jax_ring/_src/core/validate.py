@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ring._src.core.config import (IMPLEMENTATIONS, KV_SENDS, LOAD_BALANCES,
-                                  STRATEGY_NAMES, ContextParallel)
+                                       STRATEGY_NAMES, ContextParallel)
+
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                 jnp.dtype(jnp.float16))

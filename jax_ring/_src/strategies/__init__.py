@@ -8,6 +8,7 @@ token orders they share."""
 from jax_ring._src.strategies import all_gather, hybrid, ring, ulysses
 from jax_ring._src.strategies.base import Strategy
 
+
 STRATEGIES: dict[str, Strategy] = {
     s.name: s for s in (ring.STRATEGY, all_gather.STRATEGY,
                         ulysses.STRATEGY, hybrid.STRATEGY)}

@@ -36,12 +36,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ring._src.core import kernel, validate
-from jax_ring._src.strategies import base, layout
 from jax_ring._src.core.config import (AttentionConfig, ContextParallel,
                                        ShardPlan)
-from jax_ring._src.strategies.layout import (LoadBalance, reorder_for_load_balance,
-                                  reorder_from_load_balance)
 from jax_ring._src.core.mask import BlockMask, TokenMask
+from jax_ring._src.strategies import base, layout
+from jax_ring._src.strategies.layout import (LoadBalance,
+                                             reorder_for_load_balance,
+                                             reorder_from_load_balance)
 
 
 # --- moving the whole sequence ------------------------------------------------

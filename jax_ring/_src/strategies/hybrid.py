@@ -30,7 +30,6 @@ docs/design.md, "Hybrid".
 
 from __future__ import annotations
 
-
 import jax.numpy as jnp
 from jax import lax
 
@@ -40,6 +39,7 @@ from jax_ring._src.core.config import (AttentionConfig, ContextParallel,
 from jax_ring._src.core.mask import TokenMask
 from jax_ring._src.strategies import base, ring, ulysses
 from jax_ring._src.strategies.layout import LoadBalance
+
 
 Plans = tuple[ShardPlan, ShardPlan]  # (ulysses plan, ring plan)
 

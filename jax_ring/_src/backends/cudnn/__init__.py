@@ -34,6 +34,7 @@ from jax_ring._src.backends.cudnn.packed import SLOTS
 from jax_ring._src.core import registry
 from jax_ring._src.core.mask import MASK_VALUE
 
+
 __all__ = ["LOAD_ERROR", "SLOTS", "backward", "backward_dkv",
            "forward", "recording", "unsupported", "version",
            "workspace_bytes"]

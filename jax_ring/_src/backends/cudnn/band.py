@@ -25,6 +25,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+
 _NONE = 1 << 62  # "no bound" while computing the band
 
 

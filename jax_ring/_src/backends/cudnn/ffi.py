@@ -17,6 +17,7 @@ from jaxlib import xla_client
 
 from jax_ring._src.backends.cudnn.band import Band
 
+
 try:
   from jax_ring import _cudnn
   LOAD_ERROR = None

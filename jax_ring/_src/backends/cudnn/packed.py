@@ -33,6 +33,7 @@ from jax_ring._src.backends.cudnn import ffi
 from jax_ring._src.backends.cudnn.band import Band
 from jax_ring._src.core.mask import MASK_VALUE
 
+
 # Packed documents per batch row that the ragged path serves. Its stats
 # buffer is SLOTS x the dense one, and rows with more documents fall back
 # to xla at run time.

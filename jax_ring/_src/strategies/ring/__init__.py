@@ -6,5 +6,6 @@ from jax_ring._src.strategies.ring.schedule import (STRATEGY, backward, check,
                                                     forward, plan,
                                                     ring_attention)
 
+
 __all__ = ["STRATEGY", "backward", "check", "forward", "plan",
            "ring_attention"]

@@ -36,8 +36,6 @@ from jax_ring._src.core.mask import MASK_VALUE, BlockMask, TokenMask
 from jax_ring._src.strategies import base, layout
 
 
-
-
 def held_kv(k, v, tm: TokenMask):
   """What travels the ring: (K/V as one stacked ``(2, B, T, K, H)`` buffer,
   the kv segment ids or None); K and V index as ``kv[0][0]``, ``kv[0][1]``."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax

@@ -32,9 +32,9 @@ import numpy as np
 from jax import lax
 
 from jax_ring._src.core import kernel, vma
-from jax_ring._src.strategies.ring import blocks
 from jax_ring._src.core.config import AttentionConfig
 from jax_ring._src.core.mask import BlockMask, TokenMask
+from jax_ring._src.strategies.ring import blocks
 
 
 @dataclasses.dataclass(frozen=True)
