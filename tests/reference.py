@@ -91,10 +91,12 @@ def visibility(case: Case, b, n, t, s):
   return vis
 
 
-def attention(q, k, v, case: Case, *, bias=None, dout=None, dlse=None):
+def attention(q, k, v, case: Case, *, bias=None, dout=None, dlse=None,
+              sinks=None):
   """Float64 attention. Returns out (B,T,N,H), lse (B,T,N) and, when
-  ``dout`` is given, the grads dict {q, k, v, bias} of
-  ``sum(out * dout) + sum(lse * dlse)``."""
+  ``dout`` is given, the grads dict {q, k, v, bias, sinks} of
+  ``sum(out * dout) + sum(lse * dlse)``. ``sinks (N,)``: per head, one more
+  logit in every row's softmax, with no value."""
   q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64)
              for x in (q, k, v))
   b, t, n, h = q.shape
@@ -111,8 +113,14 @@ def attention(q, k, v, case: Case, *, bias=None, dout=None, dlse=None):
   vis = visibility(case, b, n, t, s)
   seen = vis.any(-1)
   m = np.where(seen, np.where(vis, z, -np.inf).max(-1), 0.0)
+  sink = None
+  if sinks is not None:  # (B, N, T): the sink's logit in every row
+    sink = np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None],
+                           m.shape)
+    m = np.where(seen, np.maximum(m, sink), sink)
+    seen = np.ones_like(seen)  # every row sees the sink
   e = np.where(vis, np.exp(np.where(vis, z, 0.0) - m[..., None]), 0.0)
-  l = e.sum(-1)
+  l = e.sum(-1) + (0.0 if sink is None else np.exp(sink - m))
   p = e / np.where(seen, l, 1.0)[..., None]
   out = np.einsum("bnts,bsnh->btnh", p, vr, optimize=True)
   lse = np.where(seen, m + np.log(np.where(seen, l, 1.0)),
@@ -126,6 +134,11 @@ def attention(q, k, v, case: Case, *, bias=None, dout=None, dlse=None):
   if dlse is not None:
     ds = ds + p * np.asarray(dlse, np.float64).transpose(0, 2, 1)[..., None]
   grads = {}
+  if sink is not None:  # d lse / d s = p_s; d out / d s = -p_s out
+    p_sink = np.exp(sink - lse.transpose(0, 2, 1))
+    d_lse = 0.0 if dlse is None else np.asarray(
+        dlse, np.float64).transpose(0, 2, 1)
+    grads["sinks"] = (p_sink * (d_lse - (dp * p).sum(-1))).sum((0, 2))
   if bias is not None:
     axes = tuple(i for i in range(2) if np.shape(bias)[i] == 1)
     grads["bias"] = ds.sum(axis=axes, keepdims=True)

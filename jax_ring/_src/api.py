@@ -18,6 +18,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
                           key_value_seq_lengths=None, local_window_size=None,
                           segment_ids=None, logits_soft_cap=None,
                           implementation=None, return_residual=False,
+                          sinks=None,
                           context_parallel: ContextParallel | None = None):
   """Scaled dot-product attention, memory-efficient and differentiable.
 
@@ -48,6 +49,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     implementation: ``None`` (best available), ``"xla"`` (pure-JAX
       blockwise) or ``"cudnn"``.
     return_residual: also return the logsumexp ``(B, T, N)`` float32.
+    sinks: ``(N,)`` float, differentiable: per head, a logit that joins
+      every row's softmax and has no value (gpt-oss), so a row's weights
+      sum to less than one. Not yet under ``context_parallel``.
     context_parallel: a :class:`ContextParallel`: on the mesh in scope
       (``jax.set_mesh``, or q's ``NamedSharding``), split the sequence over
       its ``axis`` and run that strategy on each shard, eagerly or under
@@ -69,14 +73,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
       logits_soft_cap=logits_soft_cap, implementation=implementation,
       cp_size=1)
   bias, dense = _bias_and_mask(bias, mask, query.shape, key.shape)
+  if sinks is not None:
+    sinks = validate.sinks(sinks, query.shape[2])
   unbatch = (lambda x: x[0]) if q_rank == 3 else (lambda x: x)
   if context_parallel is not None:
     mesh = validate.context_parallel(
         context_parallel, query, key, bias=bias, mask=mask,
-        return_residual=return_residual)
+        return_residual=return_residual, sinks=sinks)
     return unbatch(_context_parallel(query, key, value, tm, config,
                                      context_parallel, mesh, implementation))
-  out, lse = _one_device(query, key, value, bias, dense, tm, config)
+  out, lse = _one_device(query, key, value, bias, dense, tm, config, sinks)
   out, lse = unbatch(out), unbatch(lse)
   return (out, lse) if return_residual else out
 
@@ -98,19 +104,20 @@ def _bias_and_mask(bias, mask, q_shape, k_shape):
 
 
 def _one_device(query, key, value, bias, dense, tm: TokenMask,
-                config: AttentionConfig):
+                config: AttentionConfig, sinks):
   """``(out, lse)`` of one block call over the whole arrays, on the backend
-  the registry picks for them."""
+  the registry picks for them, with the ``sinks`` folded in."""
   block_mask = BlockMask(q_segment_ids=tm.q_segment_ids,
                          kv_segment_ids=tm.kv_segment_ids,
                          q_lengths=tm.q_lengths, kv_lengths=tm.kv_lengths,
                          dense=dense)
   if 0 in query.shape[:2] + key.shape[1:2]:  # no rows, or no key to see
-    return (jnp.zeros(query.shape, query.dtype),
-            jnp.full(query.shape[:3], MASK_VALUE, jnp.float32))
+    empty = (jnp.zeros(query.shape, query.dtype),
+             jnp.full(query.shape[:3], MASK_VALUE, jnp.float32))
+    return empty if sinks is None else kernel.fold_sinks(*empty, sinks)
   config = config.replace(implementation=registry.resolve(
       config.implementation, config, query, key, bias, block_mask))
-  return kernel.attention(query, key, value, bias, block_mask, config)
+  return kernel.attention(query, key, value, bias, block_mask, config, sinks)
 
 
 def _context_parallel(query, key, value, tm: TokenMask,

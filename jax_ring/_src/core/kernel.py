@@ -284,8 +284,11 @@ def _bind_bwd(q, k, v, bias, mask, out, lse, dout, dlse, config, stack_dkv):
                      stack_dkv=stack_dkv, **params)
 
 
-def attention(q, k, v, bias, mask: BlockMask, config: AttentionConfig):
-  """Block forward: ``(out, lse)``. Differentiable in q, k, v, bias, lse."""
+def attention(q, k, v, bias, mask: BlockMask, config: AttentionConfig,
+              sinks=None):
+  """Block forward: ``(out, lse)``. Differentiable in q, k, v, bias, lse
+  and ``sinks``: ``(N,)`` logits that join every row's softmax with no
+  value (:func:`fold_sinks`), or None."""
   # Python-int offsets bypass the custom VJP's pytree: it would turn them
   # into traced arrays, and cuDNN needs them static.
   static = tuple((f, int(getattr(mask, f))) for f in ("q_offset", "kv_offset")
@@ -295,26 +298,55 @@ def attention(q, k, v, bias, mask: BlockMask, config: AttentionConfig):
     # One id array for both sides stays one through the pytree flattening
     # below, as the static fact "same ids" (kv ids None).
     mask = dataclasses.replace(mask, kv_segment_ids=None)
-  return _attention(q, k, v, bias, mask, static, config)
+  return _attention(q, k, v, bias, mask, sinks, static, config)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention(q, k, v, bias, mask, static, config):
-  return _forward(q, k, v, bias, dataclasses.replace(mask, **dict(static)),
-                  config)
+def fold_sinks(out, lse, sinks):
+  """``(out', lse')``: the attention of ``(out (B, T, N, H), lse (B, T,
+  N))`` with one more logit per head, ``sinks (N,)``, that has no value:
+  ``lse' = logaddexp(lse, s)``, ``out' = out exp(lse - lse')``. A fully
+  masked row (``lse = MASK_VALUE``) gives ``lse' = s`` and ``out' = 0``.
+
+  Given ``out'`` and ``lse'``, the block backward is already exact for the
+  keys (``p = exp(z - lse')``, ``delta = rowsum(dout out') - dlse``); the
+  sink's own gradient is :func:`sinks_grad`."""
+  s = sinks.astype(jnp.float32)
+  folded = jnp.logaddexp(lse, s)
+  scale = jnp.exp(lse - folded)[..., None]
+  return (out.astype(jnp.float32) * scale).astype(out.dtype), folded
 
 
-def _attention_fwd(q, k, v, bias, mask, static, config):
-  q, k, v, bias, mask = jax.tree.map(
-      lambda p: p.value, (q, k, v, bias, mask),
+def sinks_grad(sinks, out, lse, dout, dlse):
+  """``d sinks (N,)`` float32, from the folded ``out``/``lse`` and their
+  cotangents: ``sum over rows of exp(s - lse) (dlse - rowsum(dout out))``.
+  Summed over the rows given: a strategy adds the devices' sums."""
+  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
+  if dlse is not None:
+    delta = delta - dlse.astype(jnp.float32)
+  weight = jnp.exp(sinks.astype(jnp.float32) - lse)
+  return -jnp.sum(weight * delta, axis=tuple(range(lse.ndim - 1)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _attention(q, k, v, bias, mask, sinks, static, config):
+  out, lse = _forward(q, k, v, bias, dataclasses.replace(mask, **dict(static)),
+                      config)
+  return (out, lse) if sinks is None else fold_sinks(out, lse, sinks)
+
+
+def _attention_fwd(q, k, v, bias, mask, sinks, static, config):
+  q, k, v, bias, mask, sinks = jax.tree.map(
+      lambda p: p.value, (q, k, v, bias, mask, sinks),
       is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
   out, lse = _forward(q, k, v, bias, dataclasses.replace(mask, **dict(static)),
                       config)
-  return (out, lse), (q, k, v, bias, mask, out, lse)
+  if sinks is not None:
+    out, lse = fold_sinks(out, lse, sinks)
+  return (out, lse), (q, k, v, bias, mask, sinks, out, lse)
 
 
 def _attention_bwd(static, config, res, cts):
-  q, k, v, bias, mask, out, lse = res
+  q, k, v, bias, mask, sinks, out, lse = res
   mask = dataclasses.replace(mask, **dict(static))
   dout, dlse = cts
   if isinstance(dout, SymbolicZero):
@@ -323,7 +355,9 @@ def _attention_bwd(static, config, res, cts):
     dlse = None
   dq, dk, dv, dbias = attention_backward(q, k, v, bias, mask, out, lse, dout,
                                          dlse, config)
-  return dq, dk, dv, dbias, None
+  dsinks = None if sinks is None else sinks_grad(
+      sinks, out, lse, dout, dlse).astype(sinks.dtype)
+  return dq, dk, dv, dbias, None, dsinks
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

@@ -150,6 +150,17 @@ def seq_lengths(name, lengths, batch) -> None:
                      f"({batch},); got {lengths.dtype} {tuple(lengths.shape)}")
 
 
+def sinks(x, num_heads: int):
+  """``sinks``: a float array of shape ``(N,)``, one logit per query head;
+  returned as an array."""
+  x = jnp.asarray(x)
+  if x.shape != (num_heads,) or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"sinks must be a float array of shape (N,) = "
+                     f"({num_heads},), one logit per query head; got "
+                     f"{x.dtype} {tuple(x.shape)}")
+  return x
+
+
 def segment_ids(ids, q_shape, kv_shape):
   """``(B, T)`` array (needs T == S) or a ``(q_ids, kv_ids)`` pair."""
   b, t = q_shape[:2]
@@ -243,11 +254,16 @@ def ring_options(load_balance, loop, local_len, cp_size,
         f"the local query length is {local_len}")
 
 
-def context_parallel(cp, query, key, *, bias, mask, return_residual):
+def context_parallel(cp, query, key, *, bias, mask, return_residual,
+                     sinks=None):
   """What the automatic context-parallel path serves, on the mesh in scope
   (returned): every check that the partition rule would make, made here
   at trace time, so that it surfaces as a ``ValueError``."""
   cp_fields(cp, key.shape[2])
+  if sinks is not None:
+    raise ValueError(
+        f"context_parallel does not serve sinks yet (one device does); got "
+        f"sinks {tuple(sinks.shape)} with query {tuple(query.shape)}")
   unsupported = [name for name, value in (("bias", bias), ("mask", mask))
                  if value is not None]
   if return_residual:
