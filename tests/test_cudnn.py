@@ -348,3 +348,39 @@ def test_non_finite_inputs_propagate_as_in_jax_nn(where):
   nan_theirs = np.isnan(np.asarray(theirs))
   assert nan_theirs.any()
   np.testing.assert_array_equal(nan_ours, nan_theirs)
+
+
+@pytest.mark.parametrize("name", ["causal", "window", "padding", "packed"])
+def test_sinks_fold_around_cudnn_blocks(name):
+  """Sinks on one device: cuDNN's forward and backward run (both FFI calls
+  in the program), the sink folded outside them, equal to the float64
+  reference in every gradient, the sinks' included."""
+  ids = ref.random_segments(7, B, T, 3)
+  kw, case = {
+      "causal": (dict(is_causal=True), ref.Case(SCALE, is_causal=True)),
+      "window": (dict(local_window_size=(17, 5)),
+                 ref.Case(SCALE, window=(17, 5))),
+      "padding": (dict(query_seq_lengths=LENGTHS["q_lengths"],
+                       key_value_seq_lengths=LENGTHS["kv_lengths"]),
+                  ref.Case(SCALE, **LENGTHS)),
+      "packed": (dict(is_causal=True, segment_ids=ids),
+                 ref.Case(SCALE, is_causal=True, q_segment_ids=ids,
+                          kv_segment_ids=ids)),
+  }[name]
+  t = T
+  s = T if name == "packed" else S
+  q, k, v, do = ref.random_qkv(8, B, t, s, N, K, H, jnp.bfloat16)
+  sinks = jnp.linspace(-1.0, 2.0, N, dtype=jnp.float32)
+  f = jax.jit(lambda q, k, v, sk: jax.vjp(
+      lambda q, k, v, sk: jax_ring.dot_product_attention(
+          q, k, v, sinks=sk, scale=SCALE, implementation="cudnn", **kw),
+      q, k, v, sk)[1](do))
+  hlo = f.lower(q, k, v, sinks).as_text()
+  assert "jax_ring_sdpa_fwd" in hlo and "jax_ring_sdpa_bwd" in hlo
+  out = jax_ring.dot_product_attention(q, k, v, sinks=sinks, scale=SCALE,
+                                       implementation="cudnn", **kw)
+  dq, dk, dv, ds = f(q, k, v, sinks)
+  r_out, _, r_g = ref.attention(q, k, v, case, dout=do, sinks=sinks)
+  ref.assert_close(out, r_out, jnp.bfloat16, "out")
+  for what, got in (("q", dq), ("k", dk), ("v", dv), ("sinks", ds)):
+    ref.assert_close(got, r_g[what], jnp.bfloat16, "d" + what)

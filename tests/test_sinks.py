@@ -82,6 +82,8 @@ def test_bad_sinks_are_refused_by_name(sinks, message):
 
 
 def test_context_parallel_refuses_sinks_for_now():
+  if len(jax.devices()) < 2:
+    pytest.skip("needs 2 devices")
   q, k, v, _ = ref.random_qkv(41, B, 16, 16, N, K, H)
   mesh = jax.make_mesh((2,), ("cp",),
                        axis_types=(jax.sharding.AxisType.Auto,))
