@@ -1,6 +1,7 @@
-"""Attention sinks on one device: ``dot_product_attention(sinks=)`` equals
-the float64 reference (output, logsumexp and every gradient, the sinks'
-included) with each mask family, and bad sinks are refused by name."""
+"""Attention sinks: ``sinks=`` equals the float64 reference (output,
+logsumexp and every gradient, the sinks' included) on one device with each
+mask family, under every strategy in shard_map and under jit with
+context parallelism; bad sinks are refused by name."""
 
 import jax
 import jax.numpy as jnp
@@ -81,18 +82,99 @@ def test_bad_sinks_are_refused_by_name(sinks, message):
     jax_ring.dot_product_attention(q, k, v, sinks=sinks)
 
 
-def test_context_parallel_refuses_sinks_for_now():
-  if len(jax.devices()) < 2:
-    pytest.skip("needs 2 devices")
-  q, k, v, _ = ref.random_qkv(41, B, 16, 16, N, K, H)
-  mesh = jax.make_mesh((2,), ("cp",),
-                       axis_types=(jax.sharding.AxisType.Auto,))
-  with jax.set_mesh(mesh), pytest.raises(
-      ValueError, match=r"context_parallel does not serve sinks yet.*"
-                        r"sinks \(4,\) with query \(2, 16, 4, 8\)"):
-    jax_ring.dot_product_attention(
-        q, k, v, sinks=random_sinks(42),
-        context_parallel=jax_ring.ContextParallel(axis="cp"))
+def cp_vjp(f, cp, load_balance, q, k, v, do, sinks, ids):
+  """``out, (dq, dk, dv, dsinks)`` of ``f(q, k, v, sinks, ids)`` for global
+  inputs in natural order, put in the load-balance layout and back."""
+  to = lambda x: (jax_ring.reorder_for_load_balance(
+      x, cp, layout=load_balance) if load_balance else x)
+  back = lambda x: (jax_ring.reorder_from_load_balance(
+      x, cp, layout=load_balance) if load_balance else x)
+
+  @jax.jit
+  def go(q, k, v, do, sinks, ids):
+    out, vjp = jax.vjp(lambda q, k, v, s: f(q, k, v, s, to(ids)),
+                       to(q), to(k), to(v), sinks)
+    dq, dk, dv, ds = vjp(to(do))
+    return back(out), (back(dq), back(dk), back(dv), ds)
+
+  return go(q, k, v, do, sinks, ids)
+
+
+CP_S = 16
+CP_IDS = ref.random_segments(61, B, CP_S, 3)
+SHARD_MAP = {  # name -> (entry, mesh shape, axis_name, options)
+    "ring_dual_window": (jax_ring.ring_attention, (4,), "cp",
+                         dict(load_balance="dual_chunk",
+                              local_window_size=(5, 0))),
+    "ring_striped_packed": (jax_ring.ring_attention, (4,), "cp",
+                            dict(load_balance="striped", packed=True)),
+    "all_gather_packed": (jax_ring.all_gather_attention, (4,), "cp",
+                          dict(load_balance="dual_chunk", packed=True)),
+    "ulysses": (jax_ring.ulysses_attention, (4,), "cp",
+                dict(load_balance="dual_chunk")),
+    "hybrid": (jax_ring.hybrid_attention, (2, 2), ("ulysses", "ring"),
+               dict(load_balance="dual_chunk")),
+}
+
+
+@pytest.mark.parametrize("name", list(SHARD_MAP))
+def test_sinks_enter_each_row_once_under_every_strategy(name):
+  """Inside shard_map, with causal masks: output and every gradient equal
+  the float64 reference; the sinks' gradient sums over the devices."""
+  attention, shape, axis, kw = SHARD_MAP[name]
+  kw = dict(kw)
+  packed = kw.pop("packed", False)
+  window = kw.get("local_window_size")
+  devices = int(np.prod(shape))
+  if len(jax.devices()) < devices:
+    pytest.skip(f"needs {devices} devices")
+  names = axis if isinstance(axis, tuple) else (axis,)
+  m = jax.sharding.Mesh(np.array(jax.devices()[:devices]).reshape(shape),
+                        names)
+  seq = names[::-1] if len(names) == 2 else names[0]  # ring-major
+  spec = jax.sharding.PartitionSpec(None, seq)
+  f = jax.shard_map(
+      lambda q, k, v, s, ids: attention(
+          q, k, v, axis_name=axis, is_causal=True, sinks=s,
+          segment_ids=ids if packed else None, implementation="xla", **kw),
+      mesh=m, in_specs=(spec, spec, spec, jax.sharding.PartitionSpec(), spec),
+      out_specs=spec)
+  ring_cp = shape[-1] if len(shape) == 2 else devices
+  q, k, v, do = ref.random_qkv(62, B, CP_S, CP_S, N, K, H)
+  sinks = random_sinks(63)
+  out, grads = cp_vjp(f, ring_cp, kw.get("load_balance"), q, k, v, do, sinks,
+                      jnp.asarray(CP_IDS))
+  case = ref.Case(H**-0.5, is_causal=True, window=window,
+                  **(dict(q_segment_ids=CP_IDS, kv_segment_ids=CP_IDS)
+                     if packed else {}))
+  r_out, _, r_g = ref.attention(q, k, v, case, dout=do, sinks=sinks)
+  ref.assert_close(out, r_out, jnp.float32, "out")
+  for got, what in zip(grads, ("q", "k", "v", "sinks")):
+    ref.assert_close(got, r_g[what], jnp.float32, "d" + what)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "auto"])
+def test_sinks_under_jit_with_context_parallel(strategy):
+  """The automatic path folds the sinks into the merged global result."""
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 devices")
+  m = jax.make_mesh((2, 4), ("data", "cp"),
+                    axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  cpc = jax_ring.ContextParallel(axis="cp", strategy=strategy)
+  f = lambda q, k, v, s, ids: jax_ring.dot_product_attention(
+      q, k, v, is_causal=True, segment_ids=ids, sinks=s,
+      implementation="xla", context_parallel=cpc)
+  q, k, v, do = ref.random_qkv(64, B, CP_S, CP_S, N, K, H)
+  sinks = random_sinks(65)
+  with jax.set_mesh(m):
+    out, grads = cp_vjp(f, 4, "dual_chunk", q, k, v, do, sinks,
+                        jnp.asarray(CP_IDS))
+  case = ref.Case(H**-0.5, is_causal=True, q_segment_ids=CP_IDS,
+                  kv_segment_ids=CP_IDS)
+  r_out, _, r_g = ref.attention(q, k, v, case, dout=do, sinks=sinks)
+  ref.assert_close(out, r_out, jnp.float32, "out")
+  for got, what in zip(grads, ("q", "k", "v", "sinks")):
+    ref.assert_close(got, r_g[what], jnp.float32, "d" + what)
 
 
 def test_reference_sink_is_a_key_whose_value_is_zero():

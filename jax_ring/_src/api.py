@@ -51,7 +51,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     return_residual: also return the logsumexp ``(B, T, N)`` float32.
     sinks: ``(N,)`` float, differentiable: per head, a logit that joins
       every row's softmax and has no value (gpt-oss), so a row's weights
-      sum to less than one. Not yet under ``context_parallel``.
+      sum to less than one; under ``context_parallel`` too.
     context_parallel: a :class:`ContextParallel`: on the mesh in scope
       (``jax.set_mesh``, or q's ``NamedSharding``), split the sequence over
       its ``axis`` and run that strategy on each shard, eagerly or under
@@ -79,8 +79,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
   if context_parallel is not None:
     mesh = validate.context_parallel(
         context_parallel, query, key, bias=bias, mask=mask,
-        return_residual=return_residual, sinks=sinks)
-    return unbatch(_context_parallel(query, key, value, tm, config,
+        return_residual=return_residual)
+    return unbatch(_context_parallel(query, key, value, tm, sinks, config,
                                      context_parallel, mesh, implementation))
   out, lse = _one_device(query, key, value, bias, dense, tm, config, sinks)
   out, lse = unbatch(out), unbatch(lse)
@@ -120,7 +120,7 @@ def _one_device(query, key, value, bias, dense, tm: TokenMask,
   return kernel.attention(query, key, value, bias, block_mask, config, sinks)
 
 
-def _context_parallel(query, key, value, tm: TokenMask,
+def _context_parallel(query, key, value, tm: TokenMask, sinks,
                       config: AttentionConfig, cp: ContextParallel, mesh,
                       implementation):
   """``partition.attention`` of global arrays on ``mesh`` (validated), the
@@ -143,7 +143,7 @@ def _context_parallel(query, key, value, tm: TokenMask,
   seq = cp.sequence_axes
   u = P.UNCONSTRAINED
 
-  def call(q, k, v, tm):
+  def call(q, k, v, tm, sinks):
     scope = jax.sharding.get_abstract_mesh()
     on = lambda x, *spec: jax.lax.with_sharding_constraint(
         x, NamedSharding(mesh if scope.empty else scope, P(*spec)))
@@ -151,7 +151,7 @@ def _context_parallel(query, key, value, tm: TokenMask,
     tm = TokenMask(**{f: None if x is None else
                       on(x, u) if f.endswith("lengths") else on(x, u, seq)
                       for f, x in vars(tm).items()})
-    return partition.attention(q, k, v, tm, config, cp)
+    return partition.attention(q, k, v, tm, sinks, config, cp)
 
   explicit = layout.explicit_axes(mesh)
   if explicit:
@@ -162,7 +162,7 @@ def _context_parallel(query, key, value, tm: TokenMask,
     # Called eagerly, custom_partitioning would run the unpartitioned body
     # on the whole arrays, which knows nothing of the load-balance layout.
     call = jax.jit(call)
-  return call(query, key, value, tm)
+  return call(query, key, value, tm, sinks)
 
 
 def _batched(x):

@@ -170,30 +170,32 @@ def _functions(present: tuple[str, ...]):
   return fwd, bwd
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def attention(q, k, v, tm: TokenMask, cfg, cpc: ContextParallel):
-  """Context-parallel attention of global arrays. Returns ``out``."""
-  return _fwd(q, k, v, tm, cfg, cpc)[0][0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def attention(q, k, v, tm: TokenMask, sinks, cfg, cpc: ContextParallel):
+  """Context-parallel attention of global arrays. Returns ``out``. The
+  ``sinks`` (or None) fold into the merged global ``(out, lse)``, outside
+  the partitioned calls: XLA reduces the sinks' gradient over the shards."""
+  return _fwd(q, k, v, tm, sinks, cfg, cpc)[0]
 
 
-def _fwd(q, k, v, tm, cfg, cpc):
+def _fwd(q, k, v, tm, sinks, cfg, cpc):
   present, ops = _pack(tm)
   fwd, _ = _functions(present)
   out, lse = fwd(cfg, cpc, q, k, v, *ops)
-  return (out, lse), (q, k, v, tm, out, lse)
+  if sinks is not None:
+    out, lse = kernel.fold_sinks(out, lse, sinks)
+  return out, (q, k, v, tm, sinks, out, lse)
 
 
 def _bwd(cfg, cpc, res, dout):
-  q, k, v, tm, out, lse = res
+  q, k, v, tm, sinks, out, lse = res
   present, ops = _pack(tm)
   _, bwd = _functions(present)
-  dq, dk, dv = bwd(cfg, cpc, q, k, v, out, lse, dout.astype(q.dtype), *ops)
-  return dq, dk, dv, jax.tree.map(lambda _: None, tm)
+  dout = dout.astype(q.dtype)
+  dq, dk, dv = bwd(cfg, cpc, q, k, v, out, lse, dout, *ops)
+  dsinks = None if sinks is None else kernel.sinks_grad(
+      sinks, out, lse, dout, None).astype(sinks.dtype)
+  return dq, dk, dv, jax.tree.map(lambda _: None, tm), dsinks
 
 
-def _attention_fwd(q, k, v, tm, cfg, cpc):
-  (out, _), res = _fwd(q, k, v, tm, cfg, cpc)
-  return out, res
-
-
-attention.defvjp(_attention_fwd, _bwd)
+attention.defvjp(_fwd, _bwd)

@@ -254,16 +254,11 @@ def ring_options(load_balance, loop, local_len, cp_size,
         f"the local query length is {local_len}")
 
 
-def context_parallel(cp, query, key, *, bias, mask, return_residual,
-                     sinks=None):
+def context_parallel(cp, query, key, *, bias, mask, return_residual):
   """What the automatic context-parallel path serves, on the mesh in scope
   (returned): every check that the partition rule would make, made here
   at trace time, so that it surfaces as a ``ValueError``."""
   cp_fields(cp, key.shape[2])
-  if sinks is not None:
-    raise ValueError(
-        f"context_parallel does not serve sinks yet (one device does); got "
-        f"sinks {tuple(sinks.shape)} with query {tuple(query.shape)}")
   unsupported = [name for name, value in (("bias", bias), ("mask", mask))
                  if value is not None]
   if return_residual:

@@ -252,7 +252,7 @@ def all_gather_attention(query, key, value, *, axis_name: str,
                          segment_ids=None, query_seq_lengths=None,
                          key_value_seq_lengths=None, local_window_size=None,
                          scale=None, logits_soft_cap=None,
-                         implementation=None,
+                         implementation=None, sinks=None,
                          kv_chunk_heads: int | None = None):
   """Exact attention over a sequence sharded along ``axis_name``, by
   all-gathering K/V.
@@ -281,6 +281,8 @@ def all_gather_attention(query, key, value, *, axis_name: str,
     scale: logit multiplier; default ``1 / sqrt(H)``.
     logits_soft_cap: Gemma-2 soft cap, as in ``dot_product_attention``.
     implementation: block backend, as in ``dot_product_attention``.
+    sinks: ``(N,)`` float, one logit per local query head that joins
+      every row's softmax with no value, as in ``dot_product_attention``.
     kv_chunk_heads: gather and compute ``kv_chunk_heads`` kv heads at a time
       (with their query heads), bounding the full-sequence KV held per device
       to that many heads; must divide K. ``None``: all K at once.
@@ -295,4 +297,5 @@ def all_gather_attention(query, key, value, *, axis_name: str,
       STRATEGY, cpc, query, key, value, segment_ids=segment_ids,
       lengths=(query_seq_lengths, key_value_seq_lengths),
       local_window_size=local_window_size, is_causal=is_causal, scale=scale,
-      logits_soft_cap=logits_soft_cap, implementation=implementation)
+      logits_soft_cap=logits_soft_cap, implementation=implementation,
+      sinks=sinks)

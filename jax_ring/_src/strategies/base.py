@@ -21,7 +21,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jax_ring._src.core import registry, validate
+from jax_ring._src.core import kernel, registry, validate, vma
 from jax_ring._src.core.config import AttentionConfig, ContextParallel
 from jax_ring._src.core.mask import TokenMask
 
@@ -49,16 +49,18 @@ class Strategy:
 
   @functools.cached_property
   def attention(self):
-    """``(q, k, v, tm, cfg, plan) -> out``, differentiable."""
+    """``(q, k, v, tm, sinks, cfg, plan) -> out``, differentiable."""
     return differentiable(self.forward, self.backward)
 
 
 def run(strategy: Strategy, cpc: ContextParallel, query, key, value, *,
         segment_ids, lengths, local_window_size, is_causal, scale,
-        logits_soft_cap, implementation):
+        logits_soft_cap, implementation, sinks=None):
   """The front of the ``shard_map`` entry points: ``strategy`` on local
   shards ``query (B, T, N, H)``, ``key``/``value (B, T, K, H)`` of a
-  sequence split over ``cpc``'s axes, validated before anything runs."""
+  sequence split over ``cpc``'s axes, validated before anything runs.
+  ``sinks (N,)`` (this device's heads) are typed to vary as the shards do,
+  so that their gradient is summed over the devices that used them."""
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   sizes = {a: validate.mesh_axis(a) for a in cpc.axes}
   cpc = cpc.with_environment()
@@ -69,7 +71,9 @@ def run(strategy: Strategy, cpc: ContextParallel, query, key, value, *,
       cp_size=math.prod(sizes.values()))
   cfg = resolve(implementation, cfg, query, key, tm)
   strategy.check(cpc, sizes, query.shape, key.shape)
-  return strategy.attention(query, key, value, tm, cfg,
+  if sinks is not None:
+    sinks = vma.like(validate.sinks(sinks, query.shape[2]), query, key, value)
+  return strategy.attention(query, key, value, tm, sinks, cfg,
                             strategy.plan(cpc, sizes, "ring"))
 
 
@@ -117,24 +121,34 @@ def resolve(implementation, cfg: AttentionConfig, query, key,
 
 
 def differentiable(forward, backward):
-  """``f(q, k, v, tm, cfg, plan) -> out`` with a custom VJP, from a
+  """``f(q, k, v, tm, sinks, cfg, plan) -> out`` with a custom VJP, from a
   strategy's pair on local shards: ``forward(q, k, v, tm, cfg, plan) ->
   (out, lse)`` and ``backward(q, k, v, tm, out, lse, dout, cfg, plan) ->
   (dq, dk, dv)``. Every strategy keeps the same residual: the local shards
-  and the global ``out``/``lse``. ``cfg`` and ``plan`` are static."""
+  and the global ``out``/``lse``. ``sinks`` (or None) fold into the merged
+  result once per row (``kernel.fold_sinks``), and the backward takes the
+  folded ``out``/``lse``. ``cfg`` and ``plan`` are static."""
 
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-  def f(q, k, v, tm, cfg, plan):
-    return forward(q, k, v, tm, cfg, plan)[0]
-
-  def f_fwd(q, k, v, tm, cfg, plan):
+  def folded(q, k, v, tm, sinks, cfg, plan):
     out, lse = forward(q, k, v, tm, cfg, plan)
-    return out, (q, k, v, tm, out, lse)
+    return (out, lse) if sinks is None else kernel.fold_sinks(out, lse,
+                                                              sinks)
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+  def f(q, k, v, tm, sinks, cfg, plan):
+    return folded(q, k, v, tm, sinks, cfg, plan)[0]
+
+  def f_fwd(q, k, v, tm, sinks, cfg, plan):
+    out, lse = folded(q, k, v, tm, sinks, cfg, plan)
+    return out, (q, k, v, tm, sinks, out, lse)
 
   def f_bwd(cfg, plan, res, dout):
-    q, k, v, tm, out, lse = res
-    grads = backward(q, k, v, tm, out, lse, dout.astype(q.dtype), cfg, plan)
-    return (*grads, jax.tree.map(lambda _: None, tm))
+    q, k, v, tm, sinks, out, lse = res
+    dout = dout.astype(q.dtype)
+    grads = backward(q, k, v, tm, out, lse, dout, cfg, plan)
+    dsinks = None if sinks is None else kernel.sinks_grad(
+        sinks, out, lse, dout, None).astype(sinks.dtype)
+    return (*grads, jax.tree.map(lambda _: None, tm), dsinks)
 
   f.defvjp(f_fwd, f_bwd)
   return f

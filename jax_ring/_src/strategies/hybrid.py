@@ -137,7 +137,7 @@ def hybrid_attention(query, key, value, *, axis_name: tuple[str, str],
                      is_causal=False, load_balance: LoadBalance | None = None,
                      segment_ids=None, query_seq_lengths=None,
                      key_value_seq_lengths=None, local_window_size=None,
-                     scale=None, logits_soft_cap=None, implementation=None,
+                     scale=None, logits_soft_cap=None, implementation=None, sinks=None,
                      loop: Loop | None = None,
                      kv_sends: KvSends | None = None):
   """Exact attention over a sequence sharded over a ulysses and a ring axis.
@@ -166,6 +166,8 @@ def hybrid_attention(query, key, value, *, axis_name: tuple[str, str],
     scale: logit multiplier; default ``1 / sqrt(H)``.
     logits_soft_cap: Gemma-2 soft cap, as in ``dot_product_attention``.
     implementation: block backend, as in ``dot_product_attention``.
+    sinks: ``(N,)`` float, one logit per local query head that joins
+      every row's softmax with no value, as in ``dot_product_attention``.
     loop: the ring's loop form, ``"scan"`` or ``"unrolled"``; default from
       ``NVTE_FUSED_RING_ATTENTION_USE_SCAN`` as in :func:`ring_attention`.
     kv_sends: the ring's K/V sends, as in :func:`ring_attention` (its size
@@ -181,4 +183,5 @@ def hybrid_attention(query, key, value, *, axis_name: tuple[str, str],
       STRATEGY, cpc, query, key, value, segment_ids=segment_ids,
       lengths=(query_seq_lengths, key_value_seq_lengths),
       local_window_size=local_window_size, is_causal=is_causal, scale=scale,
-      logits_soft_cap=logits_soft_cap, implementation=implementation)
+      logits_soft_cap=logits_soft_cap, implementation=implementation,
+      sinks=sinks)

@@ -148,7 +148,7 @@ def ulysses_attention(query, key, value, *, axis_name: str, is_causal=False,
                       load_balance: LoadBalance | None = None,
                       segment_ids=None, query_seq_lengths=None,
                       key_value_seq_lengths=None, local_window_size=None,
-                      scale=None, logits_soft_cap=None, implementation=None):
+                      scale=None, logits_soft_cap=None, implementation=None, sinks=None):
   """Exact attention over a sequence sharded along ``axis_name``, by all-to-all.
 
   Call it inside ``shard_map`` on the local shards: ``query (B, T, N, H)``,
@@ -175,6 +175,8 @@ def ulysses_attention(query, key, value, *, axis_name: str, is_causal=False,
     scale: logit multiplier; default ``1 / sqrt(H)``.
     logits_soft_cap: Gemma-2 soft cap, as in ``dot_product_attention``.
     implementation: block backend, as in ``dot_product_attention``.
+    sinks: ``(N,)`` float, one logit per local query head that joins
+      every row's softmax with no value, as in ``dot_product_attention``.
 
   Returns:
     ``(B, T, N, H)`` in the input dtype: this device's rows of the output.
@@ -185,4 +187,5 @@ def ulysses_attention(query, key, value, *, axis_name: str, is_causal=False,
       STRATEGY, cpc, query, key, value, segment_ids=segment_ids,
       lengths=(query_seq_lengths, key_value_seq_lengths),
       local_window_size=local_window_size, is_causal=is_causal, scale=scale,
-      logits_soft_cap=logits_soft_cap, implementation=implementation)
+      logits_soft_cap=logits_soft_cap, implementation=implementation,
+      sinks=sinks)

@@ -289,7 +289,7 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
                    load_balance: LoadBalance | None = None,
                    segment_ids=None, query_seq_lengths=None,
                    key_value_seq_lengths=None, local_window_size=None,
-                   scale=None, logits_soft_cap=None, implementation=None,
+                   scale=None, logits_soft_cap=None, implementation=None, sinks=None,
                    loop: Loop | None = None,
                    kv_sends: KvSends | None = None):
   """Exact attention over a sequence sharded along mesh axis ``axis_name``.
@@ -316,6 +316,8 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
     scale: logit multiplier; default ``1 / sqrt(H)``.
     logits_soft_cap: Gemma-2 soft cap, as in ``dot_product_attention``.
     implementation: block backend, as in ``dot_product_attention``.
+    sinks: ``(N,)`` float, one logit per local query head that joins
+      every row's softmax with no value, as in ``dot_product_attention``.
     loop: ``"unrolled"`` (the default: the step index is a Python int, and
       inside one program the backward reuses the forward's K/V sends) or
       ``"scan"`` (one step's program, so the program stays small at large
@@ -342,4 +344,5 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
       STRATEGY, cpc, query, key, value, segment_ids=segment_ids,
       lengths=(query_seq_lengths, key_value_seq_lengths),
       local_window_size=local_window_size, is_causal=is_causal, scale=scale,
-      logits_soft_cap=logits_soft_cap, implementation=implementation)
+      logits_soft_cap=logits_soft_cap, implementation=implementation,
+      sinks=sinks)
