@@ -155,8 +155,10 @@ def cp_setup(strategy, load_balance="dual_chunk"):
     ("all_gather", "dual_chunk", dict(sliding_window=7), True),
     ("ulysses", "dual_chunk", dict(), True),
     ("hybrid", "dual_chunk", dict(), True),
+    ("ring", "dual_chunk", dict(sinks=True, sliding_window=7), True),
 ], ids=["ring_causal", "ring_packed_window_cap", "ring_striped_packed",
-        "all_gather_packed_window", "ulysses_packed", "hybrid_packed"])
+        "all_gather_packed_window", "ulysses_packed", "hybrid_packed",
+        "ring_packed_window_sinks"])
 def test_context_parallel_layer_equals_single_device(strategy, load_balance,
                                                      kw, segments):
   """data=2 x 4 sequence devices: positions and segment ids in the
@@ -202,7 +204,7 @@ def test_context_parallel_layer_equals_single_device(strategy, load_balance,
   tol = jnp.float32
   ref.assert_close(un_(out), want_out, tol, "out")
   ref.assert_close(un_(dx), want_dx, tol, "dx")
-  for name in ("wq", "wk", "wv", "wo"):
+  for name in ("wq", "wk", "wv", "wo") + (("sinks",) if "sinks" in kw else ()):
     ref.assert_close(dp[name][...], want_dp[name][...], tol, "d" + name)
 
 

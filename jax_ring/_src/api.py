@@ -1,4 +1,5 @@
-"""Public single-device API: a drop-in superset of jax.nn.dot_product_attention."""
+"""``dot_product_attention``: a drop-in superset of
+``jax.nn.dot_product_attention``, on one device or context-parallel."""
 
 from __future__ import annotations
 

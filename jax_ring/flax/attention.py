@@ -109,6 +109,9 @@ class AttentionLayerConfig:
     rope_max_wavelength: RoPE base (``theta``).
     rope_scaling: a :class:`Llama3RopeScaling`, or None (plain RoPE).
     qkv_bias: add a learned bias to q, k and v (Qwen2).
+    sinks: a learned logit per query head, ``(N,)``, initialised to 0,
+      that joins every row's softmax with no value (gpt-oss); see
+      ``jax_ring.dot_product_attention(sinks=)``.
     dtype: compute dtype of projections and attention (bfloat16 lets
       ``implementation=None`` pick cuDNN on a GPU).
     param_dtype: dtype of the weights.
@@ -135,6 +138,7 @@ class AttentionLayerConfig:
   rope_max_wavelength: float = 10_000.0
   rope_scaling: Llama3RopeScaling | None = None
   qkv_bias: bool = False
+  sinks: bool = False
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   implementation: Literal["xla", "cudnn"] | None = None
@@ -319,6 +323,8 @@ class Attention(nnx.Module):
       self.bq = param(zeros, (n, h), (HEADS, HEAD_DIM))
       self.bk = param(zeros, (k, h), (KV_HEADS, HEAD_DIM))
       self.bv = param(zeros, (k, h), (KV_HEADS, HEAD_DIM))
+    if config.sinks:
+      self.sinks = param(jax.nn.initializers.zeros, (n,), (HEADS,))
 
   def __call__(self, x, positions, segment_ids=None):
     """Attention of the tokens ``x`` over themselves.
@@ -367,6 +373,7 @@ class Attention(nnx.Module):
         scale=cfg.scale, logits_soft_cap=cfg.logits_soft_cap,
         local_window_size=cfg.local_window_size,
         implementation=cfg.implementation,
+        sinks=self.sinks[...].astype(jnp.float32) if cfg.sinks else None,
         context_parallel=cfg.context_parallel)
 
   def output(self, out):

@@ -12,8 +12,8 @@ and :func:`attention_backward_dkv`, which returns dK/dV stacked.)
 
 Shapes: ``q (B, T, N, H)``, ``k, v (B, S, K, H)`` with ``N % K == 0``,
 ``bias (B|1, N|1, T, S)`` or None, ``out (B, T, N, H)`` in q's dtype,
-``lse (B, T, N)`` float32. ``mask`` is a :class:`~jax_ring._src.core.mask.BlockMask`;
-``config`` an :class:`~jax_ring._src.core.config.AttentionConfig` whose
+``lse (B, T, N)`` float32. ``mask`` is a ``core.mask.BlockMask``;
+``config`` a ``core.config.AttentionConfig`` whose
 ``implementation`` is already resolved.
 
 ``lse`` is the natural-log logsumexp of the scaled, capped, biased and masked
@@ -221,8 +221,8 @@ def _fwd_batch(args, dims, **params):
 def _bwd_batch(args, dims, **params):
   # The bias gradient is per vmapped instance, so a shared bias cannot stay
   # shared here: give it a full batch and reduce dbias back afterwards.
-  kinds = _leading_kinds(params, len(args),
-                         ["B", "B", "B"] + (["B"] if params["has_dlse"] else []))
+  extra = ["B", "B", "B"] + (["B"] if params["has_dlse"] else [])
+  kinds = _leading_kinds(params, len(args), extra)
   bias_b = None
   if params["has_bias"]:
     bias, d = args[3], dims[3]
