@@ -54,8 +54,8 @@ def test_ring_matches_reference(cp, causal, load_balance, loop):
 
 # A window's chunk pairs compile one static band per chunk distance, so the
 # larger rings and the dual-chunk scans (the slowest programs to compile
-# here) run with ``-m slow``; every layout x causal/full x window stays in
-# the default run.
+# here) run with ``-m slow``; the default run keeps a causal window and a
+# padding case per layout and a two-sided window.
 _SLOW = pytest.mark.slow
 
 
@@ -65,7 +65,7 @@ _SLOW = pytest.mark.slow
      pytest.param(4, "dual_chunk", True, (5, 0), "unrolled", marks=_SLOW),
      pytest.param(4, "dual_chunk", True, (13, 0), "scan", marks=_SLOW),
      (2, None, True, (7, 0), "scan"),
-     (4, None, False, (9, 4), "unrolled"),
+     pytest.param(4, None, False, (9, 4), "unrolled", marks=_SLOW),
      pytest.param(2, "dual_chunk", False, (3, 11), "unrolled", marks=_SLOW),
      pytest.param(4, "dual_chunk", False, (3, 11), "scan", marks=_SLOW),
      (4, "dual_chunk", True, None, "unrolled"),
@@ -74,7 +74,7 @@ _SLOW = pytest.mark.slow
      (4, "striped", True, (5, 0), "unrolled"),
      (4, "striped", False, (3, 7), "scan"),
      pytest.param(8, "striped", True, (13, 0), "scan", marks=_SLOW),
-     (4, "striped", True, None, "unrolled"),
+     pytest.param(4, "striped", True, None, "unrolled", marks=_SLOW),
      (4, "striped", False, None, "scan")],
     ids=["n2_dual_causal_w5", "n4_dual_causal_w5", "n4_dual_causal_w13_scan", "n2_contig_w7",
          "n4_contig_full_w9_4", "n2_dual_full_w3_11",
@@ -192,7 +192,7 @@ def test_backward_sends_no_kv_a_second_time(path, monkeypatch):
     pytest.param(4, True, "dual_chunk", {}, marks=pytest.mark.slow),
     (4, True, "dual_chunk", dict(loop="scan")),
     (4, True, None, {}),
-    (8, True, "striped", {}),
+    pytest.param(8, True, "striped", {}, marks=pytest.mark.slow),
     (4, False, None, dict(loop="scan", local_window_size=(20, 9))),
     (8, True, "dual_chunk", dict(query_seq_lengths=jnp.asarray(Q_LENGTHS),
                                  key_value_seq_lengths=jnp.asarray(
