@@ -65,10 +65,6 @@ def for_platform(name: str | None, platform: str) -> Backend:
   return backend if backend.platform in (None, platform) else get(FALLBACK)
 
 
-def registered() -> list[Backend]:
-  return list(BACKENDS.values())
-
-
 def resolve(requested, config: AttentionConfig, query, key, bias, mask) -> str:
   """Name of the backend that runs this call."""
   if requested == FALLBACK:
