@@ -1,10 +1,30 @@
-"""jax_ring's cuDNN backend against jax.nn's cuDNN path, same process.
+"""jax_ring's cuDNN backend against jax.nn's cuDNN path, same process; and
+the cost of attention sinks and of a value head dim unlike the keys'.
 
-  python benchmarks/cudnn_attention.py [--seq 4096 8192 ...] [--quick]
+  python benchmarks/cudnn_attention.py [--seq 4096 8192 ...] [--tables
+      default sinks mla]
 
-B=1, D=128, bf16; N=32 query heads with 32 (MHA) or 8 (GQA) kv heads;
-causal and non-causal. FLOPs: 4*S^2*N*D (halved for causal); forward+backward
-counts 3.5x the forward. Writes
+Tables (each its own mode in the results file; ``--mode X`` names the
+default table X and the others X_sinks, X_mla):
+
+``default``  B=1, D=128 (``--head-dim``), bf16; N=32 query heads
+             (``--heads``) with 32 (MHA) or 8 (GQA) kv heads
+             (``--kv-heads``); causal and non-causal; jax_ring against
+             jax.nn, both ``implementation="cudnn"``.
+``sinks``    jax_ring with attention sinks (one learned logit per head)
+             against without, causal, at ``--sinks-seq``, for N=64 K=8
+             D=64 (gpt-oss) and N=32 K=8 D=128. The ratio is the sinks
+             time over the plain one (> 1: sinks slower).
+``mla``      head dims (H, Hv) = (192, 128) (DeepSeek-V3's multi-head latent
+             attention) against (128, 128), causal, N = K = ``--mla-heads``,
+             at ``--mla-seq``; jax_ring, and jax.nn where it accepts the
+             shape (a cell says "not accepted" where it raises, and the
+             row keeps its message).
+
+FLOPs: 2*S^2*N*(H + Hv) forward and 2*S^2*N*(4H + 3Hv) forward+backward
+(the backward recomputes the logits: 2.5x the forward when H = Hv), halved
+for causal. ``--implementation xla`` runs every table on the pure-JAX
+kernels (a CPU dry run). Writes
 benchmarks/results/cudnn_attention_<count>x<gpu>.json.
 """
 
@@ -13,56 +33,170 @@ from __future__ import annotations
 import argparse
 
 import jax
+import jax.numpy as jnp
 
 import jax_ring
 from common import random_qkv, shape_args, time_fn, write
 
+TABLES = ("default", "sinks", "mla")
+SINK_SHAPES = ((64, 8, 64), (32, 8, 128))  # (N, K, D): gpt-oss; Llama-like
+MLA_DIMS = ((192, 128), (128, 128))
+
 
 def step_fns(impl_fn):
+  """(jitted forward, jitted forward+backward) of ``impl_fn(*args)``; the
+  backward takes the grads of every argument."""
   fwd = jax.jit(impl_fn)
 
   @jax.jit
-  def fwd_bwd(q, k, v, do):
-    out, vjp = jax.vjp(impl_fn, q, k, v)
+  def fwd_bwd(*args):
+    *args, do = args
+    out, vjp = jax.vjp(impl_fn, *args)
     return vjp(do)
 
   return fwd, fwd_bwd
 
 
-def main():
-  p = argparse.ArgumentParser()
-  shape_args(p, [4096, 8192, 16384, 32768, 65536])
-  a = p.parse_args()
+def flops(s, n, h, hv, causal):
+  """(forward, forward+backward) FLOPs of one attention call."""
+  half = 0.5 if causal else 1.0
+  return (2 * s * s * n * (h + hv) * half,
+          2 * s * s * n * (4 * h + 3 * hv) * half)
+
+
+def timed(row, name, fn, args, do, fl):
+  """Time ``fn(*args)`` forward and forward+backward into ``row`` as
+  ``<name>_{fwd,fwdbwd}_{ms,tflops}``. A call that raises at trace time
+  (a library that does not accept the shape) is recorded as "not accepted"
+  with its message in ``<name>_error``."""
+  try:
+    jax.eval_shape(fn, *args)
+  except (ValueError, TypeError, NotImplementedError) as e:
+    row[f"{name}_fwd_ms"] = row[f"{name}_fwdbwd_ms"] = "not accepted"
+    row[f"{name}_error"] = f"{type(e).__name__}: {e}"
+    return
+  fwd, fwd_bwd = step_fns(fn)
+  for part, t, f in (("fwd", time_fn(fwd, *args), fl[0]),
+                     ("fwdbwd", time_fn(fwd_bwd, *args, do), fl[1])):
+    row[f"{name}_{part}_ms"] = t * 1e3
+    row[f"{name}_{part}_tflops"] = f / t / 1e12
+
+
+def ratio(row, over, under, key):
+  """``row[over] / row[under]`` for both passes, where both were timed."""
+  for part in ("fwd", "fwdbwd"):
+    a, b = row.get(f"{over}_{part}_ms"), row.get(f"{under}_{part}_ms")
+    if isinstance(a, float) and isinstance(b, float):
+      row[f"{part}_{key}"] = a / b
+
+
+def qkv(seed, s, n, kh, h, hv=None):
+  """Random bf16 ``q, k (head dim h), v, dout (head dim hv, default h)``."""
+  q, k, v, do = random_qkv(seed, s, n, kh, h)
+  if hv is not None and hv != h:
+    _, _, v, do = random_qkv(seed + 1, s, n, kh, hv)
+  return q, k, v, do
+
+
+def default_table(a):
   rows = []
   for s in a.seq:
     for kh in a.kv_heads:
       for causal in (True, False):
-        q, k, v, do = random_qkv(s + kh, s, a.heads, kh, a.head_dim)
-        flops = 4 * s * s * a.heads * a.head_dim * (0.5 if causal else 1.0)
+        q, k, v, do = qkv(s + kh, s, a.heads, kh, a.head_dim)
+        fl = flops(s, a.heads, a.head_dim, a.head_dim, causal)
         row = dict(seq=s, heads=a.heads, kv_heads=kh, causal=causal)
         for name, mod in (("jax_ring", jax_ring), ("jax_nn", jax.nn)):
           fn = lambda q, k, v, mod=mod: mod.dot_product_attention(
-              q, k, v, is_causal=causal, implementation="cudnn")
-          fwd, fwd_bwd = step_fns(fn)
-          t_f = time_fn(fwd, q, k, v)
-          t_fb = time_fn(fwd_bwd, q, k, v, do)
-          row[f"{name}_fwd_ms"] = t_f * 1e3
-          row[f"{name}_fwd_tflops"] = flops / t_f / 1e12
-          row[f"{name}_fwdbwd_ms"] = t_fb * 1e3
-          row[f"{name}_fwdbwd_tflops"] = 3.5 * flops / t_fb / 1e12
-        row["fwd_ratio"] = row["jax_nn_fwd_ms"] / row["jax_ring_fwd_ms"]
-        row["fwdbwd_ratio"] = (row["jax_nn_fwdbwd_ms"] /
-                               row["jax_ring_fwdbwd_ms"])
+              q, k, v, is_causal=causal, implementation=a.implementation)
+          timed(row, name, fn, (q, k, v), do, fl)
+        ratio(row, "jax_nn", "jax_ring", "ratio")
         rows.append(row)
         print(row, flush=True)
-  write("cudnn_attention", rows,
-        ["seq", "kv_heads", "causal", "jax_ring_fwd_tflops",
-         "jax_nn_fwd_tflops", "fwd_ratio", "jax_ring_fwdbwd_tflops",
-         "jax_nn_fwdbwd_tflops", "fwdbwd_ratio"],
-        extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
-                   flops="4*S^2*N*D (x0.5 causal); fwd+bwd = 3.5x fwd",
-                   ratio="jax.nn time / jax_ring time (>1: jax_ring faster)"),
-        mode=a.mode)
+  return rows, ["seq", "kv_heads", "causal", "jax_ring_fwd_tflops",
+                "jax_nn_fwd_tflops", "fwd_ratio", "jax_ring_fwdbwd_tflops",
+                "jax_nn_fwdbwd_tflops", "fwdbwd_ratio"], dict(
+      head_dim=a.head_dim,
+      ratio="jax.nn time / jax_ring time (>1: jax_ring faster)")
+
+
+def sinks_table(a):
+  rows = []
+  for n, kh, d in SINK_SHAPES:
+    for s in a.sinks_seq:
+      q, k, v, do = qkv(s + n, s, n, kh, d)
+      sinks = jnp.linspace(-1.0, 2.0, n, dtype=jnp.float32)
+      fl = flops(s, n, d, d, True)
+      row = dict(seq=s, heads=n, kv_heads=kh, head_dim=d, causal=True)
+      attend = lambda q, k, v, sk=None: jax_ring.dot_product_attention(
+          q, k, v, sinks=sk, is_causal=True, implementation=a.implementation)
+      timed(row, "plain", attend, (q, k, v), do, fl)
+      timed(row, "sinks", attend, (q, k, v, sinks), do, fl)
+      ratio(row, "sinks", "plain", "ratio")
+      rows.append(row)
+      print(row, flush=True)
+  return rows, ["seq", "heads", "kv_heads", "head_dim", "plain_fwd_ms",
+                "sinks_fwd_ms", "fwd_ratio", "plain_fwdbwd_ms",
+                "sinks_fwdbwd_ms", "fwdbwd_ratio"], dict(
+      ratio="sinks time / plain time (>1: sinks slower); target: "
+            "fwd+bwd <= 1.03",
+      sinks="(N,) float32, one logit per head; fwd+bwd includes d sinks")
+
+
+def mla_table(a):
+  rows = []
+  n = a.mla_heads
+  for s in a.mla_seq:
+    row = dict(seq=s, heads=n, kv_heads=n, causal=True)
+    for h, hv in MLA_DIMS:
+      q, k, v, do = qkv(s + h, s, n, n, h, hv)
+      fl = flops(s, n, h, hv, True)
+      for lib, mod in (("jax_ring", jax_ring), ("jax_nn", jax.nn)):
+        fn = lambda q, k, v, mod=mod: mod.dot_product_attention(
+            q, k, v, is_causal=True, implementation=a.implementation)
+        timed(row, f"{lib}_{h}_{hv}", fn, (q, k, v), do, fl)
+    (h, hv), (h0, hv0) = MLA_DIMS
+    ratio(row, f"jax_ring_{h}_{hv}", f"jax_ring_{h0}_{hv0}", "ratio")
+    ratio(row, f"jax_nn_{h}_{hv}", f"jax_ring_{h}_{hv}", "nn_ratio")
+    rows.append(row)
+    print(row, flush=True)
+  names = [f"{lib}_{h}_{hv}" for h, hv in MLA_DIMS
+           for lib in ("jax_ring", "jax_nn")]
+  columns = ["seq"] + [f"{x}_fwd_ms" for x in names] + ["fwd_ratio"] + [
+      f"{x}_fwdbwd_ms" for x in names] + ["fwdbwd_ratio"]
+  return rows, columns, dict(
+      ratio=f"jax_ring time at {MLA_DIMS[0]} / at {MLA_DIMS[1]} (H, Hv)",
+      nn_ratio="jax.nn time / jax_ring time at the same head dims, where "
+               "jax.nn accepts them")
+
+
+def main():
+  p = argparse.ArgumentParser(
+      description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  shape_args(p, [4096, 8192, 16384, 32768, 65536])
+  p.add_argument("--tables", nargs="+", choices=TABLES, default=["default"])
+  p.add_argument("--sinks-seq", type=int, nargs="+",
+                 default=[8192, 16384, 32768, 65536])
+  p.add_argument("--mla-seq", type=int, nargs="+",
+                 default=[4096, 8192, 16384, 32768])
+  p.add_argument("--mla-heads", type=int, default=32)
+  p.add_argument("--implementation", default="cudnn", choices=("cudnn",
+                                                               "xla"),
+                 help="what both libraries are asked for (xla: a CPU dry "
+                 "run)")
+  a = p.parse_args()
+  builders = dict(default=default_table, sinks=sinks_table, mla=mla_table)
+  for table in a.tables:
+    rows, columns, extra = builders[table](a)
+    mode = a.mode if table == "default" else (
+        table if a.mode == "default" else f"{a.mode}_{table}")
+    write("cudnn_attention", rows, columns,
+          extra=dict(dtype="bfloat16", batch=1,
+                     implementation=a.implementation,
+                     flops="2*S^2*N*(H+Hv) fwd, 2*S^2*N*(4H+3Hv) fwd+bwd "
+                           "(x0.5 causal)", **extra),
+          mode=mode)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,24 @@
 // XLA FFI handlers for cuDNN fused attention, and the nanobind module that
-// hands them to Python (jax_ring/_src/cudnn.py registers them with jax).
+// hands them to Python (jax_ring/_src/backends/cudnn/ffi.py registers them
+// with jax).
 //
-// Buffers are BSHD; see sdpa.h for the mask attributes. B' below is the
-// number of virtual batches: B, or B * slots with packed documents. Failures come back
-// as ffi::Error with a message; nothing here aborts the process.
+// Buffers are BSHD, with the query/key head dim H and the value head dim Hv
+// (see sdpa.h, also for the mask attributes). B' below is the number of
+// virtual batches: B, or B * slots with packed documents; t = T - row_start.
+// Failures come back as ffi::Error with a message; nothing here aborts the
+// process.
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <cuda_runtime.h>
 #include <cudnn.h>
 #include <nanobind/nanobind.h>
 
+#include "checks.h"
 #include "sdpa.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -30,67 +35,64 @@ struct Mask {
   int64_t slots;
 };
 
-std::string Shape(const ffi::AnyBuffer& x) {
-  std::string s = "(";
-  for (size_t i = 0; i < x.dimensions().size(); ++i) {
-    s += (i ? ", " : "") + std::to_string(x.dimensions()[i]);
-  }
-  return s + ")";
-}
-
-// Checks q (B, T, N, H) and k/v (B, S, K, H) and fills the key's shapes.
+// Checks q (B, T, N, H), k (B, S, K, H), v (B, S, K, Hv) and fills the
+// key's shapes.
 ffi::Error Describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                     const ffi::AnyBuffer& v, const Mask& mask, bool backward,
                     int32_t device, float scale, SdpaKey* key) {
+  const std::string shapes =
+      "q " + Shape(q) + ", k " + Shape(k) + ", v " + Shape(v);
   if (q.dimensions().size() != 4 || k.dimensions().size() != 4 ||
       v.dimensions().size() != 4) {
-    return ffi::Error::InvalidArgument(
-        "jax_ring cuDNN attention: q, k, v must be rank 4, got q " + Shape(q) +
-        ", k " + Shape(k) + ", v " + Shape(v));
+    return Invalid("q, k, v must be rank 4, got " + shapes);
   }
-  auto qd = q.dimensions(), kd = k.dimensions();
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (q.element_type() != k.element_type() ||
       q.element_type() != v.element_type() ||
       (q.element_type() != ffi::BF16 && q.element_type() != ffi::F16)) {
-    return ffi::Error::InvalidArgument(
-        "jax_ring cuDNN attention: q, k, v must all be bfloat16 or float16");
+    return Invalid("q, k, v must all be bfloat16 or float16");
   }
   if (kd[0] != qd[0] || kd[3] != qd[3] || qd[2] % kd[2] != 0 ||
-      Shape(k) != Shape(v)) {
-    return ffi::Error::InvalidArgument(
-        "jax_ring cuDNN attention: incompatible q " + Shape(q) + ", k " +
-        Shape(k) + ", v " + Shape(v));
+      !(vd.first(3) == kd.first(3))) {
+    return Invalid("incompatible " + shapes +
+                   ": need q (B, T, N, H), k (B, S, K, H), v (B, S, K, Hv) "
+                   "with N % K == 0");
   }
   if (mask.row_start < 0 || mask.row_start >= qd[1] || mask.col_start < 0 ||
       mask.col_start >= kd[1]) {
-    return ffi::Error::InvalidArgument(
-        "jax_ring cuDNN attention: row_start/col_start out of range");
+    return Invalid("row_start " + std::to_string(mask.row_start) +
+                   " / col_start " + std::to_string(mask.col_start) +
+                   " out of range for " + shapes);
   }
   if (mask.slots < 0 || (mask.slots > 0 && (mask.row_start || mask.col_start))) {
-    return ffi::Error::InvalidArgument(
-        "jax_ring cuDNN attention: packed documents (slots = " +
-        std::to_string(mask.slots) + ") need row_start = col_start = 0");
+    return Invalid("packed documents (slots = " + std::to_string(mask.slots) +
+                   ") need row_start = col_start = 0");
   }
   *key = SdpaKey{backward,
                  q.element_type() == ffi::BF16 ? Dtype::kBF16 : Dtype::kF16,
-                 device, qd[0], qd[1], kd[1], qd[2], kd[2], qd[3],
+                 device, qd[0], qd[1], kd[1], qd[2], kd[2], qd[3], vd[3],
                  mask.slots, mask.row_start, mask.col_start, mask.right_bound,
                  mask.left_bound, mask.padding, scale, mask.softcap};
   return ffi::Error::Success();
 }
 
 // Device pointers of one call by Uid. BSHD buffers start at the window's
-// first query row (q side) or first key (kv side): no copies.
+// first query row (q side) or first key (kv side): no copies. `h` is the
+// buffer's head dim (H or Hv).
 struct VariantPack {
   explicit VariantPack(const SdpaKey& key) : key(key) {}
-  void QSide(Uid uid, void* base) { Set(uid, base, key.row_start, key.n); }
-  void KvSide(Uid uid, void* base) { Set(uid, base, key.col_start, key.k); }
-  void Set(Uid uid, void* base, int64_t row, int64_t heads) {
-    ptrs[uid] = static_cast<char*>(base) + row * heads * key.h * 2;  // 16-bit
+  void QSide(Uid uid, void* base, int64_t h) {
+    Set(uid, base, key.row_start * key.n * h);
+  }
+  void KvSide(Uid uid, void* base, int64_t h) {
+    Set(uid, base, key.col_start * key.k * h);
+  }
+  void Set(Uid uid, void* base, int64_t elements) {
+    ptrs[uid] = static_cast<char*>(base) + elements * 2;  // 16-bit
   }
 
   const SdpaKey& key;
-  void* ptrs[kRaggedKV + 1] = {};
+  void* ptrs[kRaggedO + 1] = {};
 };
 
 // Builds (or finds) the key's plan on `device`'s handle, and runs it unless
@@ -108,10 +110,11 @@ ffi::Error Run(const SdpaKey& key, cudaStream_t stream,
   if (workspace == nullptr) return ffi::Error::Success();
   const int64_t need = WorkspaceSize(*plan);
   if (static_cast<int64_t>(workspace->size_bytes()) < need) {
-    return ffi::Error::InvalidArgument(
-        "jax_ring cuDNN attention: the workspace buffer has " +
-        std::to_string(workspace->size_bytes()) + " bytes, the graph on device " +
-        std::to_string(key.device) + " needs " + std::to_string(need));
+    return Invalid("the workspace buffer has " +
+                   std::to_string(workspace->size_bytes()) +
+                   " bytes, the graph on device " +
+                   std::to_string(key.device) + " needs " +
+                   std::to_string(need));
   }
   cudnnStatus_t status = cudnnSetStream(handle, stream);
   if (status != CUDNN_STATUS_SUCCESS) {
@@ -126,47 +129,64 @@ ffi::Error Run(const SdpaKey& key, cudaStream_t stream,
 }
 
 // The int32 vectors that describe the rows: window lengths, and the ragged
-// offsets of packed documents.
+// element offsets of packed documents in the q/dq, k/dk, v/dv and out/dout
+// buffers (one each: they differ when H and Hv do).
 struct Rows {
-  ffi::Buffer<ffi::S32> seq_q, seq_kv, ragged_q, ragged_kv;
+  ffi::Buffer<ffi::S32> seq_q, seq_kv, ragged_q, ragged_k, ragged_v, ragged_o;
 };
 
-// What both handlers share: the key, and the pointers of q, k, v, the
+// What all handlers share: the key, and the pointers of q, k, v, the
 // stats and (if padding or packed) the row vectors.
 ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   void* stats, const Rows& rows, const Mask& mask,
-                   bool backward, int32_t device, float scale, SdpaKey* key,
-                   VariantPack* pack) {
+                   const ffi::AnyBuffer& stats, const Rows& rows,
+                   const Mask& mask, bool backward, int32_t device,
+                   float scale, SdpaKey* key, VariantPack* pack) {
   if (auto e = Describe(q, k, v, mask, backward, device, scale, key);
       e.failure()) {
     return e;
   }
-  pack->QSide(kQ, q.untyped_data());
-  pack->KvSide(kK, k.untyped_data());
-  pack->KvSide(kV, v.untyped_data());
-  pack->ptrs[kStats] = stats;
   const int64_t batches = mask.slots > 0 ? key->b * mask.slots : key->b;
+  if (auto e = Expect("lse", stats,
+                      {batches, key->n, key->full_t - key->row_start},
+                      "(B', N, t)", ffi::F32);
+      e.failure()) {
+    return e;
+  }
+  pack->QSide(kQ, q.untyped_data(), key->h);
+  pack->KvSide(kK, k.untyped_data(), key->h);
+  pack->KvSide(kV, v.untyped_data(), key->hv);
+  pack->ptrs[kStats] = stats.untyped_data();
+  auto count = [](const ffi::Buffer<ffi::S32>& x) {
+    return static_cast<int64_t>(x.element_count());
+  };
   if (mask.padding || mask.slots > 0) {
-    if (rows.seq_q.element_count() != batches ||
-        rows.seq_kv.element_count() != batches) {
-      return ffi::Error::InvalidArgument(
-          "jax_ring cuDNN attention: seq_q/seq_kv need " +
-          std::to_string(batches) + " entries");
+    if (count(rows.seq_q) != batches || count(rows.seq_kv) != batches) {
+      return Invalid("seq_q/seq_kv need " + std::to_string(batches) +
+                     " entries, got " +
+                     std::to_string(count(rows.seq_q)) + " and " +
+                     std::to_string(count(rows.seq_kv)));
     }
     pack->ptrs[kSeqQ] = rows.seq_q.untyped_data();
     pack->ptrs[kSeqKV] = rows.seq_kv.untyped_data();
   }
   if (mask.slots > 0) {
-    if (rows.ragged_q.element_count() != batches + 1 ||
-        rows.ragged_kv.element_count() != batches + 1) {
-      return ffi::Error::InvalidArgument(
-          "jax_ring cuDNN attention: ragged offsets need " +
-          std::to_string(batches + 1) + " entries");
+    const std::pair<Uid, const ffi::Buffer<ffi::S32>*> ragged[] = {
+        {kRaggedQ, &rows.ragged_q}, {kRaggedK, &rows.ragged_k},
+        {kRaggedV, &rows.ragged_v}, {kRaggedO, &rows.ragged_o}};
+    for (const auto& [uid, buffer] : ragged) {
+      if (count(*buffer) != batches + 1) {
+        return Invalid("ragged offsets need " + std::to_string(batches + 1) +
+                       " entries each, got " + std::to_string(count(*buffer)));
+      }
+      pack->ptrs[uid] = buffer->untyped_data();
     }
-    pack->ptrs[kRaggedQ] = rows.ragged_q.untyped_data();
-    pack->ptrs[kRaggedKV] = rows.ragged_kv.untyped_data();
   }
   return ffi::Error::Success();
+}
+
+// (B, T, N, Hv): the shape of out and dout.
+std::vector<int64_t> OutDims(const SdpaKey& key) {
+  return {key.b, key.full_t, key.n, key.hv};
 }
 
 // kRun = false is the INITIALIZE stage: XLA calls it before it runs (or
@@ -177,48 +197,64 @@ ffi::Error Forward(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                    ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::Buffer<ffi::S32> seq_q, ffi::Buffer<ffi::S32> seq_kv,
                    ffi::Buffer<ffi::S32> ragged_q,
-                   ffi::Buffer<ffi::S32> ragged_kv,
+                   ffi::Buffer<ffi::S32> ragged_k,
+                   ffi::Buffer<ffi::S32> ragged_v,
+                   ffi::Buffer<ffi::S32> ragged_o,
                    ffi::Result<ffi::AnyBuffer> out,
                    ffi::Result<ffi::AnyBuffer> lse,
                    ffi::Result<ffi::AnyBuffer> workspace, float scale,
                    int64_t row_start, int64_t col_start, int64_t right_bound,
                    int64_t left_bound, bool padding, float softcap,
                    int64_t slots) {
-  SdpaKey key;
+  SdpaKey key{};
   VariantPack pack(key);
   Mask mask{row_start, col_start, right_bound, left_bound,
             padding,   softcap,   slots};
-  Rows rows{seq_q, seq_kv, ragged_q, ragged_kv};
-  if (auto e = Prepare(q, k, v, lse->untyped_data(), rows, mask, false,
-                       device, scale, &key, &pack);
+  Rows rows{seq_q, seq_kv, ragged_q, ragged_k, ragged_v, ragged_o};
+  if (auto e = Prepare(q, k, v, *lse, rows, mask, false, device, scale, &key,
+                       &pack);
       e.failure()) {
     return e;
   }
-  pack.QSide(kO, out->untyped_data());
+  if (auto e = Expect("out", *out, OutDims(key), "(B, T, N, Hv)",
+                      q.element_type());
+      e.failure()) {
+    return e;
+  }
+  pack.QSide(kO, out->untyped_data(), key.hv);
   return Run(key, stream, kRun ? &*workspace : nullptr, pack.ptrs);
 }
 
-// The backward of both handlers, with dq, dk and dv written to the given
-// device pointers (separate buffers, or the halves of one stacked buffer).
-template <bool kRun>
+// The backward of the handlers, with dq, dk and dv written to the given
+// device pointers (separate buffers, or the halves of one stacked buffer),
+// once `check_grads()` (their shapes) succeeds.
+template <bool kRun, typename CheckGrads>
 ffi::Error BackwardInto(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                         ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
                         ffi::AnyBuffer lse, ffi::AnyBuffer dout,
                         const Rows& rows, void* dq, void* dk, void* dv,
                         ffi::AnyBuffer& workspace, float scale,
-                        const Mask& mask) {
-  SdpaKey key;
+                        const Mask& mask, CheckGrads check_grads) {
+  SdpaKey key{};
   VariantPack pack(key);
-  if (auto e = Prepare(q, k, v, lse.untyped_data(), rows, mask, true, device,
-                       scale, &key, &pack);
+  if (auto e = Prepare(q, k, v, lse, rows, mask, true, device, scale, &key,
+                       &pack);
       e.failure()) {
     return e;
   }
-  pack.QSide(kO, out.untyped_data());
-  pack.QSide(kDO, dout.untyped_data());
-  pack.QSide(kDQ, dq);
-  pack.KvSide(kDK, dk);
-  pack.KvSide(kDV, dv);
+  const ffi::DataType dtype = q.element_type();
+  if (auto e = FirstFailure(
+          {Expect("out", out, OutDims(key), "(B, T, N, Hv)", dtype),
+           Expect("dout", dout, OutDims(key), "(B, T, N, Hv)", dtype),
+           check_grads()});
+      e.failure()) {
+    return e;
+  }
+  pack.QSide(kO, out.untyped_data(), key.hv);
+  pack.QSide(kDO, dout.untyped_data(), key.hv);
+  pack.QSide(kDQ, dq, key.h);
+  pack.KvSide(kDK, dk, key.h);
+  pack.KvSide(kDV, dv, key.hv);
   return Run(key, stream, kRun ? &workspace : nullptr, pack.ptrs);
 }
 
@@ -229,7 +265,9 @@ ffi::Error Backward(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                     ffi::AnyBuffer lse, ffi::AnyBuffer dout,
                     ffi::Buffer<ffi::S32> seq_q, ffi::Buffer<ffi::S32> seq_kv,
                     ffi::Buffer<ffi::S32> ragged_q,
-                    ffi::Buffer<ffi::S32> ragged_kv,
+                    ffi::Buffer<ffi::S32> ragged_k,
+                    ffi::Buffer<ffi::S32> ragged_v,
+                    ffi::Buffer<ffi::S32> ragged_o,
                     ffi::Result<ffi::AnyBuffer> dq,
                     ffi::Result<ffi::AnyBuffer> dk,
                     ffi::Result<ffi::AnyBuffer> dv,
@@ -237,16 +275,24 @@ ffi::Error Backward(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                     int64_t row_start, int64_t col_start, int64_t right_bound,
                     int64_t left_bound, bool padding, float softcap,
                     int64_t slots) {
+  auto check_grads = [&]() {
+    const ffi::DataType dtype = q.element_type();
+    return FirstFailure({Expect("dq", *dq, DimsOf(q), "(q's shape)", dtype),
+                         Expect("dk", *dk, DimsOf(k), "(k's shape)", dtype),
+                         Expect("dv", *dv, DimsOf(v), "(v's shape)", dtype)});
+  };
   return BackwardInto<kRun>(
       stream, device, q, k, v, out, lse, dout,
-      Rows{seq_q, seq_kv, ragged_q, ragged_kv}, dq->untyped_data(),
-      dk->untyped_data(), dv->untyped_data(), *workspace, scale,
+      Rows{seq_q, seq_kv, ragged_q, ragged_k, ragged_v, ragged_o},
+      dq->untyped_data(), dk->untyped_data(), dv->untyped_data(), *workspace,
+      scale,
       Mask{row_start, col_start, right_bound, left_bound, padding, softcap,
-           slots});
+           slots},
+      check_grads);
 }
 
 // dk and dv stacked in one (2, B, S, K, H) result, as the ring sends them:
-// no stacking copy after the call.
+// no stacking copy after the call. Only for H == Hv (k and v alike).
 template <bool kRun>
 ffi::Error BackwardDkv(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                        ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
@@ -254,28 +300,36 @@ ffi::Error BackwardDkv(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                        ffi::Buffer<ffi::S32> seq_q,
                        ffi::Buffer<ffi::S32> seq_kv,
                        ffi::Buffer<ffi::S32> ragged_q,
-                       ffi::Buffer<ffi::S32> ragged_kv,
+                       ffi::Buffer<ffi::S32> ragged_k,
+                       ffi::Buffer<ffi::S32> ragged_v,
+                       ffi::Buffer<ffi::S32> ragged_o,
                        ffi::Result<ffi::AnyBuffer> dq,
                        ffi::Result<ffi::AnyBuffer> dkv,
                        ffi::Result<ffi::AnyBuffer> workspace, float scale,
                        int64_t row_start, int64_t col_start,
                        int64_t right_bound, int64_t left_bound, bool padding,
                        float softcap, int64_t slots) {
-  if (dkv->size_bytes() != 2 * k.size_bytes()) {
-    return ffi::Error::InvalidArgument(
-        "jax_ring cuDNN attention: dkv " + Shape(*dkv) +
-        " must stack two buffers shaped like k " + Shape(k));
-  }
+  auto check_grads = [&]() {
+    if (!(k.dimensions() == v.dimensions())) {
+      return Invalid("stacked dK/dV need k and v of one shape (one head "
+                     "dim), got k " + Shape(k) + ", v " + Shape(v));
+    }
+    const ffi::DataType dtype = q.element_type();
+    return FirstFailure(
+        {Expect("dq", *dq, DimsOf(q), "(q's shape)", dtype),
+         Expect("dkv", *dkv, DimsOf(k, {2}), "(2, B, S, K, H)", dtype)});
+  };
   char* dk = static_cast<char*>(dkv->untyped_data());
   return BackwardInto<kRun>(
       stream, device, q, k, v, out, lse, dout,
-      Rows{seq_q, seq_kv, ragged_q, ragged_kv}, dq->untyped_data(), dk,
-      dk + k.size_bytes(), *workspace, scale,
+      Rows{seq_q, seq_kv, ragged_q, ragged_k, ragged_v, ragged_o},
+      dq->untyped_data(), dk, dk + k.size_bytes(), *workspace, scale,
       Mask{row_start, col_start, right_bound, left_bound, padding, softcap,
-           slots});
+           slots},
+      check_grads);
 }
 
-// The mask attributes both handlers take, after their buffers.
+// The mask attributes the handlers take, after their buffers.
 template <typename Binding>
 auto MaskAttrs(Binding&& binding) {
   return std::move(binding)
@@ -293,10 +347,12 @@ auto MaskAttrs(Binding&& binding) {
 template <typename Binding>
 auto RowArgs(Binding&& binding) {
   return std::move(binding)
-      .template Arg<ffi::Buffer<ffi::S32>>()            // seq_q   (B',)
-      .template Arg<ffi::Buffer<ffi::S32>>()            // seq_kv  (B',)
-      .template Arg<ffi::Buffer<ffi::S32>>()  // ragged_q  (B' + 1,) if slots
-      .template Arg<ffi::Buffer<ffi::S32>>();  // ragged_kv (B' + 1,) if slots
+      .template Arg<ffi::Buffer<ffi::S32>>()   // seq_q    (B',)
+      .template Arg<ffi::Buffer<ffi::S32>>()   // seq_kv   (B',)
+      .template Arg<ffi::Buffer<ffi::S32>>()   // ragged_q (B' + 1,) if slots
+      .template Arg<ffi::Buffer<ffi::S32>>()   // ragged_k (B' + 1,) if slots
+      .template Arg<ffi::Buffer<ffi::S32>>()   // ragged_v (B' + 1,) if slots
+      .template Arg<ffi::Buffer<ffi::S32>>();  // ragged_o (B' + 1,) if slots
 }
 
 template <ffi::ExecutionStage kStage>
@@ -306,9 +362,9 @@ auto ForwardBinding() {
                .template Ctx<ffi::DeviceOrdinal>()
                .template Arg<ffi::AnyBuffer>()   // q   (B, T, N, H)
                .template Arg<ffi::AnyBuffer>()   // k   (B, S, K, H)
-               .template Arg<ffi::AnyBuffer>();  // v   (B, S, K, H)
+               .template Arg<ffi::AnyBuffer>();  // v   (B, S, K, Hv)
   return MaskAttrs(RowArgs(std::move(b))
-                       .template Ret<ffi::AnyBuffer>()    // out (B, T, N, H)
+                       .template Ret<ffi::AnyBuffer>()    // out (B, T, N, Hv)
                        .template Ret<ffi::AnyBuffer>()    // lse (B', N, t) f32
                        .template Ret<ffi::AnyBuffer>());  // workspace (W,) u8
 }
@@ -320,10 +376,10 @@ auto BackwardBinding() {
                        .template Ctx<ffi::DeviceOrdinal>()
                        .template Arg<ffi::AnyBuffer>()   // q    (B, T, N, H)
                        .template Arg<ffi::AnyBuffer>()   // k    (B, S, K, H)
-                       .template Arg<ffi::AnyBuffer>()   // v    (B, S, K, H)
-                       .template Arg<ffi::AnyBuffer>()   // out  (B, T, N, H)
+                       .template Arg<ffi::AnyBuffer>()   // v    (B, S, K, Hv)
+                       .template Arg<ffi::AnyBuffer>()   // out  (B, T, N, Hv)
                        .template Arg<ffi::AnyBuffer>()   // lse  (B', N, t) f32
-                       .template Arg<ffi::AnyBuffer>())  // dout (B, T, N, H)
+                       .template Arg<ffi::AnyBuffer>())  // dout (B, T, N, Hv)
                .template Ret<ffi::AnyBuffer>();          // dq   (B, T, N, H)
   if constexpr (kStacked) {
     return MaskAttrs(std::move(b)
@@ -332,7 +388,7 @@ auto BackwardBinding() {
   } else {
     return MaskAttrs(std::move(b)
                          .template Ret<ffi::AnyBuffer>()    // dk (B, S, K, H)
-                         .template Ret<ffi::AnyBuffer>()    // dv (B, S, K, H)
+                         .template Ret<ffi::AnyBuffer>()    // dv (B, S, K, Hv)
                          .template Ret<ffi::AnyBuffer>());  // workspace (W,)
   }
 }
@@ -398,12 +454,13 @@ NB_MODULE(_cudnn, m) {
   m.def(
       "workspace_bytes",
       [](bool backward, bool bf16, int32_t device, int64_t b, int64_t t,
-         int64_t s, int64_t n, int64_t k, int64_t h, int64_t slots,
-         int64_t row_start, int64_t col_start, int64_t right_bound,
-         int64_t left_bound, bool padding, float scale, float softcap) {
+         int64_t s, int64_t n, int64_t k, int64_t h, int64_t hv,
+         int64_t slots, int64_t row_start, int64_t col_start,
+         int64_t right_bound, int64_t left_bound, bool padding, float scale,
+         float softcap) {
         jax_ring::SdpaKey key{
             backward, bf16 ? jax_ring::Dtype::kBF16 : jax_ring::Dtype::kF16,
-            device, b, t, s, n, k, h, slots, row_start, col_start,
+            device, b, t, s, n, k, h, hv, slots, row_start, col_start,
             right_bound, left_bound, padding, scale, softcap};
         std::string error;
         cudnnHandle_t handle = jax_ring::HandleFor(device, &error);
@@ -415,7 +472,7 @@ NB_MODULE(_cudnn, m) {
       },
       nb::arg("backward"), nb::arg("bf16"), nb::arg("device"), nb::arg("b"),
       nb::arg("t"), nb::arg("s"), nb::arg("n"), nb::arg("k"), nb::arg("h"),
-      nb::arg("slots"), nb::arg("row_start"), nb::arg("col_start"),
-      nb::arg("right_bound"), nb::arg("left_bound"), nb::arg("padding"),
-      nb::arg("scale"), nb::arg("softcap"));
+      nb::arg("hv"), nb::arg("slots"), nb::arg("row_start"),
+      nb::arg("col_start"), nb::arg("right_bound"), nb::arg("left_bound"),
+      nb::arg("padding"), nb::arg("scale"), nb::arg("softcap"));
 }

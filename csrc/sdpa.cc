@@ -30,8 +30,8 @@ size_t SdpaKeyHash::operator()(const SdpaKey& key) const {
   mix(static_cast<int32_t>(key.dtype));
   mix(key.device);
   for (int64_t v : {key.b, key.full_t, key.full_s, key.n, key.k, key.h,
-                    key.slots, key.row_start, key.col_start, key.right_bound,
-                    key.left_bound}) {
+                    key.hv, key.slots, key.row_start, key.col_start,
+                    key.right_bound, key.left_bound}) {
     mix(v);
   }
   mix(key.padding);
@@ -147,14 +147,18 @@ std::shared_ptr<SdpaPlan> Build(const SdpaKey& key, cudnnHandle_t handle,
   const int64_t t = key.full_t - key.row_start;
   const int64_t s = key.full_s - key.col_start;
   const int64_t b = Batches(key);
-  TensorPtr rq, rkv;  // ragged offsets, in elements, (b + 1) each
+  // Ragged offsets, in elements, (b + 1) each: one per buffer layout, as
+  // q/k and v/out offsets differ when the head dims do.
+  TensorPtr rq, rk, rv, ro;
   if (key.slots > 0) {
     rq = Int32Vector(*g, "ragged_q", kRaggedQ, b + 1);
-    rkv = Int32Vector(*g, "ragged_kv", kRaggedKV, b + 1);
+    rk = Int32Vector(*g, "ragged_k", kRaggedK, b + 1);
+    rv = Int32Vector(*g, "ragged_v", kRaggedV, b + 1);
+    ro = Int32Vector(*g, "ragged_o", kRaggedO, b + 1);
   }
   auto q = Bshd(*g, "q", kQ, b, key.n, t, key.full_t, key.h, rq);
-  auto k = Bshd(*g, "k", kK, b, key.k, s, key.full_s, key.h, rkv);
-  auto v = Bshd(*g, "v", kV, b, key.k, s, key.full_s, key.h, rkv);
+  auto k = Bshd(*g, "k", kK, b, key.k, s, key.full_s, key.h, rk);
+  auto v = Bshd(*g, "v", kV, b, key.k, s, key.full_s, key.hv, rv);
   const std::vector<int64_t> stats_dim = {b, key.n, t, 1};
   // Packed (B, N, t): the only stats layout cuDNN 9.19's backward reads.
   const std::vector<int64_t> stats_stride = {key.n * t, t, 1, 1};
@@ -166,15 +170,15 @@ std::shared_ptr<SdpaPlan> Build(const SdpaKey& key, cudnnHandle_t handle,
                      .set_attn_scale(key.scale);
     SetMask(attrs, key, *g);
     auto [o, stats] = g->sdpa(q, k, v, attrs);
-    SetBshd(o, kO, b, key.n, t, key.full_t, key.h, rq);
+    SetBshd(o, kO, b, key.n, t, key.full_t, key.hv, ro);
     stats->set_output(true)
         .set_uid(kStats)
         .set_data_type(fe::DataType_t::FLOAT)
         .set_dim(stats_dim)
         .set_stride(stats_stride);
   } else {
-    auto o = Bshd(*g, "o", kO, b, key.n, t, key.full_t, key.h, rq);
-    auto dout = Bshd(*g, "dout", kDO, b, key.n, t, key.full_t, key.h, rq);
+    auto o = Bshd(*g, "o", kO, b, key.n, t, key.full_t, key.hv, ro);
+    auto dout = Bshd(*g, "dout", kDO, b, key.n, t, key.full_t, key.hv, ro);
     auto stats = g->tensor(fe::graph::Tensor_attributes()
                                .set_name("stats")
                                .set_uid(kStats)
@@ -195,8 +199,8 @@ std::shared_ptr<SdpaPlan> Build(const SdpaKey& key, cudnnHandle_t handle,
     }
     auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, attrs);
     SetBshd(dq, kDQ, b, key.n, t, key.full_t, key.h, rq);
-    SetBshd(dk, kDK, b, key.k, s, key.full_s, key.h, rkv);
-    SetBshd(dv, kDV, b, key.k, s, key.full_s, key.h, rkv);
+    SetBshd(dk, kDK, b, key.k, s, key.full_s, key.h, rk);
+    SetBshd(dv, kDV, b, key.k, s, key.full_s, key.hv, rv);
   }
 
   auto plan = std::make_shared<SdpaPlan>();
@@ -251,7 +255,7 @@ int64_t WorkspaceSize(const SdpaPlan& plan) { return plan.workspace; }
 bool Execute(const SdpaPlan& plan, cudnnHandle_t handle, void* const* ptrs,
              void* workspace, std::string* error) {
   std::unordered_map<int64_t, void*> pack;
-  for (int64_t uid = kQ; uid <= kRaggedKV; ++uid) {
+  for (int64_t uid = kQ; uid <= kRaggedO; ++uid) {
     if (ptrs[uid] != nullptr) pack.emplace(uid, ptrs[uid]);
   }
   try {

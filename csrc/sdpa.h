@@ -1,12 +1,15 @@
 // cuDNN fused attention graphs (forward and backward), built once per shape.
 //
-// Layout: every tensor is BSHD in memory, as jax_ring passes it:
-//   q, out, dout  (B, T, N, H)     k, v  (B, S, K, H)
+// Layout: every tensor is BSHD in memory, as jax_ring passes it, with the
+// query/key head dim H and the value head dim Hv (they may differ: MLA):
+//   q, dq  (B, T, N, H)     out, dout  (B, T, N, Hv)
+//   k, dk  (B, S, K, H)     v, dv      (B, S, K, Hv)
 // A call may start at row `row_start` of q and column `col_start` of k/v
-// (a diagonal shifted out of cuDNN's bounds, see ../jax_ring/_src/cudnn.py):
-// the graph then sees t = T - row_start rows and s = S - col_start keys,
-// with the strides of the full buffers. The stats (logsumexp) are a packed
-// float32 (B, N, t) buffer of the window's rows only.
+// (a diagonal shifted out of cuDNN's bounds, see
+// ../jax_ring/_src/backends/cudnn/band.py): the graph then sees
+// t = T - row_start rows and s = S - col_start keys, with the strides of the
+// full buffers. The stats (logsumexp) are a packed float32 (B, N, t) buffer
+// of the window's rows only.
 //
 // Mask, in the (row_start, col_start)-shifted local indices i, j:
 //   right_bound >= 0 : keep j <= i + right_bound      (causal: 0)
@@ -14,10 +17,12 @@
 //   padding          : keep i < seq_len_q[b], j < seq_len_kv[b]
 //   slots > 0        : packed documents as ragged batches: every row b of
 //                      the buffers holds up to `slots` documents, virtual
-//                      batch b * slots + j starts at element ragged_q[.]
-//                      (q, out, dout, dq) and ragged_kv[.] (k, v, dk, dv)
-//                      and has seq_len_q/kv[.] tokens; the mask applies
-//                      inside each document. Stats are (B * slots, N, t).
+//                      batch b * slots + j has seq_len_q/kv[.] tokens and
+//                      starts at element ragged_q[.] of q and dq,
+//                      ragged_o[.] of out and dout, ragged_k[.] of k and dk,
+//                      ragged_v[.] of v and dv (element offsets differ with
+//                      the head dims); the mask applies inside each
+//                      document. Stats are (B * slots, N, t).
 //   softcap > 0      : logits -> softcap * tanh(logits / softcap), through a
 //                      cuDNN score modifier; the band then goes inside it
 //                      (score modifiers exclude cuDNN's built-in masks), and
@@ -39,7 +44,8 @@ struct SdpaKey {
   bool backward;
   Dtype dtype;
   int32_t device;
-  int64_t b, full_t, full_s, n, k, h;  // buffer shapes
+  int64_t b, full_t, full_s, n, k;  // buffer shapes
+  int64_t h, hv;  // head dims: q/k, v/out
   int64_t slots;  // > 0: packed documents per row, ragged (implies padding)
   int64_t row_start, col_start;
   int64_t right_bound;  // < 0: none
@@ -58,7 +64,7 @@ struct SdpaKeyHash {
 // Tensor uids in a graph's variant pack.
 enum Uid : int64_t {
   kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV, kSeqQ, kSeqKV, kRaggedQ,
-  kRaggedKV,
+  kRaggedK, kRaggedV, kRaggedO,
 };
 
 class SdpaPlan;  // opaque: a built cuDNN graph and its workspace size

@@ -14,9 +14,10 @@ def cudnn_version() -> int:
   """The version of the cuDNN library loaded (e.g. 91900 for 9.19.0)."""
 
 def workspace_bytes(backward: bool, bf16: bool, device: int, b: int, t: int,
-                    s: int, n: int, k: int, h: int, slots: int,
+                    s: int, n: int, k: int, h: int, hv: int, slots: int,
                     row_start: int, col_start: int, right_bound: int,
                     left_bound: int, padding: bool, scale: float,
                     softcap: float) -> int:
-  """The workspace of one call's cuDNN graph, built and cached on local GPU
-  ``device`` as for a run; raises ``RuntimeError`` if cuDNN rejects it."""
+  """The workspace of one call's cuDNN graph (q ``(b, t, n, h)``, k ``(b, s,
+  k, h)``, v ``(b, s, k, hv)``), built and cached on local GPU ``device`` as
+  for a run; raises ``RuntimeError`` if cuDNN rejects it."""

@@ -93,7 +93,8 @@ def visibility(case: Case, b, n, t, s):
 
 def attention(q, k, v, case: Case, *, bias=None, dout=None, dlse=None,
               sinks=None):
-  """Float64 attention. Returns out (B,T,N,H), lse (B,T,N) and, when
+  """Float64 attention of q (B,T,N,H), k (B,S,K,H), v (B,S,K,Hv).
+  Returns out (B,T,N,Hv), lse (B,T,N) and, when
   ``dout`` is given, the grads dict {q, k, v, bias, sinks} of
   ``sum(out * dout) + sum(lse * dlse)``. ``sinks (N,)``: per head, one more
   logit in every row's softmax, with no value."""
@@ -146,7 +147,7 @@ def attention(q, k, v, case: Case, *, bias=None, dout=None, dlse=None,
     ds = ds * (1 - tcap**2)
   ds = ds * case.scale
   grads["q"] = np.einsum("bnts,bsnh->btnh", ds, kr, optimize=True)
-  sum_groups = lambda x: x.reshape(b, s, kh, g, h).sum(3)
+  sum_groups = lambda x: x.reshape(b, s, kh, g, x.shape[-1]).sum(3)
   grads["k"] = sum_groups(np.einsum("bnts,btnh->bsnh", ds, q, optimize=True))
   grads["v"] = sum_groups(dv)
   return out, lse, grads
@@ -168,13 +169,15 @@ def config(case: Case, **kw) -> jax_ring.AttentionConfig:
       logits_soft_cap=case.soft_cap, implementation="xla", **kw)
 
 
-def random_qkv(seed, b, t, s, n, kh, h, dtype=jnp.float32):
-  """Fresh normal q, k, v and an output cotangent (never zeros)."""
+def random_qkv(seed, b, t, s, n, kh, h, dtype=jnp.float32, hv=None):
+  """Fresh normal q, k, v and an output cotangent (never zeros); ``hv``:
+  the value (and output) head dim, default ``h``."""
+  hv = hv or h
   ks = jax.random.split(jax.random.key(seed), 4)
   q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(dtype)
   k = jax.random.normal(ks[1], (b, s, kh, h), jnp.float32).astype(dtype)
-  v = jax.random.normal(ks[2], (b, s, kh, h), jnp.float32).astype(dtype)
-  do = jax.random.normal(ks[3], (b, t, n, h), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (b, s, kh, hv), jnp.float32).astype(dtype)
+  do = jax.random.normal(ks[3], (b, t, n, hv), jnp.float32).astype(dtype)
   return q, k, v, do
 
 

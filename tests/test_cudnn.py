@@ -384,3 +384,89 @@ def test_sinks_fold_around_cudnn_blocks(name):
   ref.assert_close(out, r_out, jnp.bfloat16, "out")
   for what, got in (("q", dq), ("k", dk), ("v", dv), ("sinks", ds)):
     ref.assert_close(got, r_g[what], jnp.bfloat16, "d" + what)
+
+
+# Multi-head latent attention: a value head dim Hv unlike the query/key head
+# dim H (DeepSeek-V3: 192 and 128), and another pair cuDNN serves.
+HEAD_DIMS = {"h192_v128": (192, 128), "h128_v64": (128, 64)}
+
+
+def unlike_heads_problem(name, h, hv, seed):
+  """(q, k, v, dout of head dims H and Hv, GQA 8 x 2; the reference Case of
+  mask ``name``)."""
+  ids = ref.random_segments(seed, B, T, 4)
+  s = T if name == "packed" else S
+  scale = h**-0.5
+  case = {
+      "causal": ref.Case(scale, is_causal=True),
+      "sliding_window": ref.Case(scale, is_causal=True, window=(40, 0)),
+      "padding": ref.Case(scale, **LENGTHS),
+      "packed": ref.Case(scale, is_causal=True, q_segment_ids=ids,
+                         kv_segment_ids=ids),
+  }[name]
+  return ref.random_qkv(seed, B, T, s, N, K, h, jnp.bfloat16, hv=hv), case
+
+
+@pytest.mark.parametrize("dims", list(HEAD_DIMS))
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "padding",
+                                  "packed"])
+def test_value_head_dim_unlike_the_keys(name, dims):
+  """Forward and every gradient with Hv != H against the float64
+  reference, the compiled program holding cuDNN's forward and backward
+  calls, each traced with those head dims."""
+  h, hv = HEAD_DIMS[dims]
+  (q, k, v, do), case = unlike_heads_problem(name, h, hv, 31)
+  cfg = ref.config(case).replace(implementation="cudnn")
+  # Ids are arguments, not constants that XLA could fold the check into.
+  ids = None if case.q_segment_ids is None else jnp.asarray(case.q_segment_ids)
+
+  def f(q, k, v, ids):
+    mask = ref.block_mask(case) if ids is None else jax_ring.BlockMask(
+        q_segment_ids=ids, kv_segment_ids=ids)
+    out, vjp, lse = jax.vjp(
+        lambda q, k, v: kernel.attention(q, k, v, None, mask, cfg), q, k, v,
+        has_aux=True)
+    return out, lse, vjp(do)
+
+  jax.clear_caches()
+  with cudnn.recording() as calls:
+    compiled = jax.jit(f).lower(q, k, v, ids).compile()
+  hlo = compiled.as_text()
+  assert "jax_ring_sdpa_fwd" in hlo and "jax_ring_sdpa_bwd" in hlo
+  assert {(c["q"][3], c["k"][3], c["v"][3]) for c in calls} == {(h, h, hv)}
+  out, lse, (dq, dk, dv) = compiled(q, k, v, ids)
+  r_out, r_lse, r_g = ref.attention(q, k, v, case, dout=do)
+  assert out.shape == q.shape[:3] + (hv,)
+  ref.assert_close(out, r_out, q.dtype, "out")
+  ref.assert_close(lse, r_lse, q.dtype, "lse")
+  for gname, got in (("q", dq), ("k", dk), ("v", dv)):
+    ref.assert_close(got, r_g[gname], q.dtype, "d" + gname)
+
+
+def test_sinks_with_value_head_dim_unlike_the_keys():
+  """Sinks folded around cuDNN blocks of H = 192, Hv = 128, through the
+  public function: every gradient, the sinks' included."""
+  (q, k, v, do), case = unlike_heads_problem("causal", 192, 128, 32)
+  sinks = jnp.linspace(-1.0, 2.0, N, dtype=jnp.float32)
+  attend = lambda q, k, v, sk: jax_ring.dot_product_attention(
+      q, k, v, sinks=sk, is_causal=True, implementation="cudnn")
+  f = jax.jit(lambda q, k, v, sk: jax.vjp(attend, q, k, v, sk)[1](do))
+  hlo = f.lower(q, k, v, sinks).compile().as_text()
+  assert "jax_ring_sdpa_fwd" in hlo and "jax_ring_sdpa_bwd" in hlo
+  out = jax.jit(attend)(q, k, v, sinks)
+  dq, dk, dv, ds = f(q, k, v, sinks)
+  r_out, _, r_g = ref.attention(q, k, v, case, dout=do, sinks=sinks)
+  ref.assert_close(out, r_out, jnp.bfloat16, "out")
+  for what, got in (("q", dq), ("k", dk), ("v", dv), ("sinks", ds)):
+    ref.assert_close(got, r_g[what], jnp.bfloat16, "d" + what)
+
+
+def test_head_dims_cudnn_cannot_take_fall_back_with_a_reason():
+  """Hv = 132 (not a multiple of 8): the default runs the pure-JAX blocks,
+  an explicit ``implementation="cudnn"`` names both head dims."""
+  q, k, v, _ = ref.random_qkv(33, 1, 64, 64, 4, 2, 192, jnp.bfloat16, hv=132)
+  hlo = jax.jit(jax_ring.dot_product_attention).lower(q, k, v).as_text()
+  assert "jax_ring_sdpa_fwd" not in hlo
+  with pytest.raises(ValueError, match="does not support query/key head dim "
+                     "192 with value head dim 132"):
+    jax_ring.dot_product_attention(q, k, v, implementation="cudnn")

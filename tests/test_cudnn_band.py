@@ -9,6 +9,7 @@ import itertools
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jax_ring._src.backends import cudnn
 from jax_ring._src.backends.cudnn import ffi, packed
@@ -98,13 +99,21 @@ def test_packed_documents_become_ragged_batches_that_reproduce_the_mask():
       want = q_ids[row][:, None] == kv_ids[row][None, :]
       got = ragged_visibility(docs, row, t, kv_ids.shape[1])
       np.testing.assert_array_equal(got, want)
-    # Offsets of each slot's first element, in BSHD buffers of 2 heads x 8.
-    rq, rk = packed.doc_rows(docs, jnp.zeros((b, t, 2, 8)),
-                             jnp.zeros((b, kv_ids.shape[1], 2, 8)))[2:]
+    # Offsets of each slot's first element, in BSHD buffers of 2 heads x 8
+    # (q, k) and 2 heads x 24 (v, out).
+    s = kv_ids.shape[1]
+    rq, rk, rv, ro = packed.doc_rows(docs, jnp.zeros((b, t, 2, 8)),
+                                     jnp.zeros((b, s, 2, 8)),
+                                     jnp.zeros((b, s, 2, 24)))[2:]
     assert rq.shape == (b * cudnn.SLOTS + 1,) and rq[-1] == b * t * 16
-    np.testing.assert_array_equal(
-        np.asarray(rq[:-1]).reshape(b, -1) // 16,
-        np.arange(b)[:, None] * t + np.asarray(docs.q_start))
+    assert ro[-1] == b * t * 48 and rk[-1] == b * s * 16
+    for offsets, per_token, start, rows in ((rq, 16, docs.q_start, t),
+                                            (ro, 48, docs.q_start, t),
+                                            (rk, 16, docs.kv_start, s),
+                                            (rv, 48, docs.kv_start, s)):
+      np.testing.assert_array_equal(
+          np.asarray(offsets[:-1]).reshape(b, -1),
+          (np.arange(b)[:, None] * rows + np.asarray(start)) * per_token)
 
 
 def test_striped_ring_blocks_of_packed_documents_become_causal_slots():
@@ -179,6 +188,50 @@ def test_recording_notes_each_traced_call_with_its_graph_key(monkeypatch):
   assert [(c["backward"], c["slots"]) for c in calls] == [
       (False, 0), (True, 0), (False, cudnn.SLOTS)]
   assert calls[0] == dict(backward=False, q=(b, t, n, h), k=(b, t, k, h),
-                          dtype="bfloat16", scale=0.25, row_start=0,
-                          col_start=0, right_bound=0, left_bound=0,
-                          padding=False, softcap=0.0, slots=0)
+                          v=(b, t, k, h), dtype="bfloat16", scale=0.25,
+                          row_start=0, col_start=0, right_bound=0,
+                          left_bound=0, padding=False, softcap=0.0, slots=0)
+
+
+def test_a_value_head_dim_unlike_the_keys_reaches_the_calls(monkeypatch):
+  """v (B, S, K, Hv) with Hv != H: the forward's out is (B, T, N, Hv), also
+  for a block that sees no key, each call records v's shape, and the
+  stacked dK/dV backward refuses."""
+  import jax
+  import jax_ring
+  from jax_ring._src.core.mask import BlockMask
+
+  monkeypatch.setattr(cudnn, "unsupported", lambda *_: None)  # as on a GPU
+  monkeypatch.setattr(ffi, "workspace_bytes", lambda call: 256)
+  b, t, n, k, h, hv = 2, 8, 4, 2, 24, 16
+  q = jnp.ones((b, t, n, h), jnp.bfloat16)
+  kk = jnp.ones((b, t, k, h), jnp.bfloat16)
+  v = jnp.ones((b, t, k, hv), jnp.bfloat16)
+  out = jnp.ones((b, t, n, hv), jnp.bfloat16)
+  lse = jnp.zeros((b, t, n), jnp.float32)
+  cfg = jax_ring.AttentionConfig(0.25, is_causal=True)
+  ids = jnp.asarray(ref.random_segments(3, b, t, 2))
+  args = lambda mask: (q, kk, v, None, mask)
+  with cudnn.recording() as calls:
+    for mask in (BlockMask(), BlockMask(q_segment_ids=ids),
+                 BlockMask(kv_offset=t)):  # the last sees no key
+      fwd = jax.eval_shape(lambda: cudnn.forward(*args(mask), cfg))
+      assert fwd[0].shape == (b, t, n, hv), fwd
+      grads = jax.eval_shape(lambda: cudnn.backward(
+          *args(mask), out, lse, out, None, cfg))
+      assert [g.shape for g in grads[:3]] == [q.shape, kk.shape, v.shape]
+  assert [c["v"] for c in calls] == [v.shape] * 4
+  with pytest.raises(ValueError, match="stacked dK/dV need key and value of "
+                     "one shape"):
+    cudnn.backward_dkv(*args(BlockMask()), out, lse, out, None, cfg)
+
+
+@pytest.mark.parametrize("h, hv, why", [
+    (192, 128, None), (128, 64, None), (256, 256, None), (72, 136, None),
+    (192, 132, "query/key head dim 192 with value head dim 132 (cuDNN needs "
+               "each a multiple of 8, at most 256)"),
+    (264, 128, "query/key head dim 264 with value head dim 128 (cuDNN needs "
+               "each a multiple of 8, at most 256)"),
+])
+def test_cudnn_head_dims(h, hv, why):
+  assert cudnn.unsupported_head_dims(h, hv) == why

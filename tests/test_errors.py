@@ -25,8 +25,16 @@ ERRORS = {
              "query must have rank 4 (B, T, N, H) or 3 (T, N, H); got shape "
              "(8, 4)"),
     "kv_shape": (dict(v=jnp.ones((2, 7, 2, 16))),
-                 "key and value must have the same shape; got key "
+                 "key and value must agree on batch, sequence and heads "
+                 "(dims 0-2; only the head dim may differ); got key "
                  "(2, 6, 2, 16) and value (2, 7, 2, 16)"),
+    "kv_heads": (dict(v=jnp.ones((2, 6, 1, 16))),
+                 "key and value must agree on batch, sequence and heads "
+                 "(dims 0-2; only the head dim may differ); got key "
+                 "(2, 6, 2, 16) and value (2, 6, 1, 16)"),
+    "value_head_dim": (dict(v=jnp.ones((2, 6, 2, 0))),
+                       "value's head_dim must be positive; got value "
+                       "(2, 6, 2, 0)"),
     "batch": (dict(k=jnp.ones((3, 6, 2, 16)), v=jnp.ones((3, 6, 2, 16))),
               "query and key must agree on batch (dim 0) and head_dim (dim 3);"
               " got query (2, 8, 4, 16) and key (3, 6, 2, 16)"),

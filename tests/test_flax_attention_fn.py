@@ -170,6 +170,23 @@ def test_bias_and_a_low_rank_float_mask_as_flax_takes_them():
   ref.assert_close(got, want, F32, "out")
 
 
+def test_sinks_pass_through_with_their_gradient():
+  """``sinks=`` at call time (a module of one's own holds them): the float64
+  reference's output and sinks gradient, three batch dims flattened and
+  restored."""
+  q, k = inputs(11, (2, 1, 3, T, N, H))
+  sinks = jax.random.normal(jax.random.key(12), (N,), F32)
+  fn = jrf.attention_fn(is_causal=True, implementation="xla")
+  out, vjp = jax.vjp(lambda s: fn(q, k, k[::-1], sinks=s), sinks)
+  flat = lambda x: x.reshape((-1,) + x.shape[-3:])
+  do = jax.random.normal(jax.random.key(13), out.shape, F32)
+  r_out, _, r_g = ref.attention(flat(q), flat(k), flat(k[::-1]),
+                                ref.Case(H**-0.5, is_causal=True),
+                                dout=flat(do), sinks=sinks)
+  ref.assert_close(flat(out), r_out, F32, "out")
+  ref.assert_close(vjp(do)[0], r_g["sinks"], F32, "dsinks")
+
+
 def test_ignored_arguments_change_nothing():
   """dropout_rng and a dropout rate with deterministic=True: the same
   output, bit for bit. A module (flax's way to sow the attention weights)
@@ -240,9 +257,9 @@ def test_einsum_replacements_and_unknown_arguments_raise():
       "(jax_ring's kernels do their own matmuls); got <built-in")):
     fn(q, q, q, qk_attn_weights_einsum=print, attn_weights_value_einsum=print)
   with pytest.raises(TypeError, match=re.escape(
-      "jax_ring.flax.attention_fn got unknown argument(s) ['sinks']; it "
+      "jax_ring.flax.attention_fn got unknown argument(s) ['sink']; it "
       "serves flax's ('query', 'key',")):
-    fn(q, q, q, sinks=jnp.zeros(N))
+    fn(q, q, q, sink=jnp.zeros(N))
 
 
 def test_context_parallel_option_is_checked_when_built():

@@ -18,7 +18,9 @@ mask        causal, full, window (crosses shards), padding
 layout      dual_chunk, striped (all_gather: dual_chunk,
             contiguous)
 shape       MHA / GQA / MQA, head dim 64 / 128, bf16 / fp16,
-            local lengths 256-2048, cycled through the cases
+            local lengths 256-2048, cycled through the cases;
+            and at cp = 1, MLA head dims (192 for q/k, 128 for v),
+            causal and packed, each strategy but hybrid
 ==========  ==================================================  ===========
 
 Each case runs forward and backward with ``implementation=None`` (cuDNN
@@ -88,7 +90,8 @@ HYBRID_AXES = ("ulysses", "ring")
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-  """B batch, N query heads, K kv heads, H head dim, T tokens per device."""
+  """B batch, N query heads, K kv heads, H head dim, T tokens per device;
+  Hv the value head dim, if not H."""
 
   name: str
   b: int
@@ -97,9 +100,11 @@ class Shape:
   h: int
   t: int
   dtype: object
+  hv: int | None = None
 
   def __str__(self):
-    return (f"{self.name}{self.n}x{self.k}_h{self.h}_t{self.t}_"
+    v = f"_v{self.hv}" if self.hv else ""
+    return (f"{self.name}{self.n}x{self.k}_h{self.h}{v}_t{self.t}_"
             f"{jnp.dtype(self.dtype).name}")
 
 
@@ -118,6 +123,10 @@ GPU_SHAPES = (
 )
 MAX_TOKENS = 4096
 CPU_SHAPES = (Shape("gqa", 2, 8, 2, 16, 12, jnp.float32),)
+# Multi-head latent attention (DeepSeek-V3's head dims: 192 for queries and
+# keys, 128 for values), at cp = 1 on any GPU machine.
+MLA_SHAPE = Shape("gqa", 1, 8, 2, 192, 512, jnp.bfloat16, hv=128)
+MLA_MASKS = ("causal", "packed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +164,20 @@ def cases(devices: int, shapes=GPU_SHAPES, min_cp: int = 2) -> list[CpCase]:
   return out
 
 
+def mla_cases() -> list[CpCase]:
+  """Each strategy but hybrid (cp >= 4) at cp = 1 on MLA_SHAPE: the causal
+  and packed masks, in its first layout, through shard_map (auto: jit)."""
+  out = []
+  for name, (kind, _) in STRATEGIES.items():
+    if kind == "hybrid":
+      continue
+    layout = LAYOUTS.get(kind, ("dual_chunk",))[0]
+    entry = "jit" if kind == "auto" else "shard_map"
+    out += [CpCase(name, mask, layout, entry, 1, MLA_SHAPE)
+            for mask in MLA_MASKS]
+  return out
+
+
 # ---------------------------------------------------------------------------
 # Inputs and the reference problem
 
@@ -178,7 +201,7 @@ def problem(case: CpCase, seed: int):
   call's options; the segment ids or None)."""
   sh, cp = case.shape, case.cp
   s = sh.t * cp
-  q, k, v, do = ref.random_qkv(seed, sh.b, s, s, sh.n, sh.k, sh.h)
+  q, k, v, do = ref.random_qkv(seed, sh.b, s, s, sh.n, sh.k, sh.h, hv=sh.hv)
   # At most 0.5 apart, so that the code's q.k cross term (about code^2 x
   # sqrt(H)) moves the logits by a few units, not by tens.
   code = ref.shard_code(s, cp, case.layout, layout_cp(case), step=0.5 / cp)
@@ -348,9 +371,11 @@ def _gpu_params():
   # Collected on every machine, run where the devices are: ids of the
   # 2-GPU matrix without GPUs, so that `-m gpu` lists what it would run.
   # A machine of one GPU runs the matrix at cp = 1 instead (ids n1-...):
-  # no collectives, but the same cuDNN blocks, spy and FFI checks.
+  # no collectives, but the same cuDNN blocks, spy and FFI checks. Every
+  # machine runs the MLA cases (cp = 1).
   extra = cases(1, min_cp=1) if GPUS == 1 else []
-  return [pytest.param(c, id=str(c)) for c in cases(max(GPUS, 2)) + extra]
+  return [pytest.param(c, id=str(c))
+          for c in cases(max(GPUS, 2)) + extra + mla_cases()]
 
 
 @pytest.mark.gpu

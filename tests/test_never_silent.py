@@ -81,16 +81,21 @@ def test_flax_attention_fn_eager_uses_the_layout():
   ref.assert_close(natural(out, CP), expected, q.dtype)
 
 
-def test_plain_arrays_under_set_mesh_and_jit():
-  """Unplaced arrays: the call places them on the mesh in scope."""
+@pytest.mark.parametrize("made", ["inside", "outside"])
+def test_plain_arrays_under_set_mesh_and_jit(made):
+  """Unplaced arrays, made under jax.set_mesh (replicated on its mesh) or
+  before it (on one device: then nothing in the program names a mesh, and
+  XLA hands the partition rule an empty one): the call runs on the mesh in
+  scope."""
   mesh = cp_mesh()
   q, k, v = qkv(4)
-  to = lambda x: jax_ring.reorder_for_load_balance(x, CP)
+  to = lambda *xs: [jax_ring.reorder_for_load_balance(x, CP) for x in xs]
   f = jax.jit(lambda q, k, v: jax_ring.dot_product_attention(
       q, k, v, is_causal=True,
       context_parallel=jax_ring.ContextParallel(axis="cp")))
+  args = to(q, k, v) if made == "outside" else None
   with jax.set_mesh(mesh):
-    out = f(to(q), to(k), to(v))
+    out = f(*(args or to(q, k, v)))
   expected, _ = ref.attention(q, k, v, ref.Case(H**-0.5, is_causal=True))
   ref.assert_close(natural(out, CP), expected, q.dtype)
 
@@ -242,8 +247,11 @@ EXPLAIN_REFUSALS = {
     "window": (dict(local_window_size=-1), "local_window_size must be a "
                "non-negative int"),
     "dtype_bytes": (dict(dtype_bytes=3), "dtype_bytes must be 2"),
-    "shape": (dict(query_shape=(64, 8, 16)), "query_shape and key_shape must "
-              "be (B, T, N, H)"),
+    "shape": (dict(query_shape=(64, 8, 16)), "query_shape, key_shape and "
+              "value_shape must be (B, T, N, H), (B, S, K, H) and (B, S, K, "
+              "Hv)"),
+    "value_shape": (dict(value_shape=(1, 32, 4, 8)), "key and value must "
+                    "agree on batch, sequence and heads"),
     "ring_t_ne_s": (dict(key_shape=(1, 32, 2, 16), context_parallel=
                          jax_ring.ContextParallel()),
                     "strategy 'ring' needs the query and key sequences"),

@@ -1,7 +1,10 @@
 """Attention sinks: ``sinks=`` equals the float64 reference (output,
 logsumexp and every gradient, the sinks' included) on one device with each
 mask family, under every strategy in shard_map and under jit with
-context parallelism; bad sinks are refused by name."""
+context parallelism; bad sinks are refused by name. The context-parallel
+cases run with a value head dim unlike the key's (``HV``, multi-head
+latent attention: K and V then travel apart) except where marked, so that
+both of K/V's moving forms meet the sinks."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,7 @@ import jax_ring
 import reference as ref
 
 B, T, N, K, H = 2, 13, 4, 2, 8
+HV = 4  # the context-parallel cases' value head dim, unless hv=H
 IDS = ref.random_segments(5, B, T, 3)
 Q_LENGTHS = np.array([T - 4, T], np.int32)
 KV_LENGTHS = np.array([T - 2, 0], np.int32)  # row 1 sees no key but the sink
@@ -110,7 +114,7 @@ SHARD_MAP = {  # name -> (entry, mesh shape, axis_name, options)
                          dict(load_balance="dual_chunk",
                               local_window_size=(5, 0))),
     "ring_striped_packed": (jax_ring.ring_attention, (4,), "cp",
-                            dict(load_balance="striped", packed=True)),
+                            dict(load_balance="striped", packed=True, hv=H)),
     "all_gather_packed": (jax_ring.all_gather_attention, (4,), "cp",
                           dict(load_balance="dual_chunk", packed=True)),
     "ulysses": (jax_ring.ulysses_attention, (4,), "cp",
@@ -129,6 +133,7 @@ def test_sinks_enter_each_row_once_under_every_strategy(name):
   attention, shape, axis, kw = SHARD_MAP[name]
   kw = dict(kw)
   packed = kw.pop("packed", False)
+  hv = kw.pop("hv", HV)
   window = kw.get("local_window_size")
   devices = int(np.prod(shape))
   if len(jax.devices()) < devices:
@@ -145,7 +150,7 @@ def test_sinks_enter_each_row_once_under_every_strategy(name):
       mesh=m, in_specs=(spec, spec, spec, jax.sharding.PartitionSpec(), spec),
       out_specs=spec)
   ring_cp = shape[-1] if len(shape) == 2 else devices
-  q, k, v, do = ref.random_qkv(62, B, CP_S, CP_S, N, K, H)
+  q, k, v, do = ref.random_qkv(62, B, CP_S, CP_S, N, K, H, hv=hv)
   sinks = random_sinks(63)
   out, grads = cp_vjp(f, ring_cp, kw.get("load_balance"), q, k, v, do, sinks,
                       jnp.asarray(CP_IDS))
@@ -158,8 +163,8 @@ def test_sinks_enter_each_row_once_under_every_strategy(name):
     ref.assert_close(got, r_g[what], jnp.float32, "d" + what)
 
 
-@pytest.mark.parametrize("strategy", ["ring", "auto"])
-def test_sinks_under_jit_with_context_parallel(strategy):
+@pytest.mark.parametrize("strategy, hv", [("ring", HV), ("auto", H)])
+def test_sinks_under_jit_with_context_parallel(strategy, hv):
   """The automatic path folds the sinks into the merged global result."""
   if len(jax.devices()) < 8:
     pytest.skip("needs 8 devices")
@@ -169,7 +174,7 @@ def test_sinks_under_jit_with_context_parallel(strategy):
   f = lambda q, k, v, s, ids: jax_ring.dot_product_attention(
       q, k, v, is_causal=True, segment_ids=ids, sinks=s,
       implementation="xla", context_parallel=cpc)
-  q, k, v, do = ref.random_qkv(64, B, CP_S, CP_S, N, K, H)
+  q, k, v, do = ref.random_qkv(64, B, CP_S, CP_S, N, K, H, hv=hv)
   sinks = random_sinks(65)
   with jax.set_mesh(m):
     out, grads = cp_vjp(f, 4, "dual_chunk", q, k, v, do, sinks,

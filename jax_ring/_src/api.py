@@ -33,7 +33,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
   Args:
     query: ``(B, T, N, H)`` or ``(T, N, H)``.
     key: ``(B, S, K, H)`` or ``(S, K, H)``. K/V are never repeated for GQA.
-    value: same shape as ``key``.
+    value: ``(B, S, K, Hv)`` or ``(S, K, Hv)``: as ``key``, but its head
+      dim Hv may differ from H (multi-head latent attention); the output
+      takes it.
     bias: additive, broadcastable to ``(B, N, T, S)``; differentiable.
     mask: boolean, broadcastable to ``(B, N, T, S)``; True = attend.
     scale: logit multiplier; default ``1 / sqrt(H)``.
@@ -61,7 +63,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
       option except ``bias``, ``mask`` and ``return_residual``.
 
   Returns:
-    ``(B, T, N, H)`` in the input dtype (and the logsumexp if asked). Rows
+    ``(B, T, N, Hv)`` in the input dtype (and the logsumexp if asked). Rows
     that see no key (fully masked) are 0 with zero gradient; ``jax.nn``
     gives the mean of V there instead.
   """
@@ -113,11 +115,11 @@ def _one_device(query, key, value, bias, dense, tm: TokenMask,
                          q_lengths=tm.q_lengths, kv_lengths=tm.kv_lengths,
                          dense=dense)
   if 0 in query.shape[:2] + key.shape[1:2]:  # no rows, or no key to see
-    empty = (jnp.zeros(query.shape, query.dtype),
+    empty = (jnp.zeros(_out_shape(query, value), query.dtype),
              jnp.full(query.shape[:3], MASK_VALUE, jnp.float32))
     return empty if sinks is None else kernel.fold_sinks(*empty, sinks)
   config = config.replace(implementation=registry.resolve(
-      config.implementation, config, query, key, bias, block_mask))
+      config.implementation, config, query, key, value, bias, block_mask))
   return kernel.attention(query, key, value, bias, block_mask, config, sinks)
 
 
@@ -133,11 +135,11 @@ def _context_parallel(query, key, value, tm: TokenMask, sinks,
   if implementation is not None:
     one = lambda x: jax.ShapeDtypeStruct(x.shape[:1] + (1,) + x.shape[2:],
                                          x.dtype)
-    registry.resolve(implementation, config, one(query), one(key), None,
-                     tm.block_mask())
+    registry.resolve(implementation, config, one(query), one(key), one(value),
+                     None, tm.block_mask())
   config = config.replace(implementation=implementation)
   if 0 in query.shape[:2] + key.shape[1:2]:  # as on one device
-    return jnp.zeros(query.shape, query.dtype)
+    return jnp.zeros(_out_shape(query, value), query.dtype)
 
   # The sequence goes to the context axes (hybrid: ring-major) whatever the
   # arrays' placement: the partition rule needs a mesh with those axes.
@@ -152,6 +154,8 @@ def _context_parallel(query, key, value, tm: TokenMask, sinks,
     tm = TokenMask(**{f: None if x is None else
                       on(x, u) if f.endswith("lengths") else on(x, u, seq)
                       for f, x in vars(tm).items()})
+    if sinks is not None:  # on the mesh too, wherever it was made
+      sinks = on(sinks, None)
     return partition.attention(q, k, v, tm, sinks, config, cp)
 
   explicit = layout.explicit_axes(mesh)
@@ -164,6 +168,11 @@ def _context_parallel(query, key, value, tm: TokenMask, sinks,
     # on the whole arrays, which knows nothing of the load-balance layout.
     call = jax.jit(call)
   return call(query, key, value, tm, sinks)
+
+
+def _out_shape(query, value):
+  """``(B, T, N, Hv)``: the output takes the value's head dim."""
+  return query.shape[:3] + value.shape[3:]
 
 
 def _batched(x):

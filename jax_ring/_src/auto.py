@@ -6,7 +6,8 @@ programs (two partition rules) that share one token layout and one
 residual (the local q, k, v and the global out and lse), so each pass picks
 its own strategy. Per device, for one layer:
 
-* compute: ``F = 4 B S^2 N H / cp`` FLOPs forward (halved when causal,
+* compute: ``F = 2 B S^2 N (H + Hv) / cp`` FLOPs forward (Hv the value
+  head dim) (halved when causal,
   scaled by the window's share of keys), ``2.5 F`` backward, at a
   throughput that depends on the length ``L`` of each kernel call
   (``FWD_*``, ``BWD_*``: T = S / cp for the ring and all-gather, S for
@@ -72,10 +73,11 @@ class Choice:
 
 
 def defaults(*, batch, seq, kv_heads, head_dim, dtype_bytes, load_balance,
-             loop, kv_sends, kv_chunk_heads) -> dict:
+             loop, kv_sends, kv_chunk_heads, value_head_dim=None) -> dict:
   """``{option: (value, why)}``: what a context-parallel call with these
   global shapes and ``ContextParallel`` fields (None = unset) runs with."""
-  gathered = 2 * batch * seq * kv_heads * head_dim * dtype_bytes
+  gathered = _kv_bytes(batch, seq, kv_heads, head_dim, value_head_dim,
+                       dtype_bytes)
   fits = gathered <= config.GATHER_KV_MAX_BYTES
   size = (f"the gathered K/V, {gathered / 2**20:.0f} MiB, "
           f"{'fit' if fits else 'exceed'} GATHER_KV_MAX_BYTES "
@@ -99,6 +101,12 @@ def defaults(*, batch, seq, kv_heads, head_dim, dtype_bytes, load_balance,
   }
 
 
+def _kv_bytes(batch, seq, kv_heads, head_dim, value_head_dim, dtype_bytes):
+  """Bytes of K and V (value head dim None: the same as K's)."""
+  return batch * seq * kv_heads * (head_dim + (value_head_dim or head_dim)
+                                   ) * dtype_bytes
+
+
 def _tflops(length, backward):
   if backward:
     return BWD_TFLOPS * length / (length + BWD_L_HALF)
@@ -107,12 +115,14 @@ def _tflops(length, backward):
 
 
 def _pass_ms(backward, *, batch, seq, heads, kv_heads, head_dim, cp, share,
-             dtype_bytes, load_balance, cross) -> dict:
+             dtype_bytes, load_balance, cross, value_head_dim=None) -> dict:
   """Modelled milliseconds of each candidate for one pass (``cross``:
   T != S, which only Ulysses serves)."""
   work, sends = (2.5, 3) if backward else (1.0, 1)
-  flops = work * 4 * batch * seq * seq * heads * head_dim * share / cp
-  gathered = 2 * batch * seq * kv_heads * head_dim * dtype_bytes
+  dims = head_dim + (value_head_dim or head_dim)  # q k^T, then p v
+  flops = work * 2 * batch * seq * seq * heads * dims * share / cp
+  gathered = _kv_bytes(batch, seq, kv_heads, head_dim, value_head_dim,
+                       dtype_bytes)
   frac = (cp - 1) / cp
   compute = flops / (_tflops(seq / cp, backward) * 1e12)
   per_step = max(compute / cp, sends * gathered / cp / (P2P_GBS * 1e9))
@@ -122,10 +132,9 @@ def _pass_ms(backward, *, batch, seq, heads, kv_heads, head_dim, cp, share,
     times["all_gather"] = compute + frac * sends * gathered / (
         COLLECTIVE_GBS * 1e9)
   if heads % cp == 0:
-    k_sent = max(kv_heads, cp)
-    elements = (4 * heads + 4 * k_sent) if backward else (2 * heads +
-                                                          2 * k_sent)
-    a2a = frac / cp * batch * seq * head_dim * dtype_bytes * elements
+    # q and out (and dout, dq), then k and v (and dk, dv): H + Hv each.
+    elements = (heads + max(kv_heads, cp)) * dims * (2 if backward else 1)
+    a2a = frac / cp * batch * seq * dtype_bytes * elements
     times["ulysses"] = (flops / (_tflops(seq, backward) * 1e12) +
                         a2a / (COLLECTIVE_GBS * 1e9))
   return {k: v * 1e3 for k, v in times.items()}
@@ -133,15 +142,16 @@ def _pass_ms(backward, *, batch, seq, heads, kv_heads, head_dim, cp, share,
 
 def estimate(*, batch, seq, heads, kv_heads, head_dim, cp, is_causal=True,
              window=None, dtype_bytes=2, load_balance=None,
-             kv_seq=None) -> Choice:
+             kv_seq=None, value_head_dim=None) -> Choice:
   """Model the candidates for one layer's forward and backward, per
-  device; ``kv_seq`` (default ``seq``): the key length S."""
+  device; ``kv_seq`` (default ``seq``): the key length S;
+  ``value_head_dim`` (default ``head_dim``): Hv."""
   share = 0.5 if is_causal else 1.0
   if window is not None:
     share = min(share, (sum(window) + 1) / seq)
   kw = dict(batch=batch, seq=seq, heads=heads, kv_heads=kv_heads,
             head_dim=head_dim, cp=cp, share=share, dtype_bytes=dtype_bytes,
-            load_balance=load_balance,
+            load_balance=load_balance, value_head_dim=value_head_dim,
             cross=kv_seq is not None and kv_seq != seq)
   by_pass = {p: _pass_ms(p == "backward", **kw) for p in PASSES}
   picks, why = {}, []
@@ -159,7 +169,7 @@ def estimate(*, batch, seq, heads, kv_heads, head_dim, cp, is_causal=True,
 
 
 def resolve(cpc: ContextParallel, mesh, q_shape, local_heads, kv_heads=None,
-            *, kv_seq=None, backward: bool = False,
+            *, kv_seq=None, value_head_dim=None, backward: bool = False,
             **mask) -> ContextParallel:
   """``cpc`` with ``auto`` replaced by the modelled choice for the forward
   pass, or for the backward one."""
@@ -171,17 +181,20 @@ def resolve(cpc: ContextParallel, mesh, q_shape, local_heads, kv_heads=None,
   choice = estimate(batch=b, seq=s, heads=local_heads,
                     kv_heads=kv_heads or local_heads, head_dim=h,
                     cp=mesh.shape[cpc.axis],
-                    load_balance=cpc.load_balance, kv_seq=kv_seq, **mask)
+                    load_balance=cpc.load_balance, kv_seq=kv_seq,
+                    value_head_dim=value_head_dim, **mask)
   return dataclasses.replace(
       cpc, strategy=choice.backward if backward else choice.forward)
 
 
 def explain(query_shape, key_shape, *, cp_size, is_causal=False,
             local_window_size=None, dtype_bytes=2,
-            context_parallel: ContextParallel | None = None) -> Choice:
+            context_parallel: ContextParallel | None = None,
+            value_shape=None) -> Choice:
   """What ``ContextParallel(strategy="auto")`` picks, for the forward and
-  for the backward pass, for global shapes ``query (B, T, N, H)`` and
-  ``key (B, S, K, H)`` on ``cp_size`` devices (a ``(ulysses, ring)`` pair of
+  for the backward pass, for global shapes ``query (B, T, N, H)``,
+  ``key (B, S, K, H)`` and ``value (B, S, K, Hv)`` (default: key's) on
+  ``cp_size`` devices (a ``(ulysses, ring)`` pair of
   sizes for a pair of axes), the modelled time of each candidate (see the
   module docstring), and every default the call applies, given
   ``context_parallel`` (default ``ContextParallel(strategy="auto")``).
@@ -189,15 +202,17 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
   this refuses with the same ``ValueError``. ``print(explain(...))`` shows
   it all."""
   cpc = context_parallel or ContextParallel(strategy="auto")
+  value_shape = key_shape if value_shape is None else value_shape
   sizes = validate.explain_args(query_shape, key_shape, cp_size, dtype_bytes,
-                                cpc)
+                                cpc, value_shape)
   b, t, n, h = query_shape
-  s = key_shape[1]
+  s, hv = key_shape[1], value_shape[3]
   window = validate.window(local_window_size, t, s)
   defaults_ = defaults(
       batch=b, seq=s, kv_heads=key_shape[2], head_dim=h,
       dtype_bytes=dtype_bytes, load_balance=cpc.load_balance, loop=cpc.loop,
-      kv_sends=cpc.kv_sends, kv_chunk_heads=cpc.kv_chunk_heads)
+      kv_sends=cpc.kv_sends, kv_chunk_heads=cpc.kv_chunk_heads,
+      value_head_dim=hv)
   if cpc.is_hybrid:
     return Choice("hybrid", "hybrid", {}, f"a pair of axes {cpc.axis!r} "
                   f"(sizes {tuple(sizes.values())}): Ulysses inside a ring",
@@ -205,5 +220,6 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
   choice = estimate(batch=b, seq=t, heads=n, kv_heads=key_shape[2],
                     head_dim=h, cp=sizes[cpc.axis], is_causal=is_causal,
                     window=window, dtype_bytes=dtype_bytes,
-                    load_balance=cpc.load_balance, kv_seq=s)
+                    load_balance=cpc.load_balance, kv_seq=s,
+                    value_head_dim=hv)
   return dataclasses.replace(choice, defaults=defaults_)

@@ -26,6 +26,7 @@ import functools
 import math
 
 import jax
+import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -65,6 +66,7 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
   local_heads = n // tp
   cpc = auto.resolve(cpc, mesh, q_shape.shape, local_heads,
                      kv_heads=max(1, k // tp), kv_seq=k_shape.shape[1],
+                     value_head_dim=arg_shapes[2].shape[3],
                      backward=backward, is_causal=cfg.is_causal,
                      window=cfg.local_window)
   validate.cp_shapes(cpc, mesh.shape, q_shape.shape, k_shape.shape,
@@ -97,7 +99,8 @@ def _pack(tm: TokenMask):
 def _functions(present: tuple[str, ...]):
   """The (forward, backward) custom_partitioning pair for one set of mask
   operands."""
-  # Factors: t the query sequence, s the key sequence (T != S: Ulysses).
+  # Factors: t the query sequence, s the key sequence (T != S: Ulysses); h
+  # the query/key head dim, d the value's (and the output's).
   rule = "".join(", b" if f in _LENGTHS else ", b t" if f == "q_segment_ids"
                  else ", b s" for f in present)
   n = len(present)
@@ -106,46 +109,50 @@ def _functions(present: tuple[str, ...]):
     body, rest = args[:len(args) - n], args[len(args) - n:]
     return body, TokenMask(**dict(zip(present, rest)))
 
-  def local(cfg, q, k, tm: TokenMask):
+  def local(cfg, q, k, v, tm: TokenMask):
     """``cfg`` with the backend resolved on these arrays: the shards in a
     partition rule (a backend's limits are per call), else the whole."""
-    return base.resolve(cfg.implementation, cfg, q, k, tm)
+    return base.resolve(cfg.implementation, cfg, q, k, v, tm)
 
   # -- forward: (q, k, v, *mask operands) -> (out, lse)
-  @functools.partial(custom_partitioning, static_argnums=(0, 1))
-  def fwd(cfg, cpc, *args):
+  @functools.partial(custom_partitioning, static_argnums=(0, 1, 2))
+  def fwd(cfg, cpc, scope, *args):
     (q, k, v), tm = split(args)
-    return kernel.forward(q, k, v, None, tm.block_mask(), local(cfg, q, k, tm))
+    return kernel.forward(q, k, v, None, tm.block_mask(),
+                          local(cfg, q, k, v, tm))
 
-  def fwd_partition(cfg, cpc, mesh, arg_shapes, result_shape):
+  def fwd_partition(cfg, cpc, scope, mesh, arg_shapes, result_shape):
+    mesh = _concrete(mesh, scope, arg_shapes)
     batch, heads, seq, strategy, plan = _axes(mesh, arg_shapes, cpc, cfg,
                                               False)
     tok, stat, masks = _shardings(mesh, batch, heads, seq, present)
 
     def lowered(*args):
       (q, k, v), tm = split(args)
-      return strategy.forward(q, k, v, tm, local(cfg, q, k, tm), plan)
+      return strategy.forward(q, k, v, tm, local(cfg, q, k, v, tm), plan)
 
     return mesh, lowered, (tok, stat), (tok, tok, tok) + masks
 
-  def fwd_infer(cfg, cpc, mesh, arg_shapes, result_shape):
+  def fwd_infer(cfg, cpc, scope, mesh, arg_shapes, result_shape):
+    mesh = _concrete(mesh, scope, arg_shapes)
     batch, heads, seq, _, _ = _axes(mesh, arg_shapes, cpc, cfg, False)
     tok, stat, _ = _shardings(mesh, batch, heads, seq, present)
     return tok, stat
 
   fwd.def_partition(
       partition=fwd_partition, infer_sharding_from_operands=fwd_infer,
-      sharding_rule=f"b t n h, b s k h, b s k h{rule} -> b t n h, b t n")
+      sharding_rule=f"b t n h, b s k h, b s k d{rule} -> b t n d, b t n")
 
   # -- backward: (q, k, v, out, lse, dout, *mask operands) -> (dq, dk, dv)
-  @functools.partial(custom_partitioning, static_argnums=(0, 1))
-  def bwd(cfg, cpc, *args):
+  @functools.partial(custom_partitioning, static_argnums=(0, 1, 2))
+  def bwd(cfg, cpc, scope, *args):
     (q, k, v, out, lse, dout), tm = split(args)
     return kernel.attention_backward(q, k, v, None, tm.block_mask(), out,
                                      lse, dout, None,
-                                     local(cfg, q, k, tm))[:3]
+                                     local(cfg, q, k, v, tm))[:3]
 
-  def bwd_partition(cfg, cpc, mesh, arg_shapes, result_shape):
+  def bwd_partition(cfg, cpc, scope, mesh, arg_shapes, result_shape):
+    mesh = _concrete(mesh, scope, arg_shapes)
     batch, heads, seq, strategy, plan = _axes(mesh, arg_shapes, cpc, cfg,
                                               True)
     tok, stat, masks = _shardings(mesh, batch, heads, seq, present)
@@ -153,21 +160,39 @@ def _functions(present: tuple[str, ...]):
     def lowered(*args):
       (q, k, v, out, lse, dout), tm = split(args)
       return strategy.backward(q, k, v, tm, out, lse, dout,
-                                local(cfg, q, k, tm), plan)
+                                local(cfg, q, k, v, tm), plan)
 
     return (mesh, lowered, (tok, tok, tok),
             (tok, tok, tok, tok, stat, tok) + masks)
 
-  def bwd_infer(cfg, cpc, mesh, arg_shapes, result_shape):
+  def bwd_infer(cfg, cpc, scope, mesh, arg_shapes, result_shape):
+    mesh = _concrete(mesh, scope, arg_shapes)
     batch, heads, seq, _, _ = _axes(mesh, arg_shapes, cpc, cfg, True)
     tok, _, _ = _shardings(mesh, batch, heads, seq, present)
     return tok, tok, tok
 
   bwd.def_partition(
       partition=bwd_partition, infer_sharding_from_operands=bwd_infer,
-      sharding_rule=("b t n h, b s k h, b s k h, b t n h, b t n, b t n h"
-                     f"{rule} -> b t n h, b s k h, b s k h"))
+      sharding_rule=("b t n h, b s k h, b s k d, b t n d, b t n, b t n d"
+                     f"{rule} -> b t n h, b s k h, b s k d"))
   return fwd, bwd
+
+
+def _concrete(mesh, scope, arg_shapes):
+  """The mesh a partition rule runs on: XLA's, or, where XLA passes an
+  empty one, ``scope`` (the abstract mesh in scope at trace time) on the
+  program's devices. XLA does so when nothing in the program is placed on
+  a mesh: arrays made outside ``jax.set_mesh``, called under it. The
+  operands' shardings then list the program's devices in mesh order."""
+  if not mesh.empty:
+    return mesh
+  devices = getattr(arg_shapes[0].sharding, "_device_assignment", None)
+  if scope.empty or devices is None or len(devices) != scope.size:
+    raise ValueError(
+        "context_parallel: the call's arrays are on no mesh; place q, k, v "
+        "with a NamedSharding, or call it under jax.set_mesh(mesh)")
+  return jax.sharding.Mesh(np.array(devices).reshape(scope.axis_sizes),
+                           scope.axis_names, axis_types=scope.axis_types)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -181,7 +206,7 @@ def attention(q, k, v, tm: TokenMask, sinks, cfg, cpc: ContextParallel):
 def _fwd(q, k, v, tm, sinks, cfg, cpc):
   present, ops = _pack(tm)
   fwd, _ = _functions(present)
-  out, lse = fwd(cfg, cpc, q, k, v, *ops)
+  out, lse = fwd(cfg, cpc, jax.sharding.get_abstract_mesh(), q, k, v, *ops)
   if sinks is not None:
     out, lse = kernel.fold_sinks(out, lse, sinks)
   return out, (q, k, v, tm, sinks, out, lse)
@@ -192,7 +217,7 @@ def _bwd(cfg, cpc, res, dout):
   present, ops = _pack(tm)
   _, bwd = _functions(present)
   dout = dout.astype(q.dtype)
-  dq, dk, dv = bwd(cfg, cpc, q, k, v, out, lse, dout, *ops)
+  dq, dk, dv = bwd(cfg, cpc, jax.sharding.get_abstract_mesh(), q, k, v, out, lse, dout, *ops)
   dsinks = None if sinks is None else kernel.sinks_grad(
       sinks, out, lse, dout, None).astype(sinks.dtype)
   return dq, dk, dv, jax.tree.map(lambda _: None, tm), dsinks

@@ -43,6 +43,11 @@ force_fp32_for_softmax      accepted: the softmax is always float32
 einsum_dot_general,         must be ``None`` (they replace the einsums,
 qk_attn_weights_einsum,     e.g. AQT quantisation, which jax_ring's
 attn_weights_value_einsum   kernels do not call)
+sinks (jax_ring's own)      ``(N,)`` float, passed on: for your own
+                            modules, which hold the sink logits as a
+                            parameter; flax's layers have none (for a
+                            layer with learned sinks, use
+                            :class:`jax_ring.flax.Attention`)
 anything else               ``TypeError`` naming it
 ==========================  ==========================================
 
@@ -79,14 +84,12 @@ def attention_fn(*, is_causal=False, local_window_size=None,
                  context_parallel: ContextParallel | None = None):
   """A flax ``attention_fn`` that calls :func:`jax_ring.dot_product_attention`.
 
-  Shapes are flax's, which are jax_ring's with any number of batch dims::
-
-    batch... (B after flattening), T query length, S key length,
-    N heads, H head dim
+  Shapes are flax's: jax_ring's with any number of batch dims (batch...,
+  flattened to B), T query length, S key length, N heads, H head dim.
 
   The options are fixed when the module is built; the module docstring
-  says how each argument flax passes is served. Packed documents have no
-  flax argument: use :class:`jax_ring.flax.Attention`.
+  says how each argument flax passes is served (packed documents have
+  none: use :class:`jax_ring.flax.Attention`).
 
   Args:
     is_causal: query ``i`` attends keys ``j <= i``, in sequence order also
@@ -103,7 +106,7 @@ def attention_fn(*, is_causal=False, local_window_size=None,
 
   Returns:
     ``attention_fn(query, key, value, bias=None, mask=None, ...)`` with
-    flax's signature, returning ``[batch..., T, N, H]``.
+    flax's signature and ``sinks=None``, returning ``[batch..., T, N, Hv]``.
   """
   window = validate.window(local_window_size, None, None)
   validate.scalar_options(None, logits_soft_cap)
@@ -120,7 +123,7 @@ def attention_fn(*, is_causal=False, local_window_size=None,
                          precision=None, module=None, promote_dtype=None,
                          is_causal=False, force_fp32_for_softmax=False,
                          einsum_dot_general=None, qk_attn_weights_einsum=None,
-                         attn_weights_value_einsum=None, **unknown):
+                         attn_weights_value_einsum=None, sinks=None, **unknown):
     del broadcast_dropout, dropout_rng, force_fp32_for_softmax
     if module is not None:
       raise ValueError(
@@ -150,7 +153,8 @@ def attention_fn(*, is_causal=False, local_window_size=None,
     out = dot_product_attention(
         query, key, value, bias, mask, is_causal=this_is_causal or is_causal,
         local_window_size=window, logits_soft_cap=logits_soft_cap,
-        implementation=implementation, context_parallel=context_parallel)
+        implementation=implementation, sinks=sinks,
+        context_parallel=context_parallel)
     return out.reshape(batch + out.shape[1:]) if len(batch) > 1 else out
 
   return jax_ring_attention

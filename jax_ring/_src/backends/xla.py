@@ -1,7 +1,8 @@
 """Pure-JAX blockwise backend (``implementation="xla"``): flash attention in lax.
 
 Shapes: B batch, T query length, S key length, N query heads, K kv heads,
-G = N // K query heads per kv head, H head dim; bq, bk the tile sizes.
+G = N // K query heads per kv head, H the query/key head dim, Hv the
+value (and output) head dim; bq, bk the tile sizes.
 
 Forward: ``lax.map`` over query tiles; inside, a ``fori_loop`` over the kv
 tiles that the causal/window mask leaves visible (its bounds may be traced,
@@ -57,9 +58,9 @@ def _einsum(spec, a, b):
 class _Tiling:
   """Tile sizes, padded lengths and padded operands for one block call."""
 
-  def __init__(self, q, k, config: AttentionConfig):
+  def __init__(self, q, k, v, config: AttentionConfig):
     b, self.t, n, self.h = q.shape
-    self.s, kh = k.shape[1], k.shape[2]
+    self.s, kh, self.hv = k.shape[1], k.shape[2], v.shape[3]
     self.heads = (kh, n // kh)
     self.bq = min(config.block_q, self.t)
     self.bk = min(config.block_kv, self.s)
@@ -121,9 +122,9 @@ def forward(q, k, v, bias, mask: BlockMask, config: AttentionConfig):
   """Blockwise attention forward. See ``kernel.attention`` for the contract.
 
   Returns:
-    ``out`` (B, T, N, H) in q.dtype and ``lse`` (B, T, N) float32.
+    ``out`` (B, T, N, Hv) in q.dtype and ``lse`` (B, T, N) float32.
   """
-  tl = _Tiling(q, k, config)
+  tl = _Tiling(q, k, v, config)
   b, n = q.shape[0], q.shape[2]
   kh, g = tl.heads
   qg = tl.pad_q(q).reshape(b, tl.tp, kh, g, tl.h)
@@ -155,7 +156,7 @@ def forward(q, k, v, bias, mask: BlockMask, config: AttentionConfig):
     stats_shape = (b, kh, g, tl.bq)
     init = vma.like((jnp.full(stats_shape, MASK_VALUE, jnp.float32),
                      jnp.zeros(stats_shape, jnp.float32),
-                     jnp.zeros(stats_shape + (tl.h,), jnp.float32)),
+                     jnp.zeros(stats_shape + (tl.hv,), jnp.float32)),
                     qi, k, v, *jax.tree.leaves(mask), *jax.tree.leaves(bias))
     lo, hi = mask_lib.kv_block_range(config, mask, q_start, tl.bq, tl.bk,
                                      tl.nk)
@@ -166,12 +167,12 @@ def forward(q, k, v, bias, mask: BlockMask, config: AttentionConfig):
     out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None],
                     0.0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), MASK_VALUE)
-    out = jnp.moveaxis(out, 3, 1).reshape(b, tl.bq, n, tl.h)
+    out = jnp.moveaxis(out, 3, 1).reshape(b, tl.bq, n, tl.hv)
     lse = jnp.moveaxis(lse, 3, 1).reshape(b, tl.bq, n)
     return out.astype(q.dtype), lse
 
   outs, lses = lax.map(q_tile, jnp.arange(tl.nq))
-  out = jnp.moveaxis(outs, 0, 1).reshape(b, tl.tp, n, tl.h)[:, :tl.t]
+  out = jnp.moveaxis(outs, 0, 1).reshape(b, tl.tp, n, tl.hv)[:, :tl.t]
   lse = jnp.moveaxis(lses, 0, 1).reshape(b, tl.tp, n)[:, :tl.t]
   return out, lse
 
@@ -184,14 +185,14 @@ def backward(q, k, v, bias, mask: BlockMask, out, lse, dout, dlse,
     ``dq, dk, dv`` in the input dtypes, and ``dbias`` (bias's shape and
     dtype) or None.
   """
-  tl = _Tiling(q, k, config)
+  tl = _Tiling(q, k, v, config)
   b, n = q.shape[0], q.shape[2]
   kh, g = tl.heads
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
   if dlse is not None:
     delta = delta - dlse.astype(jnp.float32)
   qg = tl.pad_q(q).reshape(b, tl.tp, kh, g, tl.h)
-  dog = tl.pad_q(dout).reshape(b, tl.tp, kh, g, tl.h)
+  dog = tl.pad_q(dout).reshape(b, tl.tp, kh, g, tl.hv)
   lse_r = _rows(tl.pad_q(lse.astype(jnp.float32), MASK_VALUE), tl)
   delta_r = _rows(tl.pad_q(delta), tl)
   kp, vp = tl.pad_kv(k), tl.pad_kv(v)
@@ -229,11 +230,12 @@ def backward(q, k, v, bias, mask: BlockMask, out, lse, dout, dlse,
       return dq, dbias, dk, dv
 
     dq, dbias = carry
-    zeros = vma.like(jnp.zeros((b, tl.bk, kh, tl.h), jnp.float32), *everything)
+    zeros = lambda h: vma.like(jnp.zeros((b, tl.bk, kh, h), jnp.float32),
+                               *everything)
     lo, hi = mask_lib.q_block_range(config, mask, kv_start, tl.bq, tl.bk,
                                     tl.nq)
     dq, dbias, dk, dv = lax.fori_loop(lo, hi, q_step,
-                                      (dq, dbias, zeros, zeros))
+                                      (dq, dbias, zeros(tl.h), zeros(tl.hv)))
     return (dq, dbias), (dk, dv)
 
   everything = (qg, dog, lse_r, delta_r, kp, vp, *jax.tree.leaves(mask),
@@ -244,7 +246,7 @@ def backward(q, k, v, bias, mask: BlockMask, out, lse, dout, dlse,
   (dq, dbias), (dks, dvs) = lax.scan(kv_tile, (dq0, dbias0),
                                      jnp.arange(tl.nk))
   dq = dq.reshape(b, tl.tp, n, tl.h)[:, :tl.t].astype(q.dtype)
-  unstack = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, tl.sp, kh, tl.h)
+  unstack = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, tl.sp, kh, -1)
   dk = unstack(dks)[:, :tl.s].astype(k.dtype)
   dv = unstack(dvs)[:, :tl.s].astype(v.dtype)
   if dbias is not None:

@@ -10,9 +10,10 @@ context-parallel strategy, goes through these two functions:
 (Strategies, which define their own VJPs, call the variants :func:`forward`
 and :func:`attention_backward_dkv`, which returns dK/dV stacked.)
 
-Shapes: ``q (B, T, N, H)``, ``k, v (B, S, K, H)`` with ``N % K == 0``,
-``bias (B|1, N|1, T, S)`` or None, ``out (B, T, N, H)`` in q's dtype,
-``lse (B, T, N)`` float32. ``mask`` is a ``core.mask.BlockMask``;
+Shapes: ``q (B, T, N, H)``, ``k (B, S, K, H)``, ``v (B, S, K, Hv)`` with
+``N % K == 0`` (Hv, the value head dim, may differ from H: multi-head
+latent attention), ``bias (B|1, N|1, T, S)`` or None, ``out (B, T, N, Hv)``
+in q's dtype, ``lse (B, T, N)`` float32. ``mask`` is a ``core.mask.BlockMask``;
 ``config`` a ``core.config.AttentionConfig`` whose
 ``implementation`` is already resolved.
 
@@ -136,8 +137,9 @@ def _platform_lowering(impl, platform):
 # those equal across operands before binding.
 def _fwd_abstract(*args, config, mask_tree, mask_static, has_bias):
   del config, mask_tree, mask_static, has_bias
-  q = args[0]
-  return q.update(), q.update(shape=q.shape[:3], dtype=jnp.float32)
+  q, v = args[0], args[2]
+  return (q.update(shape=q.shape[:3] + v.shape[3:]),
+          q.update(shape=q.shape[:3], dtype=jnp.float32))
 
 
 def _bwd_abstract(*args, config, mask_tree, mask_static, has_bias, has_dlse,
@@ -270,9 +272,15 @@ def attention_backward(q, k, v, bias, mask: BlockMask, out, lse, dout, dlse,
 
 def attention_backward_dkv(q, k, v, bias, mask: BlockMask, out, lse, dout,
                            dlse, config: AttentionConfig):
-  """As :func:`attention_backward`, with dK/dV stacked: ``(dq, dkv (2, B,
-  S, K, H), dbias or None)``, the layout the ring sends them in. A backend
-  that can writes them there (cuDNN); the others are stacked after."""
+  """As :func:`attention_backward`, with dK/dV in the layout the ring sends
+  K/V in (``strategies.kv``): ``(dq, dkv, dbias or None)``, ``dkv`` stacked
+  ``(2, B, S, K, H)`` when K and V have one shape (a backend that can
+  writes them there: cuDNN; the others are stacked after), else the pair
+  ``(dk, dv)``."""
+  if k.shape != v.shape:
+    dq, dk, dv, dbias = attention_backward(q, k, v, bias, mask, out, lse,
+                                           dout, dlse, config)
+    return dq, (dk, dv), dbias
   grads = _bind_bwd(q, k, v, bias, mask, out, lse, dout, dlse, config, True)
   return tuple(grads) + ((None,) if bias is None else ())
 

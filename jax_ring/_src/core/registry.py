@@ -29,7 +29,8 @@ class Backend:
   name: str
   forward: Callable  # (q, k, v, bias, mask, config) -> (out, lse)
   backward: Callable  # (q, k, v, bias, mask, out, lse, dout, dlse, config)
-  # (config, query, key, bias, mask) -> None if served, else the reason.
+  # (config, query, key, value, bias, mask) -> None if served, else the
+  # reason.
   unsupported: Callable[..., str | None]
   platform: str | None = None  # the lowering platform; None = all
   # As backward, but -> (dq, dkv stacked (2, B, S, K, H), dbias): dK/dV
@@ -65,20 +66,22 @@ def for_platform(name: str | None, platform: str) -> Backend:
   return backend if backend.platform in (None, platform) else get(FALLBACK)
 
 
-def resolve(requested, config: AttentionConfig, query, key, bias, mask) -> str:
+def resolve(requested, config: AttentionConfig, query, key, value, bias,
+            mask) -> str:
   """Name of the backend that runs this call."""
   if requested == FALLBACK:
     return FALLBACK
   if requested is None:
     for backend in reversed(BACKENDS.values()):
-      if backend.unsupported(config, query, key, bias, mask) is None:
+      if backend.unsupported(config, query, key, value, bias, mask) is None:
         return backend.name
     return FALLBACK
   if requested not in BACKENDS:
     raise ValueError(
         f"implementation={requested!r} is not available in this install: the "
         f"jax_ring {requested} extension is not built or not loaded")
-  reason = BACKENDS[requested].unsupported(config, query, key, bias, mask)
+  reason = BACKENDS[requested].unsupported(config, query, key, value, bias,
+                                           mask)
   if reason is not None:
     raise ValueError(f"implementation={requested!r} does not support "
                      f"{reason}")

@@ -18,16 +18,17 @@ FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
 
 
 def qkv(query, key, value) -> None:
-  """Layout ``q (B, T, N, H)``, ``k, v (B, S, K, H)``, one float dtype.
-  T, S and B may be 0 (the output is then empty or zero); heads and
-  head_dim may not."""
+  """Layout ``q (B, T, N, H)``, ``k (B, S, K, H)``, ``v (B, S, K, Hv)``,
+  one float dtype; the value head dim Hv may differ from H. T, S and B may
+  be 0 (the output is then empty or zero); heads and head dims may not."""
   for name, x in (("query", query), ("key", key), ("value", value)):
     if x.ndim != 4:
       raise ValueError(
           f"{name} must have rank 4 (B, T, N, H) or 3 (T, N, H); got shape "
           f"{tuple(x.shape)}")
-  if key.shape != value.shape:
-    raise ValueError(f"key and value must have the same shape; got key "
+  if key.shape[:3] != value.shape[:3]:
+    raise ValueError(f"key and value must agree on batch, sequence and heads "
+                     f"(dims 0-2; only the head dim may differ); got key "
                      f"{tuple(key.shape)} and value {tuple(value.shape)}")
   if query.shape[0] != key.shape[0] or query.shape[3] != key.shape[3]:
     raise ValueError(
@@ -38,6 +39,9 @@ def qkv(query, key, value) -> None:
     raise ValueError(
         f"query heads, key/value heads and head_dim must be positive; got "
         f"query {tuple(query.shape)} and key {tuple(key.shape)}")
+  if not value.shape[3]:
+    raise ValueError(f"value's head_dim must be positive; got value "
+                     f"{tuple(value.shape)}")
   if n % k:
     raise ValueError(
         f"query heads ({n}) must be divisible by key/value heads ({k}); got "
@@ -300,19 +304,22 @@ def cp_fields(cp, kv_heads: int) -> None:
   kv_chunk_heads(cp.kv_chunk_heads, kv_heads)
 
 
-def explain_args(query_shape, key_shape, cp_size, dtype_bytes, cp) -> dict:
+def explain_args(query_shape, key_shape, cp_size, dtype_bytes, cp,
+                 value_shape) -> dict:
   """``explain``'s arguments, checked as the call they describe checks its
   own; returns the axis sizes (``cp_size``: one size, or a (ulysses, ring)
   pair of sizes for a pair of axes)."""
+  shapes = (query_shape, key_shape, value_shape)
   shapes_ok = all(
       isinstance(x, (tuple, list)) and len(x) == 4 and
-      all(_is_int(d) and d >= 0 for d in x) for x in (query_shape, key_shape))
+      all(_is_int(d) and d >= 0 for d in x) for x in shapes)
   if not shapes_ok:
-    raise ValueError(f"query_shape and key_shape must be (B, T, N, H) and "
-                     f"(B, S, K, H) tuples of non-negative ints; got "
-                     f"{query_shape!r} and {key_shape!r}")
+    raise ValueError(f"query_shape, key_shape and value_shape must be (B, T, "
+                     f"N, H), (B, S, K, H) and (B, S, K, Hv) tuples of "
+                     f"non-negative ints; got {query_shape!r}, {key_shape!r} "
+                     f"and {value_shape!r}")
   as_array = lambda shape: jax.ShapeDtypeStruct(tuple(shape), jnp.bfloat16)
-  qkv(as_array(query_shape), as_array(key_shape), as_array(key_shape))
+  qkv(*map(as_array, shapes))
   if dtype_bytes not in (2, 4) or isinstance(dtype_bytes, bool):
     raise ValueError(f"dtype_bytes must be 2 (bfloat16, float16) or 4 "
                      f"(float32); got {dtype_bytes!r}")

@@ -6,8 +6,9 @@ local tokens of S; C the length of a query chunk: T / 2 under
 ``dual_chunk``, T for contiguous shards. The striped layout is refused
 (each call reads a contiguous key range).
 
-Forward: K and V, stacked ``(2, B, T, K, H)``, are all-gathered once along
-the sequence and put in natural order; the queries stay. Each of the
+Forward: K and V, stacked ``(2, B, T, K, H)`` (or as a pair when their
+head dims differ: ``strategies.kv``), are all-gathered once along the
+sequence and put in natural order; the queries stay. Each of the
 device's query chunks runs one block-kernel call against the key rows its
 causal mask and window leave visible, with global offsets (query chunk g
 starts at ``q_offset = g C``), so every device sees 2cp + 1 chunks under
@@ -39,7 +40,7 @@ from jax_ring._src.core import kernel, validate
 from jax_ring._src.core.config import (AttentionConfig, ContextParallel,
                                        ShardPlan)
 from jax_ring._src.core.mask import BlockMask, TokenMask
-from jax_ring._src.strategies import base, layout
+from jax_ring._src.strategies import base, kv as kv_lib, layout
 from jax_ring._src.strategies.layout import (LoadBalance,
                                              reorder_for_load_balance,
                                              reorder_from_load_balance)
@@ -61,6 +62,12 @@ def _scatter_sum(x, plan: ShardPlan, seq_axis: int):
     x = reorder_for_load_balance(x, plan.cp_size, seq_axis=seq_axis)
   return lax.psum_scatter(x, plan.axis_name, scatter_dimension=seq_axis,
                           tiled=True)
+
+
+def _gather_kv(k, v, plan: ShardPlan):
+  """Local K/V -> the whole sequence's, natural order, in the moving form."""
+  return kv_lib.along(lambda x, ax: _gather(x, plan, ax),
+                      kv_lib.pack(k, v), 1)
 
 
 def _head_groups(num_heads: int, kv_heads: int, kv_chunk_heads):
@@ -165,8 +172,8 @@ def _forward_group(q, kv, kv_ids, tm, cfg, plan, r):
 
 
 def _backward_group(q, kv, kv_ids, tm, out, lse, dout, cfg, plan, r):
-  """(dq, dK/dV f32 over the whole gathered sequence (2, B, S, K, H))."""
-  s = kv.shape[2]
+  """(dq, dK/dV f32 over the whole gathered sequence, in ``kv``'s form)."""
+  s = kv[0].shape[1]
 
   def calls_bwd(calls):
     dqs, dkv = {}, 0.0  # query rows -> dq, summed over that chunk's calls
@@ -178,10 +185,9 @@ def _backward_group(q, kv, kv_ids, tm, out, lse, dout, cfg, plan, r):
       key = (c.rows.start, c.rows.stop)
       dq = dq.astype(jnp.float32)
       dqs[key] = dqs[key] + dq if key in dqs else dq
-      part = part.astype(jnp.float32)
-      dkv = dkv + jnp.pad(part, [(0, 0), (0, 0), (c.cols.start,
-                                                  s - c.cols.stop),
-                                 (0, 0), (0, 0)])
+      dkv = kv_lib.add(dkv, kv_lib.along(lambda x, ax: jnp.pad(x, [
+          (c.cols.start, s - c.cols.stop) if i == ax else (0, 0)
+          for i in range(x.ndim)]), part, 1))
     return jnp.concatenate(list(dqs.values()), 1).astype(q.dtype), dkv
 
   return _on_device(calls_bwd, r, tm, kv_ids, cfg, plan, q.shape[1])
@@ -200,7 +206,7 @@ def forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   kv_ids = _gathered_ids(tm, plan)
   outs, lses = [], []
   for qh, kh in _head_groups(q.shape[2], k.shape[2], plan.kv_chunk_heads):
-    kv = _gather(jnp.stack([k[:, :, kh], v[:, :, kh]]), plan, 2)
+    kv = _gather_kv(k[:, :, kh], v[:, :, kh], plan)
     o, l = _forward_group(q[:, :, qh], kv, kv_ids, tm, cfg, plan, r)
     outs.append(o)
     lses.append(l)
@@ -215,10 +221,11 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   dout = dout.astype(q.dtype)
   dqs, dks, dvs = [], [], []
   for qh, kh in _head_groups(q.shape[2], k.shape[2], plan.kv_chunk_heads):
-    kv = _gather(jnp.stack([k[:, :, kh], v[:, :, kh]]), plan, 2)
+    kv = _gather_kv(k[:, :, kh], v[:, :, kh], plan)
     dq, dkv = _backward_group(q[:, :, qh], kv, kv_ids, tm, out[:, :, qh],
                               lse[:, :, qh], dout[:, :, qh], cfg, plan, r)
-    dkv = _scatter_sum(dkv, plan, 2)  # (2, B, T, g, H) f32, own rows
+    # f32, own rows
+    dkv = kv_lib.along(lambda x, ax: _scatter_sum(x, plan, ax), dkv, 1)
     dqs.append(dq)
     dks.append(dkv[0])
     dvs.append(dkv[1])

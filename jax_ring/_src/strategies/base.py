@@ -69,7 +69,7 @@ def run(strategy: Strategy, cpc: ContextParallel, query, key, value, *,
       local_window_size=local_window_size, is_causal=is_causal, scale=scale,
       logits_soft_cap=logits_soft_cap, implementation=implementation,
       cp_size=math.prod(sizes.values()))
-  cfg = resolve(implementation, cfg, query, key, tm)
+  cfg = resolve(implementation, cfg, query, key, value, tm)
   strategy.check(cpc, sizes, query.shape, key.shape)
   if sinks is not None:
     sinks = vma.like(validate.sinks(sinks, query.shape[2]), query, key, value)
@@ -110,14 +110,14 @@ def prepare(query, key, value, *, segment_ids, lengths, local_window_size,
   return tm, cfg
 
 
-def resolve(implementation, cfg: AttentionConfig, query, key,
+def resolve(implementation, cfg: AttentionConfig, query, key, value,
             tm: TokenMask) -> AttentionConfig:
   """``cfg`` with the backend that serves blocks of these local shards
   (``implementation`` requested, or ``None`` for the best available),
   judged on a representative block: static offsets, the same operand
   kinds. Shard shapes, not global ones: a backend's limits are per call."""
   return cfg.replace(implementation=registry.resolve(
-      implementation, cfg, query, key, None, tm.block_mask()))
+      implementation, cfg, query, key, value, None, tm.block_mask()))
 
 
 def differentiable(forward, backward):

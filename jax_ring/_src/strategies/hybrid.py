@@ -87,7 +87,7 @@ def forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plans: Plans):
   """Local shards in, ``(out (B, T, N, H), lse (B, T, N) f32)`` out, both in
   the shards' layout."""
   uplan, rplan = plans
-  kv = ulysses.stacked_kv_to_heads(k, v, uplan)
+  kv = ulysses.kv_to_heads(k, v, uplan)
   out, lse = ring.forward(ulysses.to_heads(q, uplan, 1), kv[0], kv[1],
                            _ring_mask(tm, uplan), cfg, rplan)
   return (ulysses.to_tokens(out, uplan, 1),
@@ -98,20 +98,14 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
               plans: Plans):
   """``(dq, dk, dv)`` on local shards from the global ``out``/``lse``."""
   uplan, rplan = plans
-  # q, out and dout share shape and dtype: one all-to-all for the three.
-  q_out_do = ulysses.to_heads(jnp.stack([q, out.astype(q.dtype),
-                                          dout.astype(q.dtype)]), uplan, 2)
-  kv = ulysses.stacked_kv_to_heads(k, v, uplan)
+  q_h, out_h, dout_h = ulysses.q_out_dout_to_heads(q, out, dout, uplan)
+  kv = ulysses.kv_to_heads(k, v, uplan)
   dq, dk, dv = ring.backward(
-      q_out_do[0], kv[0], kv[1], _ring_mask(tm, uplan), q_out_do[1],
-      ulysses.to_heads(lse, uplan, 1), q_out_do[2], cfg, rplan)
+      q_h, kv[0], kv[1], _ring_mask(tm, uplan), out_h,
+      ulysses.to_heads(lse, uplan, 1), dout_h, cfg, rplan)
   dq = ulysses.to_tokens(dq, uplan, 1)
-  dkv = ulysses.to_tokens(jnp.stack([dk, dv]), uplan, 2)
-  b, t, kh, h = k.shape
-  rep = ulysses.kv_repeat(kh, uplan.cp_size)
-  if rep > 1:  # each copy holds the grads of the query heads it served
-    dkv = dkv.astype(jnp.float32).reshape(2, b, t, kh, rep, h).sum(4)
-  return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+  return (dq.astype(q.dtype),) + ulysses.kv_grads_to_tokens(dk, dv, k, v,
+                                                            uplan)
 
 
 def plan(cpc: ContextParallel, sizes, backward_kv) -> Plans:

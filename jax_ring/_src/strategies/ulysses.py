@@ -16,7 +16,8 @@ masks hold in plain global positions and padding lengths apply unchanged;
 segment ids are all-gathered and permuted the same way. Every device does
 the same work whatever the layout.
 
-K and V travel stacked, and each kv head is repeated ``rep = lcm(K, cp) /
+K and V travel stacked (a pair when their head dims differ:
+``strategies.kv``), and each kv head is repeated ``rep = lcm(K, cp) /
 K`` times first (:func:`kv_repeat`), so that each device's query heads
 and the kv heads they read arrive together; the backward sums the ``rep``
 copies of dK/dV in float32. The backward all-to-alls its inputs again from
@@ -38,7 +39,7 @@ from jax_ring._src.core import kernel, validate
 from jax_ring._src.core.config import (AttentionConfig, ContextParallel,
                                        ShardPlan)
 from jax_ring._src.core.mask import BlockMask, TokenMask
-from jax_ring._src.strategies import base
+from jax_ring._src.strategies import base, kv as kv_lib
 from jax_ring._src.strategies.layout import (LoadBalance,
                                              reorder_for_load_balance,
                                              reorder_from_load_balance)
@@ -71,13 +72,31 @@ def to_tokens(x, plan: ShardPlan, seq_axis: int):
   return lax.all_to_all(x, plan.axis_name, seq_axis, seq_axis + 1, tiled=True)
 
 
-def stacked_kv_to_heads(k, v, plan: ShardPlan):
-  """(2, B, S, K * rep / cp, H): K/V, each head repeated, head-sharded."""
-  kv = jnp.stack([k, v])
+def kv_to_heads(k, v, plan: ShardPlan):
+  """K/V of ``(B, S, K * rep / cp, H|Hv)``, each head repeated,
+  head-sharded, in the moving form (``kv_lib.pack``)."""
   rep = kv_repeat(k.shape[2], plan.cp_size)
-  if rep > 1:
-    kv = jnp.repeat(kv, rep, axis=3)
-  return to_heads(kv, plan, 2)
+  move = lambda x, ax: to_heads(
+      jnp.repeat(x, rep, axis=ax + 1) if rep > 1 else x, plan, ax)
+  return kv_lib.along(move, kv_lib.pack(k, v), 1)
+
+
+def kv_grads_to_tokens(dk, dv, k, v, plan: ShardPlan):
+  """Inverse of :func:`kv_to_heads` for the gradients: ``(dk, dv)`` in
+  ``k``'s and ``v``'s shapes and dtypes, each head's ``rep`` copies summed
+  in float32 (each copy holds the grads of the query heads it served)."""
+  kh = k.shape[2]
+  rep = kv_repeat(kh, plan.cp_size)
+
+  def move(x, ax):
+    x = to_tokens(x, plan, ax)
+    if rep > 1:
+      x = x.astype(jnp.float32).reshape(
+          x.shape[:ax + 1] + (kh, rep) + x.shape[-1:]).sum(ax + 2)
+    return x
+
+  dkv = kv_lib.along(move, kv_lib.pack(dk, dv), 1)
+  return dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 
 def _block_mask(tm: TokenMask, plan: ShardPlan) -> BlockMask:
@@ -101,7 +120,7 @@ def _block_mask(tm: TokenMask, plan: ShardPlan) -> BlockMask:
 def forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   """Local shards in, ``(out (B, T, N, H), lse (B, T, N) f32)`` out, both in
   the shards' layout."""
-  kv = stacked_kv_to_heads(k, v, plan)
+  kv = kv_to_heads(k, v, plan)
   out, lse = kernel.forward(to_heads(q, plan, 1), kv[0], kv[1], None,
                             _block_mask(tm, plan), cfg)
   return to_tokens(out, plan, 1), to_tokens(lse, plan, 1)
@@ -110,20 +129,23 @@ def forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
 def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
               plan: ShardPlan):
   """``(dq, dk, dv)`` on local shards from the global ``out``/``lse``."""
-  # q, out and dout share shape and dtype: one all-to-all for the three.
-  q_out_do = to_heads(jnp.stack([q, out.astype(q.dtype),
-                                  dout.astype(q.dtype)]), plan, 2)
-  kv = stacked_kv_to_heads(k, v, plan)
+  q_h, out_h, dout_h = q_out_dout_to_heads(q, out, dout, plan)
+  kv = kv_to_heads(k, v, plan)
   dq, dk, dv, _ = kernel.attention_backward(
-      q_out_do[0], kv[0], kv[1], None, _block_mask(tm, plan), q_out_do[1],
-      to_heads(lse, plan, 1), q_out_do[2], None, cfg)
+      q_h, kv[0], kv[1], None, _block_mask(tm, plan), out_h,
+      to_heads(lse, plan, 1), dout_h, None, cfg)
   dq = to_tokens(dq, plan, 1)
-  dkv = to_tokens(jnp.stack([dk, dv]), plan, 2)
-  b, t, kh, h = k.shape
-  rep = kv_repeat(kh, plan.cp_size)
-  if rep > 1:  # each copy holds the grads of the query heads it served
-    dkv = dkv.astype(jnp.float32).reshape(2, b, t, kh, rep, h).sum(4)
-  return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+  return (dq.astype(q.dtype),) + kv_grads_to_tokens(dk, dv, k, v, plan)
+
+
+def q_out_dout_to_heads(q, out, dout, plan: ShardPlan):
+  """``q``, ``out`` and ``dout`` head-sharded, in q's dtype: one all-to-all
+  for the three where they share a shape (head dims alike), else three."""
+  out, dout = out.astype(q.dtype), dout.astype(q.dtype)
+  if q.shape != out.shape:
+    return tuple(to_heads(x, plan, 1) for x in (q, out, dout))
+  stacked = to_heads(jnp.stack([q, out, dout]), plan, 2)
+  return stacked[0], stacked[1], stacked[2]
 
 
 def plan(cpc: ContextParallel, sizes, backward_kv) -> ShardPlan:

@@ -34,26 +34,27 @@ def attrs(config, bnd: Band, padding: bool, slots: int = 0):
 
 
 # The cuDNN calls traced inside ``recording()`` (else None): each one's
-# handler, q/k shapes, dtype and attributes, enough to rebuild its graph.
+# handler, q/k/v shapes, dtype and attributes, enough to rebuild its graph.
 RECORD: list | None = None
 
 
-def sdpa(name, results, q, k, *operands, **attrs):
-  """``jax.ffi.ffi_call`` of handler ``name`` (q and k lead the operands),
-  noted in the active recording.
+def sdpa(name, results, q, k, v, *operands, **attrs):
+  """``jax.ffi.ffi_call`` of handler ``name`` on ``q (B, T, N, H), k (B, S,
+  K, H), v (B, S, K, Hv)`` and the other ``operands``, noted in the active
+  recording.
 
   The call's cuDNN graph is built here, at trace time, for its workspace
   size: XLA allocates the workspace as one more (discarded) result, so the
   handler allocates nothing, a compiled program's memory analysis counts
   it, and the call can be traced into a CUDA graph (command buffer)."""
   call = dict(backward=name.startswith("jax_ring_sdpa_bwd"), q=q.shape,
-              k=k.shape, dtype=jnp.dtype(q.dtype).name,
+              k=k.shape, v=v.shape, dtype=jnp.dtype(q.dtype).name,
               **{a: x.item() if hasattr(x, "item") else x
                  for a, x in attrs.items()})
   if RECORD is not None:
     RECORD.append(call)
   workspace = jax.ShapeDtypeStruct((workspace_bytes(call),), jnp.uint8)
-  return jax.ffi.ffi_call(name, (*results, workspace))(q, k, *operands,
+  return jax.ffi.ffi_call(name, (*results, workspace))(q, k, v, *operands,
                                                         **attrs)[:-1]
 
 
@@ -75,18 +76,19 @@ def workspace_bytes(call: dict, device: int = 0) -> int:
   cached as at run time, on local GPU ``device``)."""
   if _cudnn is None:
     raise RuntimeError(f"the cuDNN extension is not loaded: {LOAD_ERROR}")
-  (b, t, n, h), (_, s, k, _) = call["q"], call["k"]
+  (b, t, n, h), (_, s, k, _), hv = call["q"], call["k"], call["v"][3]
   return _cudnn.workspace_bytes(
       call["backward"], call["dtype"] == "bfloat16", device, b, t, s, n, k,
-      h, call["slots"], call["row_start"], call["col_start"],
+      h, hv, call["slots"], call["row_start"], call["col_start"],
       call["right_bound"], call["left_bound"], call["padding"],
       call["scale"], call["softcap"])
 
 
 def no_ragged():
-  """Placeholder ragged-offset operands of an unpacked call (built at trace
-  time: creating arrays at import would start jax's backends)."""
-  return (jnp.zeros((1,), jnp.int32),) * 2
+  """Placeholder ragged-offset operands (q, k, v, out) of an unpacked call
+  (built at trace time: creating arrays at import would start jax's
+  backends)."""
+  return (jnp.zeros((1,), jnp.int32),) * 4
 
 
 def version() -> int | None:

@@ -100,11 +100,16 @@ def offsets(start, rows, heads, h):
   return jnp.append(first.reshape(-1) * heads * h, b * rows * heads * h)
 
 
-def doc_rows(docs: Docs, q, k):
-  b, t, n, h = q.shape
-  s, kh = k.shape[1], k.shape[2]
+def doc_rows(docs: Docs, q, k, v):
+  """The handlers' row operands: (B * M,) query and key lengths, then the
+  (B * M + 1,) ragged offsets of q (and dq), k (dk), v (dv) and out
+  (dout), for q (B, T, N, H), k (B, S, K, H), v (B, S, K, Hv)."""
+  _, t, n, h = q.shape
+  _, s, kh, _ = k.shape
+  hv = v.shape[3]
   return (docs.q_len.reshape(-1), docs.kv_len.reshape(-1),
-          offsets(docs.q_start, t, n, h), offsets(docs.kv_start, s, kh, h))
+          offsets(docs.q_start, t, n, h), offsets(docs.kv_start, s, kh, h),
+          offsets(docs.kv_start, s, kh, hv), offsets(docs.q_start, t, n, hv))
 
 
 def doc_index(docs: Docs, t):
@@ -150,9 +155,10 @@ def packed_forward(q, k, v, docs: Docs, config, bnd: Band):
   b, t, n, _ = q.shape
   out, stats = ffi.sdpa(
       "jax_ring_sdpa_fwd",
-      (jax.ShapeDtypeStruct(q.shape, q.dtype),
+      (jax.ShapeDtypeStruct((b, t, n, v.shape[3]), q.dtype),
        jax.ShapeDtypeStruct((b * SLOTS, n, t), jnp.float32)),
-      q, k, v, *doc_rows(docs, q, k), **ffi.attrs(config, bnd, False, SLOTS))
+      q, k, v, *doc_rows(docs, q, k, v),
+      **ffi.attrs(config, bnd, False, SLOTS))
   bi, slot, row = doc_index(docs, t)
   valid = doc_row_valid(docs, t)
   row = jnp.where(valid, row, 0)
@@ -173,7 +179,7 @@ def packed_backward(q, k, v, docs: Docs, out, lse, dout, config, bnd: Band):
       (jax.ShapeDtypeStruct(q.shape, q.dtype),
        jax.ShapeDtypeStruct(k.shape, k.dtype),
        jax.ShapeDtypeStruct(v.shape, v.dtype)),
-      q, k, v, out, stats, dout, *doc_rows(docs, q, k),
+      q, k, v, out, stats, dout, *doc_rows(docs, q, k, v),
       **ffi.attrs(config, bnd, False, SLOTS))
   rows = valid[:, :, None, None]
   cols = doc_col_valid(docs, k.shape[1])[:, :, None, None]
@@ -181,7 +187,7 @@ def packed_backward(q, k, v, docs: Docs, out, lse, dout, config, bnd: Band):
           jnp.where(cols, dv, 0))
 
 
-def unsupported_ids(config, query, key, mask) -> str | None:
+def unsupported_ids(config, query, key, value, mask) -> str | None:
   """Why the ragged path cannot serve these segment ids, or None."""
   t, s = query.shape[1], key.shape[1]
   same = mask.same_ids
@@ -197,7 +203,8 @@ def unsupported_ids(config, query, key, mask) -> str | None:
   if shift is not None and shift < 0:
     return ("segment_ids with a causal diagonal before the first key "
             "(kv_offset < q_offset)")
-  b, n, h, kh = query.shape[0], query.shape[2], query.shape[3], key.shape[2]
+  b, n, kh = query.shape[0], query.shape[2], key.shape[2]
+  h = max(query.shape[3], value.shape[3])  # q, k or v, out: int32 offsets
   if max(b * t * n * h, b * s * kh * h) >= 2**31:
     return "segment_ids on buffers of 2**31 elements or more"
   return None

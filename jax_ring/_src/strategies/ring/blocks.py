@@ -3,10 +3,11 @@ and under which static mask. The schedule that calls them is in
 :mod:`jax_ring._src.strategies.ring.schedule`; partial results merge with
 ``base.merge``.
 
-Shapes, per device: ``q (B, T, N, H)``; the held ``kv`` is what travels the
-ring: (K/V, stacked ``(2, B, T, K, H)`` or a ``(k, v)`` pair, and the kv
-segment ids ``(B, T)`` or None; see :func:`held_kv`). dK/dV are always
-stacked ``(2, B, T, K, H)``: in the kernel's dtype from one call per step
+Shapes, per device: ``q (B, T, N, H)``, ``out (B, T, N, Hv)``; the held
+``kv`` is what travels the ring: (K/V in their moving form, stacked ``(2, B,
+T, K, H)`` or the ``(k, v)`` pair when the head dims differ (``strategies.kv``),
+and the kv segment ids ``(B, T)`` or None; see :func:`held_kv`). dK/dV come
+in the same form: in the kernel's dtype from one call per step
 (``kind_bwd``), float32 from window pairs, which add several calls. C = T / 2
 under the dual-chunk layout.
 
@@ -33,21 +34,18 @@ from jax import lax
 from jax_ring._src.core import kernel, vma
 from jax_ring._src.core.config import AttentionConfig, ShardPlan
 from jax_ring._src.core.mask import MASK_VALUE, BlockMask, TokenMask
-from jax_ring._src.strategies import base, layout
+from jax_ring._src.strategies import base, kv as kv_lib, layout
 
 
 def held_kv(k, v, tm: TokenMask):
-  """What travels the ring: (K/V as one stacked ``(2, B, T, K, H)`` buffer,
-  the kv segment ids or None); K and V index as ``kv[0][0]``, ``kv[0][1]``."""
-  return jnp.stack([k, v]), tm.kv_ids()
+  """What travels the ring: (K/V in their moving form, ``kv_lib.pack``, the
+  kv segment ids or None); K and V index as ``kv[0][0]``, ``kv[0][1]``."""
+  return kv_lib.pack(k, v), tm.kv_ids()
 
 
 def dkv_zeros(kv, rows=None, dtype=jnp.float32):
-  """Zeros shaped like the stacked dK/dV of the held kv (``rows`` of its
-  T), varying like it."""
-  k = kv[0][0]
-  shape = (2,) + k.shape[:1] + (rows or k.shape[1],) + k.shape[2:]
-  return jnp.zeros(shape, dtype)
+  """Zeros shaped like the dK/dV of the held kv (``rows`` of its T)."""
+  return kv_lib.zeros(kv[0], rows, dtype)
 
 
 
@@ -116,8 +114,9 @@ def _window_pairs(plan: ShardPlan, cfg: AttentionConfig, c: int):
 # --- forward and backward of one block, zero-filled to the full local q ----
 
 def masked(b, rows, n, h, like, dtype=jnp.float32):
-  """(out, lse) of ``rows`` query rows that see no key: zeros (``dtype``)
-  and MASK_VALUE, varying like the arrays ``like``."""
+  """(out, lse) of ``rows`` query rows that see no key: zeros (``dtype``,
+  head dim ``h``: the value's) and MASK_VALUE, varying like the arrays
+  ``like``."""
   return vma.like((jnp.zeros((b, rows, n, h), dtype),
                    jnp.full((b, rows, n), MASK_VALUE, jnp.float32)), *like)
 
@@ -130,13 +129,14 @@ def _fwd(blk: _Block, cfg, dtype=None):
 
 
 def _bwd(blk: _Block, out, lse, dout, cfg, dtype=None):
-  """(dq of the block rows, (dk, dv) of the block cols stacked), in
-  ``dtype``, or the kernel's (q's, k's) if None."""
+  """(dq of the block rows, dK/dV of the block cols in the moving form),
+  in ``dtype``, or the kernel's (q's, k's) if None."""
   rows = blk.rows
   dq, dkv, _ = kernel.attention_backward_dkv(
       blk.q_rows, *blk.kv_rows, None, blk.mask, out[:, rows], lse[:, rows],
       dout[:, rows], None, cfg)
-  return dq.astype(dtype or dq.dtype), dkv.astype(dtype or dkv.dtype)
+  return dq.astype(dtype or dq.dtype), jax.tree.map(
+      lambda x: x.astype(dtype or x.dtype), dkv)
 
 
 def _place(x, sl, size, axis):
@@ -157,7 +157,7 @@ def _place(x, sl, size, axis):
 
 def kind_fwd(kind, q, tm, kv, qc, kc, cfgs, own=False):
   """(out in q's dtype, lse f32) of one step, over all t local rows."""
-  b, t, n, h = q.shape
+  b, t, n, h = q.shape[:3] + kv[0][1].shape[3:]
   if kind == "skip":
     return masked(b, t, n, h, (q, kv[0][0]), q.dtype)
   blk = _kind_block(kind, q, tm, kv, qc, kc, own)
@@ -169,15 +169,16 @@ def kind_fwd(kind, q, tm, kv, qc, kc, cfgs, own=False):
 
 
 def kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs, own=False):
-  """(dq, stacked dK/dV of the held kv) of one step, in the kernel's
-  dtypes (q's, k's)."""
+  """(dq, dK/dV of the held kv) of one step, in the kernel's dtypes (q's,
+  k's)."""
   t = q.shape[1]
   if kind == "skip":
     return vma.like((jnp.zeros_like(q), dkv_zeros(kv, dtype=kv[0][0].dtype)),
                     q, kv[0][0], out, dout)
   blk = _kind_block(kind, q, tm, kv, qc, kc, own)
   dq, dkv = _bwd(blk, out, lse, dout, cfgs[kind == "diag"])
-  return _place(dq, blk.rows, t, 1), _place(dkv, blk.cols, t, 2)
+  return _place(dq, blk.rows, t, 1), kv_lib.along(
+      lambda x, ax: _place(x, blk.cols, t, ax), dkv, 1)
 
 
 def _pair_switch(fn, skip, plan, cfg, a, b, tm, kv, r, src, c):
@@ -202,7 +203,7 @@ def _pair_switch(fn, skip, plan, cfg, a, b, tm, kv, r, src, c):
 def window_fwd(q, tm, kv, r, src, cfg, plan, carry):
   """Merge every (query chunk, kv chunk) pair of one step into ``carry``
   (None at the first step: the first pair initialises it)."""
-  b, t, n, h = q.shape
+  b, t, n, h = q.shape[:3] + kv[0][1].shape[3:]
   m = len(layout.chunk_ids(plan, 0))
   c = t // m
   outs = []
@@ -232,5 +233,5 @@ def window_bwd(q, tm, kv, r, src, out, lse, dout, cfg, plan):
                             dkv_zeros(kv, c)), q, kv[0][0], out, dout),
           plan, cfg, a, bb, tm, kv, r, src, c)
       dq, dkv = f(q, tm, kv)
-      dqs[a], dkvs[bb] = dqs[a] + dq, dkvs[bb] + dkv
-  return jnp.concatenate(dqs, 1), jnp.concatenate(dkvs, 2)
+      dqs[a], dkvs[bb] = dqs[a] + dq, kv_lib.add(dkvs[bb], dkv)
+  return jnp.concatenate(dqs, 1), kv_lib.concat(dkvs, 1)

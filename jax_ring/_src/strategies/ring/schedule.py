@@ -1,12 +1,14 @@
 """The ring's schedule over one mesh axis: its loops, where each step's K/V
 come from, and :func:`ring_attention`, called inside the user's shard_map.
 
-Shapes, per device: ``q (B, T, N, H)``, ``k, v (B, T, K, H)`` with
-``T = S_total / cp`` local tokens; C = T / 2 under the dual-chunk layout.
+Shapes, per device: ``q (B, T, N, H)``, ``k (B, T, K, H)``, ``v (B, T, K,
+Hv)`` with ``T = S_total / cp`` local tokens; C = T / 2 under the dual-chunk
+layout.
 
 Each device keeps its queries; at step i it holds the K/V of device
-``src = (r - i) % cp``, stacked as one ``(2, B, T, K, H)`` buffer with the
-kv segment ids (``blocks.held_kv``). The K/V come from the previous device,
+``src = (r - i) % cp``, stacked as one ``(2, B, T, K, H)`` buffer (the pair
+``(k, v)`` when Hv != H: ``strategies.kv``) with the kv segment ids
+(``blocks.held_kv``). The K/V come from the previous device,
 one ``ppermute`` per step, issued before the step's compute
 (``kv_sends="neighbour"``), or from one all-gather of every device's K/V
 that step 0, on the own K/V, overlaps (``"gather"``); by default the gather
@@ -40,7 +42,7 @@ from jax_ring._src.core import config, validate
 from jax_ring._src.core.config import (AttentionConfig, ContextParallel,
                                        KvSends, Loop, ShardPlan)
 from jax_ring._src.core.mask import TokenMask
-from jax_ring._src.strategies import base, layout
+from jax_ring._src.strategies import base, kv as kv_lib, layout
 from jax_ring._src.strategies.layout import LoadBalance
 from jax_ring._src.strategies.ring import blocks, striped
 
@@ -121,13 +123,12 @@ def _kv_loop(plan: ShardPlan):
   return dict(neighbour=_ring_loop, gather=_gathered_loop)[plan.kv_sends]
 
 
-def _sends(plan: ShardPlan, k) -> ShardPlan:
+def _sends(plan: ShardPlan, k, v) -> ShardPlan:
   """``plan`` with its K/V sources decided by one size rule: the gathered
-  stacked K/V (cp x this device's) fit ``GATHER_KV_MAX_BYTES``. Then
+  K/V (cp x this device's) fit ``GATHER_KV_MAX_BYTES``. Then
   ``kv_sends=None`` becomes "gather" (else "neighbour"), and a backward
   marked ``backward_kv="gather"`` gathers (else it sends K/V around)."""
-  fits = 2 * plan.cp_size * k.size * k.dtype.itemsize <= (
-      config.GATHER_KV_MAX_BYTES)
+  fits = plan.cp_size * kv_lib.nbytes(k, v) <= config.GATHER_KV_MAX_BYTES
   return dataclasses.replace(
       plan, kv_sends=plan.kv_sends or ("gather" if fits else "neighbour"),
       backward_kv="gather" if plan.backward_kv == "gather" and fits else
@@ -163,7 +164,7 @@ def block_cfgs(cfg: AttentionConfig):
 
 def forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   """(out in q's dtype, lse f32) of this device's queries."""
-  plan = _sends(plan, k)
+  plan = _sends(plan, k, v)
   r = lax.axis_index(plan.axis_name)
   src_of = lambda step: (r - step) % plan.cp_size
   kv0 = blocks.held_kv(k, v, tm)
@@ -202,7 +203,7 @@ def forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
 def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
               plan: ShardPlan):
   """(dq, dk, dv) of this device's shards, given the global out and lse."""
-  plan = _sends(plan, k)
+  plan = _sends(plan, k, v)
   r = lax.axis_index(plan.axis_name)
   src_of = lambda step: (r - step) % plan.cp_size
   grads = (out, lse, dout)
@@ -246,7 +247,7 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
     dq, dkv = carry
     dkv = _send_next(dkv, plan)
     dq_i, part = step_bwd(step, kv)
-    return dq + dq_i, dkv + part.astype(jnp.float32)
+    return dq + dq_i, kv_lib.add(dkv, part)
 
   def later_parts(step, kv, carry):
     dq_i, part = step_bwd(step, kv)

@@ -132,7 +132,7 @@ def _striped_call(fn, skip, q, tm: TokenMask, kv, r, src, ds, cfg, plan,
 def striped_fwd(q, tm, kv, r, src, ds, cfg, plan, own=False):
   """(out in q's dtype, lse f32) of one striped step (16-bit inside the
   switch, for the reason the comment above ``blocks.kind_fwd`` gives)."""
-  b, t, n, h = q.shape
+  b, t, n, h = q.shape[:3] + kv[0][1].shape[3:]
 
   def fwd(kv, mask, c):
     return kernel.forward(q, kv[0][0], kv[0][1], None, mask, c)
@@ -143,8 +143,8 @@ def striped_fwd(q, tm, kv, r, src, ds, cfg, plan, own=False):
 
 def striped_bwd(q, tm, kv, r, src, ds, out, lse, dout, cfg, plan,
                  own=False):
-  """(dq, dK/dV (2, B, T, K, H)) of one striped step, in the kernel's
-  dtypes (q's, k's)."""
+  """(dq, dK/dV in the held kv's form) of one striped step, in the
+  kernel's dtypes (q's, k's)."""
 
   def bwd(kv, mask, c):
     dq, dkv, _ = kernel.attention_backward_dkv(

@@ -1,0 +1,56 @@
+"""K and V as the strategies move them, and their gradients.
+
+``k (B, S, K, H)`` and ``v (B, S, K, Hv)`` travel as one buffer when they
+share a shape (H == Hv): stacked ``(2, B, S, K, H)``, so that each move is
+one collective. With another value head dim (multi-head latent attention)
+they travel as the pair ``(k, v)``: each move is two collectives of exactly
+their sizes, never a buffer padded to the wider head dim. Either form
+indexes as ``kv[0]`` (K) and ``kv[1]`` (V); :func:`along` applies an
+axis-wise operation to either, naming the axis as an axis of ``k``.
+dK/dV come in the same form (``kernel.attention_backward_dkv``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def pack(k, v):
+  """The moving form of ``k`` and ``v``: stacked if they share a shape,
+  else the pair."""
+  return jnp.stack([k, v]) if k.shape == v.shape else (k, v)
+
+
+def along(fn, kv, axis: int):
+  """``fn(x, axis')`` on the moving form ``kv``, for ``axis`` an axis of
+  ``k (B, S, K, H)``: once on the stacked buffer (whose axes are one
+  further), or on each of the pair."""
+  if isinstance(kv, tuple):
+    return tuple(fn(x, axis) for x in kv)
+  return fn(kv, axis + 1)
+
+
+def zeros(kv, rows=None, dtype=jnp.float32):
+  """Zeros in the moving form of ``kv``, with ``rows`` tokens (default:
+  as many as ``kv``)."""
+  return along(lambda x, ax: jnp.zeros(
+      x.shape[:ax] + (rows or x.shape[ax],) + x.shape[ax + 1:], dtype), kv, 1)
+
+
+def add(a, b):
+  """``a + b`` leaf by leaf, in float32 (``a`` may be the float 0.0)."""
+  if isinstance(a, float):
+    return jax.tree.map(lambda y: a + y.astype(jnp.float32), b)
+  return jax.tree.map(lambda x, y: x + y.astype(jnp.float32), a, b)
+
+
+def concat(parts, axis: int):
+  """Concatenate moving forms along ``axis`` (an axis of ``k``)."""
+  if isinstance(parts[0], tuple):
+    return tuple(jnp.concatenate(xs, axis) for xs in zip(*parts))
+  return jnp.concatenate(parts, axis + 1)
+
+
+def nbytes(k, v) -> int:
+  return k.size * k.dtype.itemsize + v.size * v.dtype.itemsize
