@@ -17,6 +17,20 @@ them. Nothing is ever downloaded.
                                          # continue from the last checkpoint
   python examples/finetune.py --model /path/to/Llama-3.2-1B --data my.jsonl \\
       --seq 65536 --context 2            # GPUs: bfloat16 (cuDNN), remat
+  python examples/finetune.py --model /path/to/gemma-3-1b-it --data my.jsonl \\
+      --seq 32768 --context 2 --vocab-chunk 32768
+                                         # 32k-token rows over 2 GPUs; the
+                                         # 262k vocabulary's logits a chunk
+                                         # at a time
+  python examples/finetune.py --demo-model qwen3-1.7b --seq 32768 \\
+      --context 2 --vocab-chunk 32768    # the demo on random weights in
+                                         # Qwen3-1.7B's shapes (or
+                                         # gemma3-1b's)
+
+``--model`` is a local checkpoint directory as transformers saves it
+(config.json, *.safetensors, tokenizer.json) of a Llama, Qwen2, Mistral,
+Qwen3, Gemma 2 or Gemma 3 text model; ``--seq`` is the sequence length,
+the tokens of a packed row, split over ``--context`` devices.
 
 Data (``--data``): JSON lines, each one example, either
 
@@ -50,7 +64,10 @@ naming the id and where it came from (``file:line``, or e.g.
 The demo's data: "Reverse the words: ..." prompt/response records and
 "Sort: ..." chats (some of two turns) over 32 words; its model: a 0.15M
 parameter Llama (hidden 64, 2 layers, 4 query / 2 kv heads of 16) with a
-byte-level BPE tokenizer trained on that data.
+byte-level BPE tokenizer trained on that data. ``--demo-model`` gives the
+demo random weights in the shapes of a published checkpoint instead (its
+``config.json`` as released, its vocabulary, saved in bfloat16), with the
+same tokenizer and data: the model's cost without downloading it.
 
 Written to ``--run-dir`` (default: a new directory per run, printed at
 start): checkpoints/ (orbax, in the background, with checksums verified on
@@ -90,13 +107,48 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "generation_config.json")
 
 
+# The demo's random models: None, the tiny Llama sized to the demo's
+# tokenizer; else a released checkpoint's config.json (as published,
+# transformers 4's spelling), whose shapes the random weights take.
+DEMO_MODELS = {
+    "tiny-llama": None,
+    "qwen3-1.7b": dict(
+        model_type="qwen3", architectures=["Qwen3ForCausalLM"],
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, hidden_act="silu", rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, rope_scaling=None,
+        max_position_embeddings=40960, max_window_layers=28,
+        use_sliding_window=False, sliding_window=None,
+        tie_word_embeddings=True, attention_bias=False,
+        attention_dropout=0.0),
+    "gemma3-1b": dict(
+        model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+        num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=256, hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6, query_pre_attn_scalar=256,
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+        rope_scaling=None, sliding_window=512, sliding_window_pattern=6,
+        max_position_embeddings=32768, attn_logit_softcapping=None,
+        final_logit_softcapping=None, tie_word_embeddings=True,
+        attention_bias=False, attention_dropout=0.0),
+}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default=None, help="a local Hugging Face "
                  "checkpoint directory (config.json, *.safetensors, "
-                 "tokenizer.json); default: a tiny random Llama made in "
-                 "--run-dir")
+                 "tokenizer.json) of a Llama, Qwen2, Mistral, Qwen3, Gemma 2 "
+                 "or Gemma 3 text model (model_type llama, qwen2, mistral, "
+                 "qwen3, gemma2, gemma3_text); default: the demo's random "
+                 "model, made in --run-dir")
+  p.add_argument("--demo-model", default="tiny-llama",
+                 choices=list(DEMO_MODELS), help="the demo's random model "
+                 "(without --model): a tiny Llama, or the shapes of "
+                 "Qwen3-1.7B or Gemma-3-1B (default: %(default)s)")
   p.add_argument("--data", default=None, help="JSON lines of examples; "
                  "default: a toy dataset made in --run-dir")
   p.add_argument("--context", type=int, default=None, help="context-parallel "
@@ -105,7 +157,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   strategies = tuple(s for s in train_lm.field_choices("strategy")
                      if s != "hybrid")
   p.add_argument("--strategy", default="ring", choices=strategies)
-  p.add_argument("--seq", type=int, default=None, help="tokens per row")
+  p.add_argument("--seq", type=int, default=None, help="the sequence "
+                 "length: tokens per packed row, split over --context "
+                 "devices (a multiple of 2 x --context; default 512 for the "
+                 "demo, 4096 with --model)")
   p.add_argument("--batch", type=int, default=None, help="rows per step")
   p.add_argument("--steps", type=int, default=None,
                  help="default: 150 for the demo, one epoch of --data else")
@@ -123,7 +178,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--remat", choices=["none", "block", "attention"],
                  default=None, help="what the backward recomputes: nothing, "
                  "each block, or each block but its attention (default: "
-                 "attention on GPUs, none on CPUs; see LlamaConfig.remat)")
+                 "attention on GPUs, none on CPUs; see DecoderConfig.remat)")
   p.add_argument("--vocab-chunk", type=int, default=None,
                  help="the loss takes the vocabulary this many entries at a "
                  "time, so the float32 logits are never whole (default: "
@@ -135,6 +190,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   run_dir.check_flags(p, args)
   if args.model and not args.data:
     p.error("--model needs --data (JSON lines; see --help)")
+  if args.model and args.demo_model != "tiny-llama":
+    p.error("--demo-model makes the demo's model; --model names yours: "
+            "pass one of them")
   defaults = MODEL if args.model else DEMO
   for name in ("seq", "lr"):
     if getattr(args, name) is None:
@@ -193,6 +251,7 @@ def make_demo(run: pathlib.Path, args) -> tuple[pathlib.Path, str]:
   directory ``run``; a resumed run keeps the ones it started with. Returns
   (model dir, data file)."""
   import jax
+  import jax.numpy as jnp
   from flax import nnx
 
   from jax_ring import models
@@ -208,10 +267,16 @@ def make_demo(run: pathlib.Path, args) -> tuple[pathlib.Path, str]:
   run_dir.sync("demo data")
   texts = ["".join(t for t, _, _ in pieces(r)) for r in read_records(data)[0]]
   tok = train_tokenizer(texts)
-  cfg = models.LlamaConfig(
-      vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=192,
-      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
-  models.save_pretrained(models.Llama(cfg, rngs=nnx.Rngs(args.seed)), base)
+  shapes = DEMO_MODELS[args.demo_model]
+  if shapes is None:
+    cfg = models.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=64,
+        intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16)
+  else:  # the released vocabulary holds the demo tokenizer's ids
+    cfg = models.config_from_hf(shapes)
+  models.save_pretrained(models.Decoder(cfg, rngs=nnx.Rngs(args.seed)), base,
+                         dtype=None if shapes is None else jnp.bfloat16)
   if jax.process_index() == 0:
     tok.save(str(base / "tokenizer.json"))
     eos = SPECIAL[0]

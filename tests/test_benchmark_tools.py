@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
 import common  # noqa: E402
+import finetune_models  # noqa: E402
 import lm_training  # noqa: E402
 import profile_ring  # noqa: E402
 import ring_attention  # noqa: E402
@@ -279,3 +280,18 @@ def test_model_presets_have_the_checkpoints_sizes(preset, params,
   attention = 6 * llama.num_layers * seq * llama.num_heads * llama.head_dim
   assert lm_training.model_flops_per_token(cfg, seq) == (
       6 * matmul_params + attention)
+
+
+def test_fine_tuning_flops_count_each_documents_keys():
+  """6 P per token, plus 12 Hq D per key a query sees in its own document:
+  two documents of 3 and 5 tokens, a global layer (all earlier keys) and a
+  sliding one of window 2."""
+  from jax_ring import models
+  cfg = models.DecoderConfig(
+      vocab_size=16, hidden_size=8, intermediate_size=8, num_layers=2,
+      num_heads=2, num_kv_heads=1, head_dim=4, sliding_window=2,
+      layer_types=("full_attention", "sliding_attention"),
+      tie_word_embeddings=True)
+  keys = (1 + 2 + 3) + (1 + 2 + 3 + 4 + 5) + (1 + 2 + 2) + (1 + 2 + 2 + 2 + 2)
+  want = 6 * cfg.num_params() + 12 * 2 * 4 * keys / 10
+  assert finetune_models.flops_per_token(cfg, [3, 5], 10) == want

@@ -2,10 +2,12 @@
 and toy data made in the run dir, data=2 x context=4 ring) trains, and its
 final/ reads back in jax_ring and in transformers with the same logits;
 --resume continues the uninterrupted run exactly, and a fresh run refuses
-its directory; packing and the loss mask put the loss on response tokens
-only, in the load-balance layout; every bad data line is named by
-file:line, every token id out of the model's vocabulary by its source; no
-weight that is not finite is written to final/."""
+its directory; tiny Qwen3 and Gemma 3 checkpoints made by transformers
+fine-tune unchanged and save back as the same architecture; packing and
+the loss mask put the loss on response tokens only, in the load-balance
+layout; every bad data line is named by file:line, every token id out of
+the model's vocabulary by its source; no weight that is not finite is
+written to final/."""
 
 import codecs
 import json
@@ -279,3 +281,64 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_source(
       rf"^eos_token_id of config.json: token id {size} is outside the "
       rf"model's vocabulary \(vocab_size {size} ")):
     finetune.Encoder(tmp_path)
+
+
+# Tiny checkpoints of the families with per-layer windows, as transformers
+# makes them: one sliding layer (a window of 16 in rows of 64) and one
+# global, GQA, q/k norms; Gemma 3's sandwich norms, scaled embedding and
+# RoPE per layer type.
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            sliding_window=16, layer_types=["sliding_attention",
+                                            "full_attention"])
+FAMILIES = {
+    "qwen3": lambda **kw: transformers.Qwen3Config(
+        **TINY, **kw, use_sliding_window=True),
+    "gemma3": lambda **kw: transformers.Gemma3TextConfig(
+        **TINY, **kw, query_pre_attn_scalar=8),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fine_tunes_a_transformers_checkpoint_and_saves_it_back(family,
+                                                                tmp_path):
+  """A tiny random Qwen3 or Gemma 3 made by transformers, with the demo's
+  tokenizer: --model takes it unchanged, three steps under the ring lower
+  the loss, and final/ is the same architecture, read back by transformers
+  with the logits of the trained weights."""
+  needs_devices()
+  base = tmp_path / "base"
+  tok = finetune.train_tokenizer(
+      ["".join(t for t, _, _ in finetune.pieces(r))
+       for r in finetune.demo_records(200, 0)])
+  eos = tok.token_to_id("<|endoftext|>")
+  torch.manual_seed(0)
+  hf = transformers.AutoModelForCausalLM.from_config(FAMILIES[family](
+      vocab_size=tok.get_vocab_size(), eos_token_id=eos, pad_token_id=eos,
+      bos_token_id=None))
+  hf.save_pretrained(base)
+  tok.save(str(base / "tokenizer.json"))
+  data = write_lines(tmp_path / "data.jsonl", *(
+      json.dumps(r).encode() for r in finetune.demo_records(100, 1)))
+  result = finetune.train(finetune.parse_args([
+      "--run-dir", str(tmp_path / "run"), "--model", str(base), "--data",
+      str(data), "--seq", str(SEQ), "--steps", "3", "--warmup", "1",
+      "--lr", "3e-3", "--checkpoint-every", "3", "--quiet"]))
+  losses = result["losses"]
+  assert len(losses) == 3 and losses[-1] < losses[0], losses
+  final = result["final"]
+  saved = json.loads((final / "config.json").read_text())
+  assert saved == json.loads((base / "config.json").read_text())
+  ours = models.load_pretrained(final, implementation="xla")
+  trained = jax.tree.leaves(result["state"]["params"])
+  for a, b in zip(trained, jax.tree.leaves(nnx.state(ours, nnx.Param)),
+                  strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  back = transformers.AutoModelForCausalLM.from_pretrained(
+      final, attn_implementation="eager")
+  (ids, _), = finetune.Encoder(final)(finetune.demo_records(1, 2))
+  with torch.no_grad():
+    want = back(torch.tensor(ids[None].astype(np.int64))).logits.numpy()
+  got = jax.jit(lambda m, x: m(x, jnp.arange(x.shape[1])[None]))(
+      ours, jnp.asarray(ids[None]))
+  assert relative_error(got, want) <= TOLERANCE

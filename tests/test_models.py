@@ -1,8 +1,10 @@
 """jax_ring.models against the implementation users trust: tiny random Llama,
-Qwen2 and Mistral checkpoints written by transformers itself, loaded into
-``jax_ring.models.Llama``, logits compared in float32 with transformers'
-own forward (torch, CPU), on one device and context-parallel on 8 simulated
-devices; our checkpoints read back by transformers."""
+Qwen2, Mistral, Qwen3, Gemma 2 and Gemma 3 checkpoints written by
+transformers itself, loaded into ``jax_ring.models.Decoder``, logits
+compared in float32 with transformers' own forward (torch, CPU), on one
+device and context-parallel on 8 simulated devices (ring, auto, Ulysses),
+packed documents against transformers run per document, gradients of the
+loss against torch's; our checkpoints read back by transformers."""
 
 import json
 import re
@@ -18,12 +20,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_ring
 from jax_ring import flax as jrf, models
+from jax_ring.models.hf_checkpoint import tensor_map
 from helpers import TOLERANCE, relative_error
 
 V = 97
+# float32 gradients against torch's, relative to each weight's largest.
+GRAD_TOLERANCE = 2e-5
 COMMON = dict(vocab_size=V, hidden_size=48, intermediate_size=80,
               num_hidden_layers=2, num_attention_heads=6,
               num_key_value_heads=2)
+NEW = COMMON | dict(num_attention_heads=4)
 CONFIGS = {
     # Llama 3's frequency scaling, with wavelengths on both sides of its
     # cut-offs at these positions (original context 16).
@@ -37,7 +43,30 @@ CONFIGS = {
     # A sliding window shorter than the sequence.
     "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=9,
                                                   head_dim=8),
+    # The families with per-layer windows: 4 query heads (2 kv), so that
+    # Ulysses splits them over context=4; one sliding layer (window 9, the
+    # documents up to 19 tokens and a whole row of 64) and one global.
+    # Qwen3: q/k norms, an explicit head_dim.
+    "qwen3": lambda: transformers.Qwen3Config(
+        **NEW, head_dim=12, use_sliding_window=True, sliding_window=9,
+        layer_types=["sliding_attention", "full_attention"]),
+    # Soft caps small enough to bite on these logits (Gemma 2's own are 50
+    # and 30), a softmax scale from query_pre_attn_scalar, sandwich norms,
+    # (1 + w) norms, the embedding times sqrt(E), GeLU-tanh, tied.
+    "gemma2": lambda: transformers.Gemma2Config(
+        **NEW, head_dim=16, query_pre_attn_scalar=12, sliding_window=9,
+        attn_logit_softcapping=4.0, final_logit_softcapping=5.0),
+    # Gemma 2's block with q/k norms, no caps, and a RoPE per layer type:
+    # linear scaling on the global layer, its own base on the local one.
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **NEW, head_dim=16, query_pre_attn_scalar=12, sliding_window=9,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters=dict(
+            full_attention=dict(rope_type="linear", factor=4.0,
+                                rope_theta=100_000.0),
+            sliding_attention=dict(rope_type="default", rope_theta=1e4))),
 }
+NEW_FAMILIES = ("qwen3", "gemma2", "gemma3")
 
 
 def mesh_2x4():
@@ -65,6 +94,14 @@ def checkpoints(tmp_path_factory):
   return out
 
 
+def assert_logits_close(got, want, where=None):
+  """Within 1e-4 of transformers' logits, absolute, and within TOLERANCE
+  of the largest (3e-6 and 8e-7 seen)."""
+  err = float(np.abs(np.asarray(got) - want).max())
+  assert err <= 1e-4, (err, where)
+  assert relative_error(got, want) <= TOLERANCE, where
+
+
 def hf_logits(model, tokens, positions=None):
   with torch.no_grad():
     pos = None if positions is None else torch.tensor(positions)
@@ -78,7 +115,7 @@ def test_one_device_matches_transformers(name, checkpoints):
   tokens = np.random.default_rng(1).integers(0, V, (2, 29))
   positions = np.broadcast_to(np.arange(29), tokens.shape)
   got = model(jnp.asarray(tokens), jnp.asarray(positions))
-  assert relative_error(got, hf_logits(hf, tokens)) <= TOLERANCE
+  assert_logits_close(got, hf_logits(hf, tokens))
 
 
 def packed_rows(seed, b, s):
@@ -98,22 +135,49 @@ def packed_rows(seed, b, s):
   return tokens, ids, docs
 
 
-@pytest.mark.parametrize("name, strategy", [("llama3", "ring"),
-                                            ("qwen2", "auto"),
-                                            ("mistral", "ring")])
-def test_context_parallel_matches_transformers_per_document(
-    name, strategy, checkpoints):
-  """data=2 x context=4, packed documents whose positions restart at 0
-  (transformers' ``position_ids`` convention); the reference runs each
-  document through transformers on its own."""
-  path, hf = checkpoints[name]
+def packed_batch(seed):
+  """Two rows of 64 tokens: row 0 packed documents, row 1 one document
+  (unpacked: longer than every window, across every shard)."""
+  tokens, ids, docs = packed_rows(seed, 2, 64)
+  ids[1] = 1
+  docs = [d for d in docs if d[0] == 0] + [(1, 0, 64)]
+  return tokens, ids, docs
+
+
+def context_parallel_model(name, strategy, checkpoints):
+  """(mesh, its ContextParallel, the model loaded onto data=2 x
+  context=4, FSDP weights)."""
   mesh = mesh_2x4()
   cpc = jax_ring.ContextParallel(axis="context", strategy=strategy)
   rules = models.model_rules()
   model = models.load_pretrained(
-      path, mesh=mesh, implementation="xla", context_parallel=cpc,
-      rules=rules, param_rules=jrf.fsdp_rules(rules, ("data", "context")))
-  tokens, ids, docs = packed_rows(2, 2, 64)
+      checkpoints[name][0], mesh=mesh, implementation="xla",
+      context_parallel=cpc, rules=rules,
+      param_rules=jrf.fsdp_rules(rules, ("data", "context")))
+  return mesh, cpc, model
+
+
+# Each family with per-layer windows under one strategy in the default run;
+# every family x strategy with -m slow. (The three older families have 6
+# query heads, which Ulysses cannot split over 4 devices.)
+STRATEGY_CASES = [("llama3", "ring"), ("qwen2", "auto"), ("mistral", "ring"),
+                  ("gemma3", "ring"), ("gemma2", "ulysses"),
+                  ("qwen3", "auto")]
+STRATEGY_CASES += [pytest.param(name, strategy, marks=pytest.mark.slow)
+                   for name in NEW_FAMILIES
+                   for strategy in ("ring", "auto", "ulysses")
+                   if (name, strategy) not in STRATEGY_CASES]
+
+
+@pytest.mark.parametrize("name, strategy", STRATEGY_CASES)
+def test_context_parallel_matches_transformers_per_document(
+    name, strategy, checkpoints):
+  """data=2 x context=4, packed documents whose positions restart at 0
+  (transformers' ``position_ids`` convention) and a whole row; the
+  reference runs each document through transformers on its own."""
+  hf = checkpoints[name][1]
+  mesh, cpc, model = context_parallel_model(name, strategy, checkpoints)
+  tokens, ids, docs = packed_batch(2)
   batch = jrf.prepare_lm_batch(tokens, ids, mesh=mesh,
                                spec=P("data", "context"), context_parallel=cpc)
   with jax.set_mesh(mesh):
@@ -124,8 +188,55 @@ def test_context_parallel_matches_transformers_per_document(
   got = np.asarray(jax_ring.reorder_from_load_balance(logits, 4))
   for row, start, stop in docs:
     want = hf_logits(hf, tokens[row:row + 1, start:stop])[0]
-    assert relative_error(got[row, start:stop], want) <= TOLERANCE, (
-        row, start, stop)
+    assert_logits_close(got[row, start:stop], want, (row, start, stop))
+
+
+def torch_loss_and_grads(hf, tokens, docs):
+  """transformers' mean next-token cross-entropy over the documents, each
+  run on its own, and its gradients by tensor name."""
+  hf.zero_grad()
+  total, count = 0.0, 0
+  for row, start, stop in docs:
+    x = torch.tensor(tokens[row:row + 1, start:stop])
+    logits = hf(x).logits[0]
+    total = total + torch.nn.functional.cross_entropy(
+        logits[:-1], x[0, 1:], reduction="sum")
+    count += stop - start - 1
+  loss = total / count
+  loss.backward()
+  grads = {k: p.grad.numpy() for k, p in hf.named_parameters()}
+  return float(loss.detach()), grads
+
+
+GRADIENT_CASES = [("gemma3", "ring"),
+                  pytest.param("gemma2", "auto", marks=pytest.mark.slow),
+                  pytest.param("qwen3", "ulysses", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("name, strategy", GRADIENT_CASES)
+def test_gradients_match_torch(name, strategy, checkpoints):
+  """The loss and every weight's gradient, context-parallel on packed
+  documents, against torch's on transformers run per document. (The
+  tokens avoid the pad id: transformers' embedding keeps that row out of
+  its gradient, ``padding_idx``; the model here does not.)"""
+  hf = checkpoints[name][1]
+  mesh, cpc, model = context_parallel_model(name, strategy, checkpoints)
+  tokens, ids, docs = packed_batch(7)
+  tokens = np.maximum(tokens, 1)
+  batch = jrf.prepare_lm_batch(tokens, ids, mesh=mesh,
+                               spec=P("data", "context"), context_parallel=cpc)
+  gdef, params = nnx.split(model)
+  with jax.set_mesh(mesh):
+    loss, grads = jax.jit(jax.value_and_grad(
+        lambda p: models.lm_loss(nnx.merge(gdef, p), batch)))(params)
+  want_loss, want = torch_loss_and_grads(hf, tokens, docs)
+  np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
+  flat = dict(nnx.to_flat_state(grads))
+  tensors = list(tensor_map(model.cfg))
+  assert {t.name for t in tensors} == want.keys()  # tied: listed once
+  for t in tensors:
+    got = t.to_hf(np.asarray(flat[t.key].get_value()))
+    assert relative_error(got, want[t.name]) <= GRAD_TOLERANCE, t.name
 
 
 def test_sharded_load_places_each_weight_by_its_rules(checkpoints):
@@ -144,7 +255,7 @@ def test_sharded_load_places_each_weight_by_its_rules(checkpoints):
   assert model.embed[...].sharding.spec == P(None, ("data", "context"))
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2"])
+@pytest.mark.parametrize("name", ["llama3", "qwen2", *NEW_FAMILIES])
 def test_our_checkpoint_loads_in_transformers(name, checkpoints, tmp_path):
   """Saved in several files (with the index), read by transformers, the
   same logits as the model it came from; and read back by us bit for
@@ -206,27 +317,110 @@ def test_loss_is_the_mean_next_token_cross_entropy(checkpoints):
   np.testing.assert_allclose(float(loss), want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(model_type="gpt2"), "model_type 'gpt2' is not supported; jax_ring "
-     "reads 'llama', 'qwen2' and 'mistral' checkpoints"),
-    (dict(rope_parameters=dict(rope_type="yarn", factor=4.0)),
-     "rope type 'yarn' is not supported (only 'default' and 'llama3')"),
-    (dict(attention_bias=True),
-     "config.json sets attention_bias=true, which this model does not "
-     "implement"),
-])
-def test_unsupported_configs_are_named(change, message, checkpoints,
-                                       tmp_path):
-  path, _ = checkpoints["llama3"]
-  hf = json.loads((path / "config.json").read_text())
+SLIDING = ["sliding_attention", "full_attention"]
+UNSUPPORTED = {
+    "model_type": ("llama3", dict(model_type="gpt2"),
+                   "model_type 'gpt2' is not supported; jax_ring reads "
+                   "'llama', 'qwen2', 'mistral', 'qwen3', 'gemma2', "
+                   "'gemma3_text' checkpoints"),
+    "multimodal_gemma3": ("gemma3", dict(model_type="gemma3"),
+                          "model_type 'gemma3' is not supported (the "
+                          "multimodal Gemma 3: its text model, model_type "
+                          "'gemma3_text', is read)"),
+    "rope_type": ("llama3", dict(rope_parameters=dict(rope_type="yarn",
+                                                      factor=4.0)),
+                  "rope type 'yarn' is not supported (only 'default', "
+                  "'linear' and 'llama3')"),
+    "local_rope_type": ("gemma3", dict(rope_parameters=dict(
+        full_attention=dict(rope_type="default", rope_theta=1e6),
+        sliding_attention=dict(rope_type="dynamic", factor=2.0))),
+                        "rope_parameters['sliding_attention']: rope type "
+                        "'dynamic' is not supported"),
+    "attention_bias": ("llama3", dict(attention_bias=True),
+                       "config.json sets attention_bias=true, which this "
+                       "model does not implement"),
+    "bidirectional": ("gemma3", dict(use_bidirectional_attention=True),
+                      "config.json sets use_bidirectional_attention=true"),
+    "gemma3_soft_cap": ("gemma3", dict(attn_logit_softcapping=50.0),
+                        "config.json sets attn_logit_softcapping, which "
+                        "transformers' Gemma 3 does not apply"),
+    "activation": ("gemma2", dict(hidden_activation="relu"),
+                   "hidden_activation 'relu' is not supported"),
+    "window_off": ("qwen3", dict(use_sliding_window=False),
+                   "layer_types[0] is 'sliding_attention' but the sliding "
+                   "window is off"),
+    "layer_type": ("gemma2", dict(layer_types=["chunked_attention"] * 2),
+                   "layer_types[0] is 'chunked_attention'"),
+    "mistral_layer_types": ("mistral", dict(layer_types=SLIDING),
+                            "config.json sets layer_types, which "
+                            "transformers' 'mistral' ignores"),
+    "dropout": ("qwen2", dict(attention_dropout=0.1),
+                "config.json sets attention_dropout=0.1"),
+}
+
+
+@pytest.mark.parametrize("case", UNSUPPORTED)
+def test_unsupported_configs_are_named(case, checkpoints):
+  """Each config.json value no layer here implements is a ValueError that
+  names it, never a silently different model."""
+  name, change, message = UNSUPPORTED[case]
+  hf = json.loads((checkpoints[name][0] / "config.json").read_text())
   hf.pop("rope_scaling", None)
   with pytest.raises(ValueError, match=re.escape(message)):
     models.config_from_hf(hf | change)
 
 
+def test_configs_in_transformers_4_spelling_read_as_transformers_5_does():
+  """Gemma 3's config.json as transformers 4 wrote it (rope_theta,
+  rope_local_base_freq, rope_scaling, sliding_window_pattern; Gemma-3-1B's
+  own), and as transformers 5 rewrites it, give one config; so do Qwen3's
+  and Gemma 2's defaults where keys are absent."""
+  old = dict(model_type="gemma3_text", vocab_size=V, hidden_size=48,
+             intermediate_size=80, num_hidden_layers=7,
+             num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+             rope_theta=1e6, rope_local_base_freq=1e4,
+             rope_scaling=dict(rope_type="linear", factor=8.0),
+             sliding_window=512, sliding_window_pattern=6,
+             max_position_embeddings=32768)
+  new = transformers.Gemma3TextConfig(**old).to_dict()
+  ours = models.config_from_hf(old).replace(hf_config=None)
+  assert models.config_from_hf(new).replace(hf_config=None) == ours
+  assert [ours.is_sliding(i) for i in range(7)] == [True] * 5 + [False, True]
+  assert ours.attention(0).rope_max_wavelength == 1e4
+  assert ours.attention(0).rope_scaling is None
+  assert ours.attention(5).rope_max_wavelength == 1e6
+  assert ours.attention(5).rope_scaling == models.LinearRopeScaling(8.0)
+  assert ours.attention(0).local_window_size == (511, 0)
+  assert ours.attention(5).local_window_size is None
+  assert ours.attention(0).scale == 256 ** -0.5
+  for kind, cls in (("qwen3", transformers.Qwen3Config),
+                    ("gemma2", transformers.Gemma2Config)):
+    bare = dict(model_type=kind, vocab_size=V, hidden_size=48,
+                intermediate_size=80, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=77)
+    assert models.config_from_hf(bare).replace(hf_config=None) == (
+        models.config_from_hf(cls(**bare).to_dict()).replace(hf_config=None))
+
+
+def test_a_config_its_model_type_cannot_write_is_refused(checkpoints):
+  cfg = models.load_pretrained(checkpoints["qwen3"][0]).cfg
+  with pytest.raises(ValueError, match=re.escape(
+      "qk_norm=True cannot be saved as model_type 'llama' (whose qk_norm is "
+      "False)")):
+    models.config_to_hf(cfg.replace(model_type="llama"))
+  with pytest.raises(ValueError, match=re.escape(
+      "layer_types has no place in a 'mistral' checkpoint")):
+    models.config_to_hf(cfg.replace(model_type="mistral", qk_norm=False))
+  gemma3 = models.load_pretrained(checkpoints["gemma3"][0]).cfg
+  with pytest.raises(ValueError, match=re.escape(
+      "logits_soft_cap has no place in a 'gemma3_text' checkpoint")):
+    models.config_to_hf(gemma3.replace(logits_soft_cap=50.0))
+
+
 def test_a_checkpoint_that_does_not_match_its_config_is_named(checkpoints,
                                                                tmp_path):
-  path, _ = checkpoints["qwen2"]
+  path, _ = checkpoints["llama3"]
   hf = json.loads((path / "config.json").read_text())
   (tmp_path / "config.json").write_text(json.dumps(hf | dict(
       num_hidden_layers=3)))
@@ -264,14 +458,17 @@ def test_remat_modes_give_the_same_loss_and_gradients(checkpoints):
                                  atol=1e-6)
 
 
-# 40: a padded last chunk, in the default run; 16 and 97 with -m slow.
-@pytest.mark.parametrize("chunk", [pytest.param(16, marks=pytest.mark.slow),
-                                   pytest.param(97, marks=pytest.mark.slow),
-                                   40])
-def test_vocab_chunked_loss_equals_the_whole_one(chunk, checkpoints):
+# 40: a padded last chunk, Gemma 2's final soft cap on each chunk, in the
+# default run; the rest with -m slow.
+@pytest.mark.parametrize("name, chunk", [
+    pytest.param("llama3", 16, marks=pytest.mark.slow),
+    pytest.param("llama3", 97, marks=pytest.mark.slow),
+    pytest.param("llama3", 40, marks=pytest.mark.slow),
+    ("gemma2", 40)])
+def test_vocab_chunked_loss_equals_the_whole_one(name, chunk, checkpoints):
   """The running logsumexp over vocabulary chunks (40: the last chunk is
   padded) gives the whole-vocabulary loss and gradients."""
-  path, _ = checkpoints["llama3"]
+  path, _ = checkpoints[name]
   model = models.load_pretrained(path, implementation="xla")
   tokens, ids, _ = packed_rows(6, 2, 24)
   batch = jax.tree.map(jnp.asarray, jrf.make_lm_batch(tokens, ids))

@@ -1,7 +1,8 @@
 """The README's API snippets run as written, in order, in a fresh Python
 (jax's default flags, 8 simulated CPU devices from their own first line),
 and give what they say: the context-parallel calls equal the one-device
-call, the model's logits are finite and of the batch's shape."""
+call, the model's logits are finite and of the batch's shape, generation
+gives token ids of the vocabulary."""
 
 import pathlib
 import re
@@ -28,6 +29,10 @@ HARNESS = textwrap.dedent('''
     exec(blocks[3], ns)
     logits = np.asarray(ns["logits"])
     assert logits.shape == (2, 64, 256) and np.isfinite(logits).all()
+    exec(blocks[4], ns)
+    new = ns["new_tokens"]
+    assert len(new) == 2 and all(1 <= len(r) <= 8 for r in new), new
+    assert all(0 <= t < 256 for r in new for t in r), new
     print("snippets:", len(blocks))
 ''')
 
@@ -42,9 +47,9 @@ def api_snippets():
 def test_readme_snippets_run_as_written(tmp_path):
   import json
   blocks = api_snippets()
-  assert len(blocks) == 4, len(blocks)
+  assert len(blocks) == 5, len(blocks)
   done = subprocess.run(
       [sys.executable, "-c", HARNESS], input=json.dumps(blocks), text=True,
       capture_output=True, cwd=tmp_path, timeout=240)
   assert done.returncode == 0, done.stderr[-3000:]
-  assert "snippets: 4" in done.stdout
+  assert "snippets: 5" in done.stdout

@@ -1,9 +1,10 @@
 """jax_ring for Flax NNX models (``pip install jax-ring[flax]``).
 
 * :class:`Attention` and its :class:`AttentionLayerConfig`: a drop-in
-  attention layer (projections, RoPE, GQA, causal/packed/sliding masks, soft
-  cap) that calls :func:`jax_ring.dot_product_attention`, context-parallel
-  when configured, sharded through MaxText-style logical axis rules
+  attention layer (projections, q/k norms, RoPE with Llama 3's or linear
+  scaling, GQA, causal/packed/sliding masks, soft cap) that calls
+  :func:`jax_ring.dot_product_attention`, context-parallel when
+  configured, sharded through MaxText-style logical axis rules
   (:func:`logical_rules`; weights FSDP-sharded with :func:`fsdp_rules`).
 * :func:`attention_fn`: jax_ring (and context parallelism) as the
   ``attention_fn`` of flax's own ``nnx.MultiHeadAttention`` and linen
@@ -15,8 +16,10 @@
 
 from jax_ring.flax.adapter import attention_fn
 from jax_ring.flax.attention import (LOGICAL_AXES, Attention,
-                                     AttentionLayerConfig, apply_rope,
-                                     constrain, fsdp_rules, logical_rules)
+                                     AttentionLayerConfig, LinearRopeScaling,
+                                     Llama3RopeScaling, apply_rope,
+                                     constrain, fsdp_rules, logical_rules,
+                                     rms_norm)
 from jax_ring.flax.data import (LMBatch, document_positions, make_lm_batch,
                                 prepare_lm_batch, reorder_batch, reorder_size,
                                 shard_batch)
@@ -27,6 +30,8 @@ __all__ = [
     "AttentionLayerConfig",
     "LMBatch",
     "LOGICAL_AXES",
+    "LinearRopeScaling",
+    "Llama3RopeScaling",
     "apply_rope",
     "attention_fn",
     "constrain",
@@ -37,5 +42,6 @@ __all__ = [
     "prepare_lm_batch",
     "reorder_batch",
     "reorder_size",
+    "rms_norm",
     "shard_batch",
 ]

@@ -92,6 +92,18 @@ class Llama3RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+  """Linear RoPE scaling (position interpolation; Hugging Face
+  ``rope_type="linear"``, Gemma 3's global layers): every frequency is
+  divided by ``factor``, as if positions were ``factor`` times closer."""
+
+  factor: float
+
+
+RopeScaling = Llama3RopeScaling | LinearRopeScaling
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionLayerConfig:
   """Static options of :class:`Attention` (frozen, hashable).
 
@@ -107,8 +119,16 @@ class AttentionLayerConfig:
     logits_soft_cap: Gemma-2 soft cap ``c * tanh(logits / c)``.
     scale: logit multiplier; default ``1 / sqrt(H)``.
     rope_max_wavelength: RoPE base (``theta``).
-    rope_scaling: a :class:`Llama3RopeScaling`, or None (plain RoPE).
+    rope_scaling: a :class:`Llama3RopeScaling` or
+      :class:`LinearRopeScaling`, or None (plain RoPE).
     qkv_bias: add a learned bias to q, k and v (Qwen2).
+    qk_norm: an RMSNorm over the head dim on q and on k, each with its own
+      ``(H,)`` weight, after the projections and before RoPE (Qwen3,
+      Gemma 3).
+    qk_norm_eps: its epsilon.
+    zero_centered_norm: the q/k norms multiply by ``1 + weight`` (Gemma's
+      form, the weight stored centred on 0 and initialised to 0), rather
+      than by ``weight``.
     sinks: a learned logit per query head, ``(N,)``, initialised to 0,
       that joins every row's softmax with no value (gpt-oss); see
       ``jax_ring.dot_product_attention(sinks=)``.
@@ -136,8 +156,11 @@ class AttentionLayerConfig:
   logits_soft_cap: float | None = None
   scale: float | None = None
   rope_max_wavelength: float = 10_000.0
-  rope_scaling: Llama3RopeScaling | None = None
+  rope_scaling: RopeScaling | None = None
   qkv_bias: bool = False
+  qk_norm: bool = False
+  qk_norm_eps: float = 1e-6
+  zero_centered_norm: bool = False
   sinks: bool = False
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
@@ -204,13 +227,15 @@ def _axis_set(axes) -> frozenset:
 
 
 def rope_frequencies(head_dim: int, max_wavelength: float = 10_000.0,
-                     scaling: Llama3RopeScaling | None = None):
+                     scaling: RopeScaling | None = None):
   """``(H/2,)`` float32 angular frequencies of RoPE: ``theta^(-2i/H)``,
-  rescaled per Llama 3 when ``scaling`` is given."""
+  rescaled by ``scaling`` when given."""
   inv_freq = max_wavelength ** -(
       jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
   if scaling is None:
     return inv_freq
+  if isinstance(scaling, LinearRopeScaling):
+    return inv_freq / scaling.factor
   old = scaling.original_max_position_embeddings
   wavelength = 2 * jnp.pi / inv_freq
   # Position of each wavelength between the two cut-offs: <= 0 is a long
@@ -222,7 +247,7 @@ def rope_frequencies(head_dim: int, max_wavelength: float = 10_000.0,
 
 
 def apply_rope(x, positions, max_wavelength: float = 10_000.0,
-               scaling: Llama3RopeScaling | None = None):
+               scaling: RopeScaling | None = None):
   """Rotary position embedding (rotate-half form, as Hugging Face's Llama
   weights expect), computed in float32.
 
@@ -231,7 +256,7 @@ def apply_rope(x, positions, max_wavelength: float = 10_000.0,
     positions: ``(B, S)`` int: each token's position in its document, in the
       same token order as ``x``.
     max_wavelength: the RoPE base.
-    scaling: Llama 3's frequency scaling, or None.
+    scaling: Llama 3's or linear frequency scaling, or None.
 
   Returns:
     ``x`` rotated, in its dtype.
@@ -242,6 +267,16 @@ def apply_rope(x, positions, max_wavelength: float = 10_000.0,
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
+
+
+def rms_norm(x, weight, *, eps: float, zero_centered: bool = False):
+  """``x / sqrt(mean(x^2) + eps) * w`` over the last axis, in float32, cast
+  back to ``x``'s dtype; ``w`` is ``weight``, or ``1 + weight`` when
+  ``zero_centered`` (Gemma's form)."""
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps)
+  w = weight.astype(jnp.float32)
+  return (x32 * (1.0 + w if zero_centered else w)).astype(x.dtype)
 
 
 def constrain(x, logical_axes, rules: LogicalRules):
@@ -290,6 +325,8 @@ class Attention(nnx.Module):
   wo      (N, H, E)    (heads, head_dim, embed)
   bq      (N, H)       (heads, head_dim), if qkv_bias
   bk, bv  (K, H)       (kv_heads, head_dim), if qkv_bias
+  q_norm  (H,)         (head_dim,), if qk_norm
+  k_norm  (H,)         (head_dim,), if qk_norm
   ======  ===========  ==========================
 
   Example (mesh data=2 x context=4, inputs in the dual-chunk layout, see
@@ -323,6 +360,11 @@ class Attention(nnx.Module):
       self.bq = param(zeros, (n, h), (HEADS, HEAD_DIM))
       self.bk = param(zeros, (k, h), (KV_HEADS, HEAD_DIM))
       self.bv = param(zeros, (k, h), (KV_HEADS, HEAD_DIM))
+    if config.qk_norm:
+      norm_init = (jax.nn.initializers.zeros if config.zero_centered_norm
+                   else jax.nn.initializers.ones)
+      self.q_norm = param(norm_init, (h,), (HEAD_DIM,))
+      self.k_norm = param(norm_init, (h,), (HEAD_DIM,))
     if config.sinks:
       self.sinks = param(jax.nn.initializers.zeros, (n,), (HEADS,))
 
@@ -347,7 +389,7 @@ class Attention(nnx.Module):
 
   def project(self, x, positions):
     """``x (B, S, E)`` -> q ``(B, S, N, H)``, k, v ``(B, S, K, H)``, with
-    bias and RoPE."""
+    bias, q/k norms and RoPE."""
     cfg = self.config
     dt = cfg.dtype
     x = constrain(x.astype(dt), (BATCH, LENGTH, EMBED), cfg.rules)
@@ -357,6 +399,10 @@ class Attention(nnx.Module):
     if cfg.qkv_bias:
       q, k, v = (y + b[...].astype(dt)
                  for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
+    if cfg.qk_norm:
+      q, k = (rms_norm(y, w[...], eps=cfg.qk_norm_eps,
+                       zero_centered=cfg.zero_centered_norm)
+              for y, w in ((q, self.q_norm), (k, self.k_norm)))
     q = apply_rope(q, positions, cfg.rope_max_wavelength, cfg.rope_scaling)
     k = apply_rope(k, positions, cfg.rope_max_wavelength, cfg.rope_scaling)
     q = constrain(q, (BATCH, LENGTH, HEADS, HEAD_DIM), cfg.rules)

@@ -1,5 +1,5 @@
 """Hugging Face checkpoints (``config.json`` plus ``*.safetensors``) in and out
-of :class:`~jax_ring.models.llama.Llama`.
+of :class:`~jax_ring.models.decoder.Decoder`.
 
 Loading checks every tensor's file, dtype and shape from the safetensors
 headers before it reads any data, then places each tensor on the mesh as it
@@ -30,7 +30,8 @@ from jax.sharding import NamedSharding
 
 from jax_ring.models import hf_config
 from jax_ring.models.hf_config import CONFIG
-from jax_ring.models.llama import Llama, LlamaConfig
+from jax_ring.models.config import DecoderConfig
+from jax_ring.models.decoder import Decoder
 
 
 INDEX = "model.safetensors.index.json"
@@ -43,7 +44,7 @@ _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 class Tensor(NamedTuple):
-  """One parameter of ``Llama(cfg)`` and its checkpoint tensor."""
+  """One parameter of ``Decoder(cfg)`` and its checkpoint tensor."""
   key: tuple  # the parameter's path in the model
   name: str  # the Hugging Face tensor name
   shape: tuple  # the tensor's shape in the checkpoint
@@ -52,8 +53,8 @@ class Tensor(NamedTuple):
   to_hf: Callable  # parameter -> checkpoint array
 
 
-def tensor_map(cfg: LlamaConfig) -> Iterator[Tensor]:
-  """A :class:`Tensor` for every parameter of ``Llama(cfg)``."""
+def tensor_map(cfg: DecoderConfig) -> Iterator[Tensor]:
+  """A :class:`Tensor` for every parameter of ``Decoder(cfg)``."""
   e, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   m, v = cfg.intermediate_size, cfg.vocab_size
   hf_field = dict(vocab_size=v, hidden_size=e, intermediate_size=m,
@@ -63,13 +64,21 @@ def tensor_map(cfg: LlamaConfig) -> Iterator[Tensor]:
   t = lambda x: x.T
   heads_in = lambda m: (lambda x: x.T.reshape(e, m, h),
                         lambda x: x.reshape(e, m * h).T)
+  # Ours -> theirs: Gemma's post_attention_layernorm closes the attention
+  # branch; Llama's opens the MLP one.
+  norms = (dict(attn_norm="input_layernorm",
+                attn_post_norm="post_attention_layernorm",
+                mlp_norm="pre_feedforward_layernorm",
+                mlp_post_norm="post_feedforward_layernorm")
+           if cfg.sandwich_norm else
+           dict(attn_norm="input_layernorm",
+                mlp_norm="post_attention_layernorm"))
   yield Tensor(("embed",), "model.embed_tokens.weight", (v, e),
                fields("vocab_size", "hidden_size"), same, same)
   for i in range(cfg.num_layers):
     hf = f"model.layers.{i}."
     ours = ("layers", i)
-    for norm, hf_norm in (("attn_norm", "input_layernorm"),
-                          ("mlp_norm", "post_attention_layernorm")):
+    for norm, hf_norm in norms.items():
       yield Tensor(ours + (norm, "scale"), hf + hf_norm + ".weight", (e,),
                    fields("hidden_size"), same, same)
     for name, heads, heads_key in (("q", n, "num_attention_heads"),
@@ -85,6 +94,10 @@ def tensor_map(cfg: LlamaConfig) -> Iterator[Tensor]:
                      fields(heads_key, "head_dim"),
                      lambda x, m=heads: x.reshape(m, h),
                      lambda x, m=heads: x.reshape(m * h))
+      if cfg.qk_norm and name != "v":
+        yield Tensor(ours + ("attn", f"{name}_norm"),
+                     hf + f"self_attn.{name}_norm.weight", (h,),
+                     fields("head_dim"), same, same)
     yield Tensor(ours + ("attn", "wo"), hf + "self_attn.o_proj.weight",
                  (e, n * h),
                  fields("hidden_size", "num_attention_heads", "head_dim"),
@@ -178,8 +191,8 @@ def _read(tensor: Tensor, file: pathlib.Path, fh) -> np.ndarray:
 # --- load and save -----------------------------------------------------------
 
 def load_pretrained(path, *, mesh: jax.sharding.Mesh | None = None,
-                    **options) -> Llama:
-  """A :class:`Llama` with the weights of a local Hugging Face checkpoint.
+                    **options) -> Decoder:
+  """A :class:`Decoder` with the weights of a local Hugging Face checkpoint.
 
   Args:
     path: a directory with ``config.json`` and one or several
@@ -187,7 +200,7 @@ def load_pretrained(path, *, mesh: jax.sharding.Mesh | None = None,
     mesh: where the weights go, sharded by ``options["param_rules"]`` (or
       ``rules``), replicated without rules; needed when rules are given.
       None: the default device.
-    **options: :class:`LlamaConfig` fields that say how the model runs
+    **options: :class:`DecoderConfig` fields that say how the model runs
       (dtype, param_dtype, implementation, context_parallel, rules,
       param_rules, remat).
 
@@ -210,7 +223,7 @@ def load_pretrained(path, *, mesh: jax.sharding.Mesh | None = None,
     fields = hf_config.fields_from_hf(hf)
   except ValueError as e:
     raise ValueError(f"{path / CONFIG}: {e}") from e
-  cfg = LlamaConfig(**fields, hf_config=json.dumps(hf), **options)
+  cfg = DecoderConfig(**fields, hf_config=json.dumps(hf), **options)
   if cfg.rules and mesh is None:
     raise ValueError("load_pretrained: rules are given, so a mesh is needed "
                      "to place the weights (mesh=...)")
@@ -230,9 +243,9 @@ def load_pretrained(path, *, mesh: jax.sharding.Mesh | None = None,
     return _place(cfg, tensors, files, mesh)
 
 
-def _place(cfg: LlamaConfig, tensors: list[Tensor], files: dict, mesh):
+def _place(cfg: DecoderConfig, tensors: list[Tensor], files: dict, mesh):
   """The model, each tensor read from its file and put where it goes."""
-  build = lambda: Llama(cfg, rngs=nnx.Rngs(0))
+  build = lambda: Decoder(cfg, rngs=nnx.Rngs(0))
   if mesh is not None:
     with jax.set_mesh(mesh):
       abstract = nnx.eval_shape(build)
@@ -290,13 +303,13 @@ def _new_file_mode() -> int:
   return 0o666 & ~mask
 
 
-def save_pretrained(model: Llama, path, *, dtype=None,
+def save_pretrained(model: Decoder, path, *, dtype=None,
                     max_shard_bytes: int = 2 * 2**30,
                     extra_config: dict | None = None) -> pathlib.Path:
   """Write ``model`` as a Hugging Face checkpoint transformers loads.
 
   Args:
-    model: a :class:`Llama` (sharded or not).
+    model: a :class:`Decoder` (sharded or not).
     path: the directory (created).
     dtype: the stored dtype (e.g. ``jnp.bfloat16``); default the weights'.
     max_shard_bytes: the largest ``*.safetensors`` file; more than one

@@ -1,0 +1,148 @@
+"""examples/finetune.py on one GPU with the demo's random weights in the
+shapes of released checkpoints: tokens/s, model FLOPs utilisation and peak
+memory at 32k tokens.
+
+  python benchmarks/finetune_models.py [--models gemma3-1b qwen3-1.7b]
+                                       [--seq 32768] [--steps 6]
+
+Each model runs in a process of its own (its peak memory is then its
+own): ``finetune.py --demo-model M --seq S --context 1 --batch 1 --steps N
+--vocab-chunk 8192`` (the demo's data and tokenizer, the weights random in
+the released config.json's shapes, bfloat16, cuDNN), on examples of
+``--doc-words`` demo words each (about ten documents per 32k row: cuDNN's
+packed path serves up to 16 a row, and a row of more, such as the demo's
+own hundreds of short examples, runs on the pure-JAX kernel). tokens/s is the
+example's own, at the median step interval. MFU = model FLOPs / (step time
+x peak), with model FLOPs per token 6 P (P: the parameters in matrix
+products; a tied table counts once, as the output layer) plus, per layer,
+12 Hq D times the keys a query sees on average in the rows trained on
+(its own document's earlier tokens, within W on a sliding layer); peak
+``--peak-tflops``, the
+H100/H200 SXM datasheet's dense bf16 989 TFLOP/s. Peak memory is the
+allocator's ``peak_bytes_in_use``.
+
+Writes benchmarks/results/finetune_models_<count>x<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+
+def flops_per_token(cfg, doc_lengths, tokens: int) -> float:
+  """6 P plus the attention's FLOPs, per token of ``tokens`` row tokens
+  whose documents have ``doc_lengths`` (a query sees its own document's
+  earlier keys, within the window on a sliding layer)."""
+  lookup = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+  keys = 0.0  # over layers and queries
+  for layer in range(cfg.num_layers):
+    w = cfg.attention(layer).sliding_window
+    for n in doc_lengths:
+      full = min(n, w) if w else n
+      keys += full * (full + 1) / 2 + (n - full) * (w or 0)
+  return (6 * (cfg.num_params() - lookup) +
+          12 * cfg.num_heads * cfg.head_dim * keys / tokens)
+
+
+def long_records(path: str, words: int, count: int) -> str:
+  """``count`` prompt/response records of ``words`` demo words each (a few
+  thousand tokens: a 32k row then packs about ten documents)."""
+  import random
+  import finetune
+  rng = random.Random(0)
+  with open(path, "w") as f:
+    for _ in range(count):
+      w = [rng.choice(finetune.WORDS) for _ in range(words)]
+      f.write(json.dumps({"prompt": "Reverse the words: " + " ".join(w) +
+                          "\n", "response": " ".join(w[::-1])}) + "\n")
+  return path
+
+
+def one(model: str, seq: int, steps: int, peak_tflops: float,
+        doc_words: int) -> dict:
+  """Run the example once, in this process; the result row."""
+  import finetune
+  import jax
+  from jax_ring import models
+  with tempfile.TemporaryDirectory() as run:
+    data = ["--data", long_records(f"{run}.jsonl", doc_words,
+                                   (steps + 2) * seq // doc_words)
+            ] if doc_words else ["--examples", str(max(2000, steps * seq // 12))]
+    args = finetune.parse_args([
+        "--demo-model", model, "--seq", str(seq), "--context", "1",
+        "--batch", "1", "--steps", str(steps), "--vocab-chunk", "8192",
+        "--lr", "1e-4", "--run-dir", run, "--quiet", *data])
+    result = finetune.train(args)
+    cfg = models.config_from_hf(json.loads(
+        (result["model_dir"] / "config.json").read_text()))
+  segments = np.concatenate([result["data"].row(i)[1] for i in range(steps)])
+  lengths = np.bincount(segments)[1:]
+  per_token = flops_per_token(cfg, lengths[lengths > 0], segments.size)
+  tokens_per_s = result["tokens_per_s"]
+  stats = jax.devices()[0].memory_stats() or {}
+  return dict(model=model, seq=seq, steps=steps, params=cfg.num_params(),
+              tokens_per_s=tokens_per_s,
+              step_s=seq / tokens_per_s,
+              mfu=tokens_per_s * per_token / (peak_tflops * 1e12),
+              flops_per_token=per_token,
+              peak_gb=stats.get("peak_bytes_in_use", 0) / 1e9,
+              final_loss=float(result["losses"][-1]))
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--models", nargs="+", default=["gemma3-1b", "qwen3-1.7b"])
+  p.add_argument("--seq", type=int, default=32768)
+  p.add_argument("--steps", type=int, default=8,
+                 help="steps; the first compiles, the rest are timed")
+  p.add_argument("--peak-tflops", type=float, default=989.0)
+  p.add_argument("--doc-words", type=int, default=1500,
+                 help="words per example of the data (0: the demo's own "
+                 "short examples, hundreds per row)")
+  p.add_argument("--mode", default="default")
+  p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+  a = p.parse_args()
+  if a.one:
+    print("ROW " + json.dumps(one(a.one, a.seq, a.steps, a.peak_tflops,
+                                  a.doc_words)))
+    return
+  rows = []
+  for model in a.models:
+    done = subprocess.run(
+        [sys.executable, __file__, "--one", model, "--seq", str(a.seq),
+         "--steps", str(a.steps), "--peak-tflops", str(a.peak_tflops),
+         "--doc-words", str(a.doc_words)],
+        capture_output=True, text=True)
+    row = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    if done.returncode or not row:
+      print(done.stdout[-2000:], done.stderr[-4000:])
+      rows.append(dict(model=model, seq=a.seq, error=done.stderr[-300:]))
+      continue
+    rows.append(json.loads(row[0][4:]) | dict(doc_words=a.doc_words))
+    print(rows[-1], flush=True)
+    record(rows, a)
+
+
+def record(rows, a):
+  from common import write
+  write("finetune_models", rows,
+        ["model", "seq", "params", "tokens_per_s", "step_s", "mfu",
+         "peak_gb", "final_loss"],
+        extra=dict(command="finetune.py --demo-model M --seq S --context 1 "
+                   "--batch 1 --steps N --vocab-chunk 8192",
+                   peak_tflops=a.peak_tflops),
+        mode=a.mode)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,182 @@
+"""Generate text from a local Hugging Face checkpoint with jax_ring, the KV
+cache split along the sequence over ``--context`` devices.
+
+  python examples/generate.py            # CPU: a tiny random Llama and the
+                                         # fine-tuning demo's tokenizer,
+                                         # made in a temporary directory
+  python examples/generate.py --model runs/sft/final "Reverse the words: owl sun lamp"
+                                         # examples/finetune.py's output
+  python examples/generate.py --model DIR --prompts prompts.jsonl \\
+      --context 4 --max-new-tokens 256   # a cache split over 4 devices
+                                         # (simulated on a CPU)
+
+``--model`` is a directory as transformers saves it (config.json,
+*.safetensors, tokenizer.json) of any family ``jax_ring.models`` loads.
+Prompts come from the command line or, with ``--prompts``, from JSON lines
+``{"prompt": "..."}``; each is tokenized as ``examples/finetune.py``
+tokenizes a prompt (the tokenizer's own prefix, then the text), and rows
+stop at the checkpoint's EOS. With one prompt the text is printed as it is
+generated; with several, each row's once all have ended. ``--temperature 0`` (the
+default) is greedy; otherwise ``--top-k``/``--top-p`` sampling from
+``--seed``. Nothing is written outside the temporary directory of the
+default model, and nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import tempfile
+
+DEFAULT_PROMPT = "Reverse the words: owl sun lamp\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("prompt", nargs="*", help="prompts (default: one demo "
+                 "prompt)")
+  p.add_argument("--model", default=None, help="a local Hugging Face "
+                 "checkpoint directory; default: a tiny random Llama")
+  p.add_argument("--prompts", default=None, help='JSON lines of '
+                 '{"prompt": "..."}')
+  p.add_argument("--max-new-tokens", type=int, default=32)
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--top-k", type=int, default=None)
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--context", type=int, default=1, help="devices the KV "
+                 "cache's sequence is split over (a data x context mesh "
+                 "takes the rest); on a CPU, that many are simulated")
+  p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                 help="default: bfloat16 on GPUs, float32 on a CPU")
+  args = p.parse_args(argv)
+  if args.prompts and args.prompt:
+    p.error("give prompts on the command line or with --prompts, not both")
+  if args.context < 1:
+    p.error(f"--context must be >= 1; got {args.context}")
+  return args
+
+
+def read_prompts(path) -> list[str]:
+  """The ``prompt`` of each JSON line (blank lines skipped); a line that
+  is not such an object is an error naming ``file:line``."""
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for i, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise SystemExit(f"{path}:{i}: not JSON ({e.msg})") from None
+      if not (isinstance(record, dict) and isinstance(record.get("prompt"),
+                                                      str)):
+        raise SystemExit(f'{path}:{i}: expected {{"prompt": "..."}}')
+      out.append(record["prompt"])
+  if not out:
+    raise SystemExit(f"{path}: no prompts")
+  return out
+
+
+def demo_model(directory: pathlib.Path) -> pathlib.Path:
+  """A tiny random Llama and the fine-tuning demo's tokenizer, written to
+  ``directory``."""
+  import finetune
+  args = argparse.Namespace(data=None, resume=False, examples=200, seed=0,
+                            demo_model="tiny-llama")
+  model_dir, _ = finetune.make_demo(directory, args)
+  return model_dir
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  import jax
+  if args.context > 1:  # simulated on a CPU; ignored where GPUs are
+    jax.config.update("jax_num_cpu_devices", max(8, args.context))
+  generate(args)
+
+
+def generate(args) -> list[str]:
+  """Load, generate and print; returns each prompt's new text."""
+  import jax
+  import jax.numpy as jnp
+
+  import finetune
+  import jax_ring
+  from jax_ring import models
+  from jax_ring.models import generation as gen
+
+  texts = read_prompts(args.prompts) if args.prompts else (
+      args.prompt or [DEFAULT_PROMPT])
+  sampling = gen.Sampling(args.temperature, args.top_k, args.top_p)
+  with tempfile.TemporaryDirectory() as tmp:
+    model_dir = pathlib.Path(args.model or demo_model(pathlib.Path(tmp)))
+    encoder = finetune.Encoder(model_dir)
+    prompts = [encoder.prefix + encoder.tok.encode(
+        t, add_special_tokens=False).ids for t in texts]
+    for i, ids in enumerate(prompts):
+      encoder.check_ids(ids, f"prompt {i}")
+    gpu = jax.default_backend() == "gpu"
+    dtype = getattr(jnp, args.dtype or ("bfloat16" if gpu else "float32"))
+    devices = len(jax.devices())
+    if devices % args.context:
+      raise SystemExit(f"--context {args.context} does not divide the "
+                       f"{devices} devices")
+    mesh = jax.make_mesh((devices // args.context, args.context),
+                         ("data", "context"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    options = {} if args.context == 1 else dict(
+        context_parallel=jax_ring.ContextParallel(axis="context"),
+        rules=models.model_rules(data=None))
+    with jax.set_mesh(mesh):
+      model = models.load_pretrained(model_dir, mesh=mesh, dtype=dtype,
+                                     **options)
+      stream = Stream(encoder, prompts, texts)
+      out = gen.generate(model, prompts, max_new_tokens=args.max_new_tokens,
+                         sampling=sampling, seed=args.seed,
+                         stop_tokens=[encoder.eos] if encoder.eos is not None
+                         else [], on_tokens=stream)
+    stream.finish(out)
+  return [stream.text(row) for row in range(len(out))]
+
+
+class Stream:
+  """Prints the generated text: one prompt's token by token, several
+  prompts' at the end."""
+
+  def __init__(self, encoder, prompts, texts):
+    self.encoder, self.texts = encoder, texts
+    self.ids = [[] for _ in prompts]
+    self.done = [False] * len(prompts)
+    self.shown = ""
+
+  def __call__(self, step, tokens):
+    for row, token in enumerate(tokens):
+      if self.done[row]:
+        continue
+      self.ids[row].append(int(token))
+      self.done[row] = int(token) == self.encoder.eos
+    if len(self.ids) == 1:
+      if step == 0:
+        print(self.texts[0], end="", flush=True)
+      text = self.text(0)
+      print(text[len(self.shown):], end="", flush=True)
+      self.shown = text
+
+  def text(self, row):
+    return self.encoder.tok.decode(self.ids[row], skip_special_tokens=True)
+
+  def finish(self, out):
+    if len(out) == 1:
+      print()
+      return
+    for row, text in enumerate(self.texts):
+      print(f"--- {row}: {text!r}\n{self.text(row)}")
+
+
+if __name__ == "__main__":
+  main()

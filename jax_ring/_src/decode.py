@@ -1,0 +1,203 @@
+"""``decode_attention``: a few new query tokens per row against a KV cache,
+on one device or with the cache's sequence split over a mesh axis.
+
+Shapes: B batch, T new query tokens per row (1 when decoding one token),
+C cache slots (per device inside ``shard_map``), N query heads, K kv
+heads, H query/key head dim, Hv value head dim.
+
+Masks are by *position*, not by slot: each slot carries the position of
+the token it holds (``key_positions``, negative for an empty slot), so the
+cache may hold its tokens in any order on any device (the training
+layouts, or a decode step's append wherever it is cheap). Query ``i`` of
+row ``b`` sees slot ``j`` when ``key_positions[b, j] >= 0`` and, causal,
+``key_positions[b, j] <= query_positions[b, i]``, and within the window
+``(left, right)`` of its position.
+
+Each device reads its own slots once: the scores of T x C are small for
+decoding, so the local part is one fused pass over K and one over V (no
+tiling), giving an unnormalised output, a running max ``m`` and a sum
+``l`` per row, in float32. Across the axis the parts merge exactly as the
+ring's blocks do, by logsumexp: ``m* = pmax(m)``, then one ``psum`` of
+``(o exp(m - m*), l exp(m - m*))``. What moves per layer and step is
+B x T x N x (Hv + 1) float32 values in one all-reduce, and B x T x N in a
+max-reduce, whatever the cache length: K/V never move. Sinks fold into
+the merged row (``kernel.fold_sinks``); a row that sees no slot is 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jax_ring._src.core import kernel, validate
+from jax_ring._src.core.config import ContextParallel
+from jax_ring._src.core.mask import MASK_VALUE
+
+
+KvLayout = Literal["bskh", "bksh"]
+# (scores, output) products per cache layout: the cache is read once by each.
+_PRODUCTS = {"bskh": ("btkgh,bckh->bkgtc", "bkgtc,bckh->btkgh"),
+             "bksh": ("btkgh,bkch->bkgtc", "bkgtc,bkch->btkgh")}
+
+
+def decode_attention(query, key, value, *, query_positions, key_positions,
+                     is_causal=True, local_window_size=None, scale=None,
+                     logits_soft_cap=None, sinks=None, axis_name=None,
+                     context_parallel: ContextParallel | None = None,
+                     kv_layout: KvLayout = "bskh"):
+  """Attention of ``query`` against the cached ``key``/``value``, masked by
+  the tokens' positions.
+
+  Args:
+    query: ``(B, T, N, H)``, the new tokens.
+    key: ``(B, C, K, H)``, the cache's keys (N % K == 0, never repeated);
+      ``(B, K, C, H)`` with ``kv_layout="bksh"``.
+    value: ``(B, C, K, Hv)``, or ``(B, K, C, Hv)``.
+    query_positions: ``(B, T)`` int, each new token's position.
+    key_positions: ``(B, C)`` int, the position of the token in each slot;
+      negative: an empty slot.
+    is_causal: a slot is visible only at positions ``<=`` the query's.
+    local_window_size: ``w`` or ``(left, right)`` in positions.
+    scale: logit multiplier; default ``1 / sqrt(H)``.
+    logits_soft_cap: ``c``: logits become ``c tanh(logits / c)``.
+    sinks: ``(N,)`` float, one logit per head with no value.
+    axis_name: inside ``shard_map``: the mesh axis (or tuple of axes) the
+      cache's slots are split over (C is then the local count); the
+      queries and their positions are the same on every device of it.
+    context_parallel: on global arrays (eagerly or under ``jax.jit``): the
+      cache's C is split over ``context_parallel.axis`` of the mesh in
+      scope (a pair of axes: over both, ring-major, as the training
+      layouts split tokens), and each device attends to its own slots.
+    kv_layout: ``"bskh"`` (the cache as ``dot_product_attention`` takes
+      K/V) or ``"bksh"`` (kv-head-major: with B > 1, the layout each of
+      the two products reads as one batched matrix; a ``"bskh"`` cache is
+      transposed, which XLA may do by copying it whole).
+
+  Returns:
+    ``(B, T, N, Hv)`` in the query's dtype.
+  """
+  query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  if kv_layout not in _PRODUCTS:
+    raise ValueError(f"kv_layout must be 'bskh' or 'bksh'; got {kv_layout!r}")
+  as_bskh = lambda x: x if kv_layout == "bskh" else jax.ShapeDtypeStruct(
+      (x.shape[0], x.shape[2], x.shape[1]) + x.shape[3:], x.dtype)
+  validate.qkv(query, as_bskh(key), as_bskh(value))
+  q_pos, kv_pos = (_positions(name, x, s) for name, x, s in (
+      ("query_positions", query_positions, query.shape[:2]),
+      ("key_positions", key_positions, as_bskh(key).shape[:2])))
+  band = _band(is_causal, local_window_size)
+  scale, cap = validate.scalar_options(scale, logits_soft_cap)
+  scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+  if sinks is not None:
+    sinks = validate.sinks(sinks, query.shape[2])
+  if axis_name is not None and context_parallel is not None:
+    raise ValueError("decode_attention takes axis_name (inside shard_map) or "
+                     "context_parallel (on global arrays), not both")
+  local = functools.partial(_local, band=band, scale=scale, cap=cap,
+                            layout=kv_layout)
+  if context_parallel is None:
+    return _attend(local, query, key, value, q_pos, kv_pos, sinks, axis_name)
+  return _context_parallel(local, query, key, value, q_pos, kv_pos, sinks,
+                           context_parallel, 1 if kv_layout == "bskh" else 2)
+
+
+def _positions(name, x, shape):
+  x = jnp.asarray(x)
+  if x.shape != tuple(shape) or not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an int array of shape {tuple(shape)}; "
+                     f"got {x.dtype} {tuple(x.shape)}")
+  return x.astype(jnp.int32)
+
+
+def _band(is_causal, local_window_size):
+  """``(left, right)`` bounds of ``p_k - p_q`` in positions; None: none."""
+  window = validate.window(local_window_size, None, None)
+  left, right = window or (None, None)
+  if is_causal:
+    right = 0 if right is None else min(right, 0)
+  return left, right
+
+
+def _local(q, k, v, q_pos, kv_pos, *, band, scale, cap, layout):
+  """This device's part: ``(o (B, T, N, Hv) unnormalised, m, l (B, T,
+  N))`` in float32; ``m = MASK_VALUE`` and ``l = 0`` where no slot is
+  visible (a NaN in a visible logit makes the row's ``m`` NaN)."""
+  b, t, n, h = q.shape
+  kh = k.shape[layout.index("k")]
+  scores, output = _PRODUCTS[layout]
+  s = _product(scores, q.reshape(b, t, kh, n // kh, h), k) * scale
+  if cap is not None:
+    s = cap * jnp.tanh(s / cap)
+  left, right = band
+  d = kv_pos[:, None, :] - q_pos[:, :, None]  # (B, T, C)
+  vis = kv_pos[:, None, :] >= 0
+  if right is not None:
+    vis &= d <= right
+  if left is not None:
+    vis &= d >= -left
+  vis = vis[:, None, None]
+  s = jnp.where(vis, s, MASK_VALUE)
+  m = s.max(-1)
+  p = jnp.where(vis, jnp.exp(s - m[..., None]), 0.0)
+  o = _product(output, p.astype(v.dtype), v)
+  rows = lambda x: jnp.moveaxis(x, 3, 1).reshape(b, t, n)
+  return o.reshape(b, t, n, -1), rows(m), rows(p.sum(-1))
+
+
+def _product(spec, a, b):
+  """``einsum(spec, a, b)`` in float32. XLA:CPU runs no 16-bit batched
+  product with a float32 result, so there the operands are widened first;
+  elsewhere they are read as they are (the cache's bytes are the step's
+  cost)."""
+  precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  product = lambda x, y: jnp.einsum(spec, x, y, precision=precision,
+                                    preferred_element_type=jnp.float32)
+  wide = lambda x, y: product(x.astype(jnp.float32), y.astype(jnp.float32))
+  return lax.platform_dependent(a, b, cpu=wide, default=product)
+
+
+def _attend(local, q, k, v, q_pos, kv_pos, sinks, axis_name):
+  """The local part, merged over ``axis_name`` (None: one device), then
+  normalised and folded with the sinks."""
+  o, m, l = local(q, k, v, q_pos, kv_pos)
+  if axis_name is not None:
+    for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):
+      validate.mesh_axis(name)
+    top = lax.pmax(m, axis_name)
+    alpha = jnp.exp(m - top)
+    o, l = lax.psum((o * alpha[..., None], l * alpha), axis_name)
+    m = top
+  seen = l != 0
+  out = jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0)
+  if sinks is not None:
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), MASK_VALUE)
+    out, _ = kernel.fold_sinks(out, lse, sinks)
+  return out.astype(q.dtype)
+
+
+def _context_parallel(local, q, k, v, q_pos, kv_pos, sinks, cp, seq_axis):
+  """:func:`_attend` in a ``shard_map`` manual over ``cp.axis`` alone (batch
+  and head axes stay as the arrays have them): the cache's slots split
+  over it, the queries the same on each of its devices."""
+  if not isinstance(cp, ContextParallel):
+    raise ValueError(f"context_parallel must be a jax_ring.ContextParallel; "
+                     f"got {cp!r}")
+  mesh = validate.mesh_axes(cp, q)
+  axes = cp.sequence_axes  # a pair (hybrid): its sequence order, ring-major
+  size = math.prod(mesh.shape[a] for a in cp.axes)
+  if k.shape[seq_axis] % size:
+    raise ValueError(
+        f"decode_attention: the cache's slots, key {tuple(k.shape)}, must "
+        f"divide over the {cp.axis!r} axis of size {size}")
+  cache, whole = P(*(None,) * seq_axis, axes), P()
+  f = jax.shard_map(
+      functools.partial(_attend, local, axis_name=axes), mesh=mesh,
+      in_specs=(whole, cache, cache, whole, P(None, axes), whole),
+      out_specs=whole, axis_names=set(cp.axes))
+  return f(q, k, v, q_pos, kv_pos, sinks)

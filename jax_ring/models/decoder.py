@@ -1,0 +1,271 @@
+"""One decoder for Llama 2/3, Qwen2/2.5, Mistral, Qwen3, Gemma 2 and Gemma 3
+(text) in Flax NNX, built on :class:`jax_ring.flax.Attention`, so that its
+attention runs on one device or context-parallel from one config field;
+:class:`~jax_ring.models.config.DecoderConfig` says what each family adds.
+
+Shapes::
+
+  B batch, S sequence (in the batch's token layout), E hidden size,
+  M MLP width, V vocabulary, N query heads, K kv heads, H head dim
+
+Parameters (logical axes; ``jax_ring.flax.logical_rules`` names the first
+six, ``model_rules`` adds ``mlp``, ``vocab`` and ``norm``), with their
+Hugging Face tensors (``L.`` is ``model.layers.i.``, T transposed, the
+``(E, N*H)`` side split into heads):
+
+========================  =======  =======================================
+name                      shape    Hugging Face tensor
+========================  =======  =======================================
+embed                     (V, E)   model.embed_tokens.weight
+layers[i].attn_norm       (E,)     L.input_layernorm.weight
+layers[i].attn.wq         (E,N,H)  L.self_attn.q_proj.weight, T
+layers[i].attn.wk, wv     (E,K,H)  L.self_attn.k_proj.weight, v_proj, T
+layers[i].attn.wo         (N,H,E)  L.self_attn.o_proj.weight, T
+layers[i].attn.bq, bk, bv (N,H)    L.self_attn.q_proj.bias, ... (Qwen2)
+layers[i].attn.q_norm, k  (H,)     L.self_attn.q_norm.weight, ... (Qwen3,
+                                   Gemma 3)
+layers[i].attn_post_norm  (E,)     L.post_attention_layernorm.weight
+                                   (Gemma)
+layers[i].mlp_norm        (E,)     L.post_attention_layernorm.weight;
+                                   L.pre_feedforward_layernorm (Gemma)
+layers[i].mlp_post_norm   (E,)     L.post_feedforward_layernorm (Gemma)
+layers[i].mlp.w_gate      (E, M)   L.mlp.gate_proj.weight, T
+layers[i].mlp.w_up        (E, M)   L.mlp.up_proj.weight, T
+layers[i].mlp.w_down      (M, E)   L.mlp.down_proj.weight, T
+final_norm                (E,)     model.norm.weight
+unembed                   (E, V)   lm_head.weight, T (absent when tied)
+========================  =======  =======================================
+
+Reading and writing Hugging Face checkpoints is in ``hf_checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_ring.flax.attention import (EMBED, Attention, constrain, rms_norm,
+                                     sharded_param)
+from jax_ring.models.config import DecoderConfig
+
+
+MLP, VOCAB, NORM = "mlp", "vocab", "norm"
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+
+class RMSNorm(nnx.Module):
+  """``x / sqrt(mean(x^2) + eps) * w``, in float32, with ``w`` the scale,
+  or ``1 + scale`` (initialised to 0) under ``cfg.zero_centered_norm``."""
+
+  def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+    init = (jax.nn.initializers.zeros if cfg.zero_centered_norm else
+            jax.nn.initializers.ones)
+    self.scale = sharded_param(rngs, init, (cfg.hidden_size,), (NORM,), cfg)
+    self.eps, self.dtype = cfg.rms_norm_eps, cfg.dtype
+    self.zero_centered = cfg.zero_centered_norm
+
+  def __call__(self, x):
+    return rms_norm(x, self.scale[...], eps=self.eps,
+                    zero_centered=self.zero_centered).astype(self.dtype)
+
+
+class GatedMLP(nnx.Module):
+  """``(act(x W_gate) * x W_up) W_down``: SwiGLU with ``silu``, GeGLU with
+  a GeLU (``cfg.hidden_act``)."""
+
+  def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+    init = jax.nn.initializers.lecun_normal()
+    e, m = cfg.hidden_size, cfg.intermediate_size
+    self.w_gate = sharded_param(rngs, init, (e, m), (EMBED, MLP), cfg)
+    self.w_up = sharded_param(rngs, init, (e, m), (EMBED, MLP), cfg)
+    self.w_down = sharded_param(rngs, init, (m, e), (MLP, EMBED), cfg)
+    self.cfg = cfg
+
+  def __call__(self, x):
+    dt, rules = self.cfg.dtype, self.cfg.rules
+    act = ACTIVATIONS[self.cfg.hidden_act]
+    h = act(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
+    h = constrain(h, ("batch", "length", MLP), rules)
+    return constrain(h @ self.w_down[...].astype(dt),
+                     ("batch", "length", EMBED), rules)
+
+
+class Block(nnx.Module):
+  """A decoder block: attention, then the gated MLP, each in a residual
+  branch that opens with a norm and, under ``cfg.sandwich_norm``, closes
+  with one too (Gemma's)."""
+
+  def __init__(self, cfg: DecoderConfig, layer: int, *, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg, rngs=rngs)
+    self.attn = Attention(cfg.attention(layer), rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg, rngs=rngs)
+    self.mlp = GatedMLP(cfg, rngs=rngs)
+    if cfg.sandwich_norm:
+      self.attn_post_norm = RMSNorm(cfg, rngs=rngs)
+      self.mlp_post_norm = RMSNorm(cfg, rngs=rngs)
+    self.sandwich = cfg.sandwich_norm
+
+  def __call__(self, x, positions, segment_ids):
+    out = self.attn.attend(*self.project(x, positions), segment_ids)
+    return self.finish(x, out)
+
+  def project(self, x, positions):
+    return self.attn.project(self.attn_norm(x), positions)
+
+  def finish(self, x, out):
+    """The block after its attention: ``x`` plus the output projection of
+    ``out``, then the MLP with its residual."""
+    y = self.attn.output(out)
+    x = x + (self.attn_post_norm(y) if self.sandwich else y)
+    y = self.mlp(self.mlp_norm(x))
+    return x + (self.mlp_post_norm(y) if self.sandwich else y)
+
+
+class Decoder(nnx.Module):
+  """Token ids ``(B, S)`` -> logits ``(B, S, V)`` float32 (``Llama`` is the
+  same class).
+
+  Example (one device)::
+
+    model = Decoder(DecoderConfig(vocab_size=256, hidden_size=64,
+                                  intermediate_size=128, num_layers=2,
+                                  num_heads=4, num_kv_heads=2, head_dim=16),
+                    rngs=nnx.Rngs(0))
+    logits = model(tokens, positions)          # positions: (B, S) int
+
+  With ``context_parallel`` and ``rules`` set, build and call it under
+  ``jax.set_mesh(mesh)`` on batches from ``jax_ring.flax.prepare_lm_batch``
+  (their token order is the load-balance layout; positions travel with the
+  tokens, and restart at 0 per packed document as Hugging Face's
+  ``position_ids`` do).
+  """
+
+  def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    init = jax.nn.initializers.normal(0.02)
+    self.embed = sharded_param(rngs, init, (cfg.vocab_size, cfg.hidden_size),
+                               (VOCAB, EMBED), cfg)
+    self.layers = nnx.List([Block(cfg, i, rngs=rngs)
+                            for i in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg, rngs=rngs)
+    if not cfg.tie_word_embeddings:
+      self.unembed = sharded_param(rngs, init,
+                                   (cfg.hidden_size, cfg.vocab_size),
+                                   (EMBED, VOCAB), cfg)
+
+  def hidden_states(self, inputs, positions, segment_ids=None):
+    """``(B, S, E)`` after the final norm, in ``cfg.dtype``."""
+    cfg = self.cfg
+    # The table as the activations' rules lay it out (whole, under FSDP):
+    # a lookup into an embed-sharded table would be replicated first.
+    table = constrain(self.embed[...], (VOCAB, EMBED), cfg.rules)
+    x = jnp.take(table, inputs, axis=0).astype(cfg.dtype)
+    if cfg.scale_embeddings:  # sqrt(E) rounded to the dtype, as Gemma's
+      x = x * jnp.asarray(math.sqrt(cfg.hidden_size), cfg.dtype)
+    x = constrain(x, ("batch", "length", EMBED), cfg.rules)
+    for block in self.layers:
+      if cfg.remat == "attention":
+        q, k, v = nnx.remat(lambda b, *a: b.project(*a))(block, x, positions)
+        out = block.attn.attend(q, k, v, segment_ids)
+        x = nnx.remat(lambda b, *a: b.finish(*a))(block, x, out)
+      elif cfg.remat:
+        x = nnx.remat(lambda b, *a: b(*a))(block, x, positions, segment_ids)
+      else:
+        x = block(x, positions, segment_ids)
+    return self.final_norm(x)
+
+  def output_weights(self):
+    """``(E, V)``: ``unembed``, or ``embed`` transposed when tied."""
+    if self.cfg.tie_word_embeddings:
+      return self.embed[...].T
+    return self.unembed[...]
+
+  def __call__(self, inputs, positions, segment_ids=None):
+    """Args: inputs ``(B, S)`` int token ids; positions ``(B, S)`` int;
+    segment_ids ``(B, S)`` int packed-document ids or None."""
+    cfg = self.cfg
+    x = self.hidden_states(inputs, positions, segment_ids)
+    logits = (x @ self.output_weights().astype(cfg.dtype)).astype(jnp.float32)
+    logits = soft_cap(logits, cfg.final_logits_soft_cap)
+    return constrain(logits, ("batch", "length", VOCAB), cfg.rules)
+
+
+def soft_cap(logits, cap: float | None):
+  """``cap * tanh(logits / cap)``; ``logits`` when ``cap`` is None."""
+  return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def lm_loss(model: Decoder, batch, *, vocab_chunk: int | None = None
+            ) -> jax.Array:
+  """Mean next-token cross-entropy over ``batch.loss_mask``, for a
+  ``jax_ring.flax.LMBatch`` in any token layout (a masked mean does not
+  depend on the order, so nothing is reordered back).
+
+  Args:
+    model: the :class:`Decoder`.
+    batch: its ``inputs``, ``positions``, ``segment_ids``, ``labels`` and
+      ``loss_mask`` (``(B, S)`` each).
+    vocab_chunk: None: the float32 logits ``(B, S, V)`` are made whole.
+      An int: the vocabulary is taken this many entries at a time, with a
+      running logsumexp, and each chunk's logits are recomputed in the
+      backward, so at most ``(B, S, vocab_chunk)`` of them are live (at 64k
+      tokens and Llama 3's 128256 entries, 33.6 GB whole in float32).
+  """
+  if vocab_chunk is not None and (not isinstance(vocab_chunk, int)
+                                  or vocab_chunk < 1):
+    raise ValueError(f"vocab_chunk must be None or a positive int; got "
+                     f"{vocab_chunk!r}")
+  if vocab_chunk is None:
+    logits = model(batch.inputs, batch.positions, batch.segment_ids)
+    target = jnp.take_along_axis(logits, batch.labels[..., None], -1)[..., 0]
+    ce = jax.nn.logsumexp(logits, -1) - target
+  else:
+    cfg = model.cfg
+    x = model.hidden_states(batch.inputs, batch.positions, batch.segment_ids)
+    ce = _chunked_cross_entropy(x, model.output_weights().astype(x.dtype),
+                                batch.labels, vocab_chunk, cfg.rules,
+                                cfg.final_logits_soft_cap)
+  mask = batch.loss_mask
+  return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _chunked_cross_entropy(x, w, labels, chunk: int, rules, cap):
+  """``logsumexp(z) - z[label]`` per token with ``z = soft_cap(x @ w,
+  cap)``, ``(B, S)`` float32, over vocabulary chunks of ``chunk`` entries
+  (the last one padded)."""
+  e, v = w.shape
+  n = -(-v // chunk)
+  w = jnp.pad(w, ((0, 0), (0, n * chunk - v)))
+  w = jnp.moveaxis(w.reshape(e, n, chunk), 1, 0)  # (n, E, chunk)
+  starts = jnp.arange(n, dtype=jnp.int32) * chunk
+  low = jnp.float32(-1e30)  # padded entries: finite, so gradients stay 0
+
+  @jax.checkpoint
+  def step(carry, chunk_in):
+    m, total, target = carry
+    wc, start = chunk_in
+    logits = soft_cap(constrain((x @ wc).astype(jnp.float32),
+                                ("batch", "length", VOCAB), rules), cap)
+    ids = start + jnp.arange(chunk, dtype=jnp.int32)
+    logits = jnp.where(ids < v, logits, low)
+    # The running maximum only keeps exp() in range; its gradient cancels.
+    new_m = jax.lax.stop_gradient(jnp.maximum(m, logits.max(-1)))
+    total = total * jnp.exp(m - new_m) + jnp.exp(
+        logits - new_m[..., None]).sum(-1)
+    local = labels - start
+    inside = (local >= 0) & (local < chunk)
+    hit = jnp.take_along_axis(logits, jnp.clip(local, 0, chunk - 1)[..., None],
+                              -1)[..., 0]
+    return (new_m, total, target + jnp.where(inside, hit, 0.0)), None
+
+  zeros = jnp.zeros(labels.shape, jnp.float32)
+  (m, total, target), _ = jax.lax.scan(
+      step, (jnp.full(labels.shape, low), zeros, zeros), (w, starts))
+  return m + jnp.log(total) - target

@@ -1,0 +1,345 @@
+"""Generation for :class:`~jax_ring.models.Decoder`: a prefill that fills a
+KV cache where its tokens already are, and a decode step compiled once per
+batch shape and cache size, its cache donated and updated in place.
+
+Shapes: B rows, P prompt slots (the longest prompt, padded to a multiple
+of 2 D), D devices the sequence is split over (1 without context
+parallelism), C = D * L cache slots, L per device, K kv heads, H head dim,
+V vocabulary.
+
+**The cache** (:class:`KVCache`): per layer ``k (B, K, C, H)`` and ``v``,
+kv-head-major (``decode_attention(kv_layout="bksh")``) so that a decode
+step's two products over the cache read it as one batched matrix each, and
+``positions (B, C)`` int32, the position of the token in each slot
+(-1: empty), shared by the layers. Its slots are split over the context
+axes as the model's tokens are: device d holds slots ``[d L, (d + 1) L)``.
+
+* Prefill runs the model's forward over the prompts in the training layout
+  (the ``ContextParallel``'s load balance): device d computes the K/V of
+  its P / D prompt tokens, and they go to its own first P / D slots, with
+  their positions; padding's slots stay empty. Nothing moves.
+* Decode step t (0, 1, ...) writes every row's new token into device
+  ``t mod D``, local slot ``P / D + t // D``: appends rotate over the
+  devices, so each holds about as many tokens as the others and their
+  reads stay balanced, and one append writes one slot of one device.
+* Each layer's decode attention is :func:`jax_ring.decode_attention`,
+  masked by the slots' positions (causal, the layer's window, its sinks):
+  per layer and step, B x N x (H + 1) float32 values are summed over the
+  devices; the cache never moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jax_ring._src.decode import decode_attention
+from jax_ring._src.strategies.layout import reorder_for_load_balance
+from jax_ring.flax.attention import (BATCH, EMBED, HEAD_DIM, KV_HEADS,
+                                     LENGTH, constrain)
+from jax_ring.flax.data import reorder_size
+from jax_ring.models.config import DecoderConfig
+from jax_ring.models.decoder import VOCAB, Decoder, soft_cap
+
+
+# Each device's slots are a multiple of this: XLA's GPU matrix products may
+# pad a reduced length that is not, copying the whole cache at every layer
+# and step (measured: docs/performance.md, "One GPU: decoding").
+SLOT_ALIGN = 1024
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+  """Every layer's cached keys and values and the slots' positions.
+
+  Attributes:
+    k: per layer ``(B, K, C, H)``.
+    v: per layer ``(B, K, C, H)``.
+    positions: ``(B, C)`` int32; -1 marks an empty slot.
+    lengths: ``(B,)`` int32, each row's prompt length: decode step t's
+      token is at position ``lengths + t``.
+    prompt_slots: P / D, the slots of each device the prompt fills (static).
+  """
+
+  k: list
+  v: list
+  positions: jax.Array
+  lengths: jax.Array
+  prompt_slots: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def capacity(self) -> int:
+    return self.positions.shape[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """How the next token is drawn from the logits: ``temperature`` 0 is
+  greedy (argmax); otherwise softmax(logits / temperature) over the
+  ``top_k`` most likely tokens (None: all) whose cumulative probability
+  first reaches ``top_p`` (1: all)."""
+
+  temperature: float = 0.0
+  top_k: int | None = None
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    t, k, p = self.temperature, self.top_k, self.top_p
+    if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
+      raise ValueError(f"temperature must be a finite number >= 0; got {t!r}")
+    if k is not None and not (isinstance(k, int) and k >= 1):
+      raise ValueError(f"top_k must be None or an int >= 1; got {k!r}")
+    if not (isinstance(p, (int, float)) and 0 < p <= 1):
+      raise ValueError(f"top_p must be in (0, 1]; got {p!r}")
+
+
+def _devices(cfg: DecoderConfig) -> int:
+  """D: how many pieces the sequence is split into."""
+  cp = cfg.context_parallel
+  if cp is None:
+    return 1
+  mesh = jax.sharding.get_abstract_mesh()
+  return math.prod(mesh.shape[a] for a in cp.axes)
+
+
+def _layout(cfg: DecoderConfig, x, seq_axis=1):
+  """``x`` in the model's token layout (its load balance), natural order
+  without context parallelism."""
+  cp = cfg.context_parallel
+  if cp is None or cp.load_balance is None:
+    return x
+  return reorder_for_load_balance(
+      x, reorder_size(cp, jax.sharding.get_abstract_mesh()),
+      seq_axis=seq_axis, layout=cp.load_balance)
+
+
+def _embed(model: Decoder, tokens):
+  cfg = model.cfg
+  table = constrain(model.embed[...], (VOCAB, EMBED), cfg.rules)
+  x = jnp.take(table, tokens, axis=0).astype(cfg.dtype)
+  if cfg.scale_embeddings:
+    x = x * jnp.asarray(math.sqrt(cfg.hidden_size), cfg.dtype)
+  return x
+
+
+def _logits(model: Decoder, x):
+  """``(B, E)`` final hidden states -> ``(B, V)`` float32 logits."""
+  cfg = model.cfg
+  logits = (x @ model.output_weights().astype(cfg.dtype)).astype(jnp.float32)
+  return soft_cap(logits, cfg.final_logits_soft_cap)
+
+
+def _cache_spec(cfg: DecoderConfig, x):
+  """``x (B, S, K, H)`` -> the cache's ``(B, K, S, H)``, sharded as it."""
+  return constrain(jnp.swapaxes(x, 1, 2), (BATCH, KV_HEADS, LENGTH, HEAD_DIM),
+                   cfg.rules)
+
+
+def _sinks(block):
+  attn = block.attn
+  return attn.sinks[...].astype(jnp.float32) if attn.config.sinks else None
+
+
+@functools.partial(jax.jit, static_argnums=(0,),
+                   static_argnames=("slots_per_device",))
+def _prefill(graphdef, state, tokens, positions, lengths, last, *,
+             slots_per_device: int):
+  """Forward over the prompts (layout order), the cache, and the logits
+  of each row's token at layout index ``last (B,)``."""
+  model = nnx.merge(graphdef, state)
+  cfg = model.cfg
+  b, p = tokens.shape
+  d = _devices(cfg)
+  x = _embed(model, tokens)
+  ks, vs = [], []
+  for block in model.layers:
+    q, k, v = block.project(x, positions)
+    x = block.finish(x, block.attn.attend(q, k, v))
+    ks.append(k)
+    vs.append(v)
+  x = model.final_norm(x)
+
+  def place(y, fill=0):
+    """``(B, P, ...)`` -> ``(B, C, ...)``: device d's P / D rows into its
+    first slots."""
+    rest = y.shape[2:]
+    pieces = y.reshape((b, d, p // d) + rest)
+    full = jnp.full((b, d, slots_per_device) + rest, fill, y.dtype)
+    full = lax.dynamic_update_slice_in_dim(full, pieces, 0, 2)
+    return full.reshape((b, d * slots_per_device) + rest)
+
+  cache = KVCache([_cache_spec(cfg, place(k)) for k in ks],
+                  [_cache_spec(cfg, place(v)) for v in vs],
+                  place(jnp.where(positions < lengths[:, None], positions, -1),
+                        -1), lengths, p // d)
+  return _logits(model, x[jnp.arange(b), last]), cache
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _step(graphdef, state, cache: KVCache, tokens, step):
+  """Decode step ``step``: each row's ``tokens (B,)``, at position
+  ``lengths + step``, appended in device ``step mod D``'s next slot; the
+  next logits ``(B, V)`` and the cache."""
+  model = nnx.merge(graphdef, state)
+  d = _devices(model.cfg)
+  slots = cache.capacity // d
+  slot = (step % d) * slots + cache.prompt_slots + step // d
+  positions = cache.lengths + step
+  kv_pos = lax.dynamic_update_slice_in_dim(cache.positions,
+                                           positions[:, None], slot, 1)
+  x = _embed(model, tokens[:, None])
+  ks, vs = [], []
+  for i, block in enumerate(model.layers):
+    q, k, v = block.project(x, positions[:, None])
+    k, v = (lax.dynamic_update_slice_in_dim(c[i], jnp.swapaxes(x, 1, 2),
+                                            slot, 2)
+            for c, x in ((cache.k, k), (cache.v, v)))
+    acfg = block.attn.config
+    out = decode_attention(
+        q, k, v, kv_layout="bksh",
+        query_positions=positions[:, None], key_positions=kv_pos,
+        is_causal=True, local_window_size=acfg.local_window_size,
+        scale=acfg.scale, logits_soft_cap=acfg.logits_soft_cap,
+        sinks=_sinks(block), context_parallel=acfg.context_parallel)
+    x = block.finish(x, out)
+    ks.append(k)
+    vs.append(v)
+  x = model.final_norm(x)
+  return _logits(model, x[:, 0]), KVCache(ks, vs, kv_pos, cache.lengths,
+                                          cache.prompt_slots)
+
+
+class Generator:
+  """A model's prefill and decode step. The model is split into its graph
+  and its arrays once, here, so that each step is one compiled call (a
+  module passed to a jitted function is traversed on every call). Use it
+  as the model is used: under ``jax.set_mesh`` when it is context-parallel;
+  the model's weights are read when it is made."""
+
+  def __init__(self, model: Decoder):
+    self.cfg = model.cfg
+    self.graphdef, self.state = nnx.split(model)
+
+  def prefill(self, prompts: Sequence[Sequence[int]], *,
+              max_new_tokens: int):
+    """The cache after the ``prompts`` (lists of token ids, of any
+    lengths), with room for ``max_new_tokens`` more each (each device's
+    slots rounded up to a multiple of ``SLOT_ALIGN``), and the logits
+    ``(B, V)`` of each prompt's last token."""
+    cfg = self.cfg
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    if not len(prompts) or lengths.min() < 1:
+      raise ValueError(f"prompts must be a non-empty list of non-empty "
+                       f"token lists; got lengths {lengths.tolist()}")
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+      raise ValueError(f"max_new_tokens must be an int >= 1; got "
+                       f"{max_new_tokens!r}")
+    d = _devices(cfg)
+    unit = 2 * d if cfg.context_parallel is not None else 1
+    p = -(-int(lengths.max()) // unit) * unit
+    tokens = np.zeros((len(prompts), p), np.int32)
+    for row, prompt in zip(tokens, prompts):
+      row[:len(prompt)] = prompt
+    if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
+      raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size}); "
+                       f"got {tokens.min()}..{tokens.max()}")
+    natural = np.broadcast_to(np.arange(p, dtype=np.int32), tokens.shape)
+    order = np.asarray(_layout(cfg, jnp.arange(p)[None]))[0]
+    last = np.argsort(order)[lengths - 1].astype(np.int32)
+    slots = p // d + -(-max_new_tokens // d)
+    slots = -(-slots // SLOT_ALIGN) * SLOT_ALIGN
+    tokens, positions = (_layout(cfg, jnp.asarray(x))
+                         for x in (tokens, natural))
+    return _prefill(self.graphdef, self.state, tokens, positions,
+                    jnp.asarray(lengths), jnp.asarray(last),
+                    slots_per_device=slots)
+
+  def step(self, cache: KVCache, tokens, step: int):
+    """Logits ``(B, V)`` after each row's next token ``tokens (B,)``, the
+    ``step``-th (from 0) after its prompt, and the cache with it appended
+    (the cache given is donated: use the one returned)."""
+    cfg = self.cfg
+    tokens = np.asarray(tokens)
+    b, d = cache.lengths.shape[0], _devices(cfg)
+    want = (b, cfg.num_kv_heads, cache.capacity, cfg.head_dim)
+    if (len(cache.k) != cfg.num_layers or
+        any(x.shape != want for x in cache.k + cache.v)):
+      raise ValueError(
+          f"the cache is not this model's: it needs {cfg.num_layers} layers "
+          f"of {want}; got {len(cache.k)} of "
+          f"{cache.k[0].shape if cache.k else ()}")
+    if tokens.shape != (b,) or not np.issubdtype(tokens.dtype, np.integer) or (
+        tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
+      raise ValueError(f"tokens must be {b} int ids in [0, {cfg.vocab_size})"
+                       f"; got {tokens.dtype} {tokens.shape}")
+    local = cache.prompt_slots + step // d
+    if not (isinstance(step, int) and step >= 0) or local >= (
+        cache.capacity // d):
+      raise ValueError(
+          f"step {step!r} is past the cache: it holds "
+          f"{cache.capacity // d - cache.prompt_slots} new tokens per device "
+          f"on {d} device(s); prefill with a larger max_new_tokens")
+    return _step(self.graphdef, self.state, cache,
+                 jnp.asarray(tokens, jnp.int32), jnp.int32(step))
+
+  def generate(self, prompts: Sequence[Sequence[int]], *,
+               max_new_tokens: int, sampling: Sampling = Sampling(),
+               seed: int = 0, stop_tokens: Sequence[int] = (),
+               on_tokens: Callable[[int, np.ndarray], None] | None = None
+               ) -> list[list[int]]:
+    """Continue each prompt by up to ``max_new_tokens`` tokens; a row stops
+    after one of ``stop_tokens`` (kept in its output). ``on_tokens(step,
+    tokens (B,))`` sees each step's tokens as they come (rows already
+    stopped included). Returns each row's new tokens."""
+    stop = np.asarray(list(stop_tokens), np.int32)
+    logits, cache = self.prefill(prompts, max_new_tokens=max_new_tokens)
+    key = jax.random.key(seed)
+    out = [[] for _ in prompts]
+    done = np.zeros(len(prompts), bool)
+    for step in range(max_new_tokens):
+      key, sub = jax.random.split(key)
+      tokens = np.asarray(_sample(logits, sub, sampling))
+      for row, token in enumerate(tokens):
+        if not done[row]:
+          out[row].append(int(token))
+      if on_tokens is not None:
+        on_tokens(step, tokens)
+      done |= np.isin(tokens, stop)
+      if done.all() or step == max_new_tokens - 1:
+        break
+      logits, cache = self.step(cache, tokens, step)
+    return out
+
+
+def generate(model: Decoder, prompts: Sequence[Sequence[int]], **options
+             ) -> list[list[int]]:
+  """``Generator(model).generate(prompts, **options)``."""
+  return Generator(model).generate(prompts, **options)
+
+
+@functools.partial(jax.jit, static_argnames=("sampling",))
+def _sample(logits, key, sampling: Sampling):
+  """``(B,)`` int32 next tokens from ``logits (B, V)``."""
+  if sampling.temperature == 0:
+    return jnp.argmax(logits, -1).astype(jnp.int32)
+  logits = logits / sampling.temperature
+  if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
+    kth = lax.top_k(logits, sampling.top_k)[0][:, -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if sampling.top_p < 1:
+    sort = jnp.sort(logits, -1)[:, ::-1]
+    cum = jnp.cumsum(jax.nn.softmax(sort, -1), -1)
+    # The smallest logit kept: the first whose cumulative mass reaches p.
+    cut = jnp.take_along_axis(
+        sort, jnp.sum(cum < sampling.top_p, -1, keepdims=True), -1)
+    logits = jnp.where(logits < cut, -jnp.inf, logits)
+  return jax.random.categorical(key, logits).astype(jnp.int32)

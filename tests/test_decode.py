@@ -1,0 +1,164 @@
+"""``decode_attention``: new tokens against a cache masked by position, on
+one device and with the cache split over a mesh axis (inside shard_map and
+on global arrays under jit), against the float64 reference with the same
+visibility written as a dense mask; what moves; bad inputs by name."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_ring
+import reference as ref
+from helpers import collectives, mesh
+
+B, T, C, N, K, H, HV = 2, 3, 32, 4, 2, 16, 8
+RNG = np.random.default_rng(0)
+# The cache in no particular order: row 0 holds positions 0..19 and 12 empty
+# slots, row 1 positions 0..31; the new tokens follow.
+KV_POS = np.stack([RNG.permutation(C) for _ in range(B)]).astype(np.int32)
+KV_POS[0, KV_POS[0] >= 20] = -1
+Q_POS = np.array([[20, 21, 22], [32, 33, 34]], np.int32)
+SINKS = np.array([0.5, -1.0, 1.5, 0.0], np.float32)
+CASES = {  # name -> (decode_attention options, window)
+    "causal": (dict(), None),
+    "window_cap_sinks": (dict(local_window_size=(5, 0), logits_soft_cap=2.0,
+                              sinks=SINKS), (5, 0)),
+}
+
+
+def expected(q, k, v, kw, window, q_pos=Q_POS):
+  d = KV_POS[:, None, :] - q_pos[:, :, None]
+  vis = (KV_POS[:, None, :] >= 0) & (d <= 0)
+  if window:
+    vis &= d >= -window[0]
+  case = ref.Case(H**-0.5, dense=vis[:, None],
+                  soft_cap=kw.get("logits_soft_cap"))
+  return ref.attention(q, k, v, case, sinks=kw.get("sinks"))[0]
+
+
+def call(q, k, v, kw, **more):
+  return jax_ring.decode_attention(q, k, v, query_positions=Q_POS,
+                                   key_positions=KV_POS, **kw, **more)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_device_matches_reference(name):
+  kw, window = CASES[name]
+  q, k, v, _ = ref.random_qkv(1, B, T, C, N, K, H, hv=HV)
+  ref.assert_close(call(q, k, v, kw), expected(q, k, v, kw, window),
+                   jnp.float32)
+
+
+def test_bfloat16_cache():
+  """16-bit operands, float32 softmax (on XLA:CPU, which has no 16-bit
+  batched product into float32, the operands are widened)."""
+  q, k, v, _ = ref.random_qkv(7, B, T, C, N, K, H, jnp.bfloat16, hv=HV)
+  out = call(q, k, v, {})
+  assert out.dtype == jnp.bfloat16
+  ref.assert_close(out, expected(q, k, v, {}, None), jnp.bfloat16)
+
+
+def test_no_visible_slot_is_zero_and_nan_propagates():
+  q, k, v, _ = ref.random_qkv(2, B, T, C, N, K, H, hv=HV)
+  out = jax_ring.decode_attention(
+      q.at[1, 0, 2, 0].set(jnp.nan), k, v, key_positions=KV_POS,
+      query_positions=np.array([[-5, 21, 22], [32, 33, 34]], np.int32))
+  np.testing.assert_array_equal(np.asarray(out[0, 0]), 0.0)
+  nan = np.isnan(np.asarray(out))
+  assert nan[1, 0, 2].all() and nan.sum() == HV
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_cache_split_inside_shard_map(name):
+  """Rank-coded shards of the cache over 4 devices: each attends to its
+  slots, and the parts merge into the one-device result."""
+  kw, window = CASES[name]
+  q, k, v, _ = ref.random_qkv(3, B, T, C, N, K, H, hv=HV)
+  code = ref.shard_code(C, 4)
+  k, v = k - code, v + code
+  cache = P(None, "cp")
+  f = jax.jit(jax.shard_map(
+      lambda q, k, v, kp: jax_ring.decode_attention(
+          q, k, v, query_positions=Q_POS, key_positions=kp, axis_name="cp",
+          **kw),
+      mesh=mesh(4), in_specs=(P(), cache, cache, cache), out_specs=P()))
+  ref.assert_close(f(q, k, v, KV_POS), expected(q, k, v, kw, window),
+                   jnp.float32)
+
+
+def test_context_parallel_under_jit_and_eagerly_moves_no_kv():
+  """A data x cp mesh: the cache's slots over cp, the batch over data;
+  the same numbers eagerly and under jit, and a program whose only
+  collectives are the merge's reductions."""
+  kw, window = CASES["window_cap_sinks"]
+  q, k, v, _ = ref.random_qkv(4, B, T, C, N, K, H, hv=HV)
+  m = jax.make_mesh((2, 4), ("data", "cp"),
+                    axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  cpc = jax_ring.ContextParallel(axis="cp")
+  f = lambda q, k, v, kp: jax_ring.decode_attention(
+      q, k, v, query_positions=Q_POS, key_positions=kp, context_parallel=cpc,
+      **kw)
+  with jax.set_mesh(m):
+    k, v, kv_pos = (jax.device_put(x, NamedSharding(m, P("data", "cp")))
+                    for x in (k, v, KV_POS))
+    jitted = jax.jit(f)
+    out = jitted(q, k, v, kv_pos)
+    np.testing.assert_array_equal(np.asarray(f(q, k, v, kv_pos)),
+                                  np.asarray(out))
+    hlo = jitted.lower(q, k, v, kv_pos).compile().as_text()
+  ref.assert_close(out, expected(q, k, v, kw, window), jnp.float32)
+  moved = collectives(hlo)
+  assert moved["all-reduce"] >= 1, moved
+  assert not any(moved[op] for op in ("all-gather", "collective-permute",
+                                      "all-to-all")), moved
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(query_positions=np.zeros((B, T + 1), np.int32)),
+     "query_positions must be an int array of shape (2, 3); got int32 (2, 4)"),
+    (dict(key_positions=np.zeros((B, C), np.float32)),
+     "key_positions must be an int array of shape (2, 32); got float32"),
+    (dict(axis_name="cp", context_parallel=jax_ring.ContextParallel()),
+     "decode_attention takes axis_name (inside shard_map) or "
+     "context_parallel"),
+])
+def test_bad_inputs_are_named(kw, message):
+  q, k, v, _ = ref.random_qkv(5, B, T, C, N, K, H, hv=HV)
+  args = dict(query_positions=Q_POS, key_positions=KV_POS) | kw
+  with pytest.raises(ValueError, match="^" + re.escape(message)):
+    jax_ring.decode_attention(q, k, v, **args)
+
+
+def test_a_cache_that_does_not_divide_over_the_axis_is_named():
+  q, k, v, _ = ref.random_qkv(6, B, T, 30, N, K, H)
+  m = jax.make_mesh((8,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.set_mesh(m), pytest.raises(ValueError, match=re.escape(
+      "decode_attention: the cache's slots, key (2, 30, 2, 16), must divide "
+      "over the 'cp' axis of size 8")):
+    jax_ring.decode_attention(
+        q, k, v, query_positions=Q_POS, key_positions=KV_POS[:, :30],
+        context_parallel=jax_ring.ContextParallel(axis="cp"))
+
+
+def test_kv_head_major_cache_is_the_same_attention():
+  """``kv_layout="bksh"``: the cache as (B, K, C, H), on one device and
+  split over 4 devices inside shard_map; also a bad layout by name."""
+  kw, window = CASES["window_cap_sinks"]
+  q, k, v, _ = ref.random_qkv(8, B, T, C, N, K, H, hv=HV)
+  want = expected(q, k, v, kw, window)
+  km, vm = (jnp.swapaxes(x, 1, 2) for x in (k, v))
+  ref.assert_close(call(q, km, vm, kw, kv_layout="bksh"), want, jnp.float32)
+  cache = P(None, None, "cp")
+  f = jax.jit(jax.shard_map(
+      lambda q, k, v, kp: jax_ring.decode_attention(
+          q, k, v, query_positions=Q_POS, key_positions=kp, axis_name="cp",
+          kv_layout="bksh", **kw),
+      mesh=mesh(4), in_specs=(P(), cache, cache, P(None, "cp")),
+      out_specs=P()))
+  ref.assert_close(f(q, km, vm, KV_POS), want, jnp.float32)
+  with pytest.raises(ValueError, match="^kv_layout must be 'bskh' or 'bksh'"):
+    call(q, k, v, kw, kv_layout="bhsd")

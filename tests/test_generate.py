@@ -1,0 +1,181 @@
+"""Generation against transformers' own ``generate``: tiny random float32
+checkpoints (Llama with Llama 3's RoPE scaling, Qwen2, Mistral with a
+window shorter than prompt + output) give transformers' greedy tokens, token
+for token, on one device and with the cache split over the context axis of
+a data=2 x context=4 mesh; prefill and decode logits equal the full
+forward's; sampling is reproducible; bad calls are refused by name."""
+
+import pathlib
+import re
+import sys
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+import jax_ring
+from jax_ring import models
+from jax_ring.models import generation as gen
+from helpers import TOLERANCE, relative_error
+
+V = 61
+COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=48,
+              num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+CONFIGS = {
+    "llama3": lambda: transformers.LlamaConfig(**COMMON, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=8)),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON),
+    # prompt 9 + 7 new tokens against a window of 5
+    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=5,
+                                                  head_dim=8),
+}
+PROMPTS = [[3, 14, 15, 9, 2, 6, 5, 35, 8], [27, 18, 28]]
+NEW = 7
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+  """name -> (path, transformers' greedy continuation of each prompt)."""
+  out = {}
+  for i, (name, make) in enumerate(CONFIGS.items()):
+    torch.manual_seed(i)
+    hf = transformers.AutoModelForCausalLM.from_config(make()).eval()
+    path = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(path)
+    want = [hf.generate(torch.tensor([p]), max_new_tokens=NEW,
+                        min_new_tokens=NEW, do_sample=False,
+                        pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    out[name] = (path, want)
+  return out
+
+
+def cp_mesh():
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 devices")
+  return jax.make_mesh((2, 4), ("data", "context"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+@pytest.mark.parametrize("cache", ["one_device", "sharded"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_tokens_equal_transformers(name, cache, checkpoints):
+  path, want = checkpoints[name]
+  if cache == "one_device":
+    got = gen.generate(models.load_pretrained(path), PROMPTS,
+                       max_new_tokens=NEW)
+  else:
+    mesh = cp_mesh()
+    with jax.set_mesh(mesh):
+      model = models.load_pretrained(
+          path, mesh=mesh, rules=models.model_rules(),
+          context_parallel=jax_ring.ContextParallel(axis="context"))
+      got = gen.generate(model, PROMPTS, max_new_tokens=NEW)
+  assert got == want
+
+
+def test_prefill_and_decode_logits_equal_the_full_forward(checkpoints):
+  """With the cache split over 4 devices: the logits after the prompt and
+  after each decoded token equal the full forward's at those positions."""
+  mesh = cp_mesh()
+  path, want = checkpoints["mistral"]
+  whole = models.load_pretrained(path)
+  seq = np.array([p + w for p, w in zip(PROMPTS, want)][:1])
+  full = np.asarray(whole(seq, np.arange(seq.shape[1])[None]))[0]
+  with jax.set_mesh(mesh):
+    model = models.load_pretrained(
+        path, mesh=mesh, rules=models.model_rules(),
+        context_parallel=jax_ring.ContextParallel(axis="context"))
+    generator = gen.Generator(model)
+    logits, cache = generator.prefill(PROMPTS[:1], max_new_tokens=NEW)
+    got = [np.asarray(logits)[0]]
+    for step, token in enumerate(want[0][:-1]):
+      logits, cache = generator.step(cache, [token], step)
+      got.append(np.asarray(logits)[0])
+  n = len(PROMPTS[0])
+  assert relative_error(np.stack(got), full[n - 1:n - 1 + NEW]) < TOLERANCE
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy(checkpoints):
+  path, want = checkpoints["qwen2"]
+  model = models.load_pretrained(path)
+  hot = gen.Sampling(temperature=1.5, top_k=20, top_p=0.9)
+  run = lambda sampling, seed: gen.generate(
+      model, PROMPTS, max_new_tokens=NEW, sampling=sampling, seed=seed)
+  assert run(hot, 3) == run(hot, 3)
+  assert run(hot, 3) != run(hot, 4)
+  assert run(gen.Sampling(temperature=1.0, top_k=1), 5) == want
+
+
+def test_stop_tokens_end_a_row_and_are_kept(checkpoints):
+  path, want = checkpoints["llama3"]
+  got = gen.generate(models.load_pretrained(path), PROMPTS,
+                     max_new_tokens=NEW, stop_tokens=[want[0][2]])
+  first = want[0].index(want[0][2])
+  assert got[0] == want[0][:first + 1]
+  stop_1 = [i for i, t in enumerate(want[1]) if t == want[0][2]]
+  assert got[1] == want[1][:stop_1[0] + 1] if stop_1 else want[1]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+    (dict(top_k=0), "top_k must be None or an int >= 1; got 0"),
+    (dict(top_p=0.0), "top_p must be in (0, 1]; got 0.0"),
+])
+def test_sampling_parameters_out_of_range_are_named(kw, message):
+  with pytest.raises(ValueError, match="^" + re.escape(message)):
+    gen.Sampling(**kw)
+
+
+def test_bad_prompts_steps_and_caches_are_named(checkpoints):
+  path, _ = checkpoints["qwen2"]
+  generator = gen.Generator(models.load_pretrained(path))
+  with pytest.raises(ValueError, match=re.escape(
+      "prompt token ids must be in [0, 61); got 1..61")):
+    generator.prefill([[1, 61]], max_new_tokens=2)
+  with pytest.raises(ValueError, match=re.escape(
+      "prompts must be a non-empty list of non-empty token lists")):
+    generator.prefill([[1], []], max_new_tokens=2)
+  _, cache = generator.prefill([[1, 2]], max_new_tokens=2)
+  assert cache.capacity == gen.SLOT_ALIGN
+  with pytest.raises(ValueError, match=re.escape(
+      "step 1022 is past the cache: it holds 1022 new tokens per device")):
+    generator.step(cache, [3], gen.SLOT_ALIGN - 2)
+  with pytest.raises(ValueError, match=re.escape(
+      "tokens must be 1 int ids in [0, 61)")):
+    generator.step(cache, [3, 4], 0)
+  other = models.Decoder(models.DecoderConfig(
+      vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=3,
+      num_heads=4, num_kv_heads=2, head_dim=8), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=re.escape(
+      "the cache is not this model's: it needs 3 layers of (1, 2, 1024, 8); "
+      "got 2 of (1, 2, 1024, 8)")):
+    gen.Generator(other).step(cache, [3], 0)
+
+
+def test_the_example_streams_what_generate_returns(tmp_path, capsys):
+  """examples/generate.py on a checkpoint laid out as examples/finetune.py
+  writes one (weights, tokenizer.json, EOS in config.json), with the cache
+  split over 4 devices: it prints the prompt and the greedy continuation
+  that jax_ring.models.generate gives (the function)."""
+  cp_mesh()
+  sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+  import finetune
+  import generate as example  # examples/generate.py
+  model_dir = example.demo_model(tmp_path)
+  prompt = "Reverse the words: fox owl\n"
+  args = example.parse_args(["--model", str(model_dir), "--context", "4",
+                             "--max-new-tokens", "6", prompt])
+  text, = example.generate(args)
+  printed = capsys.readouterr().out
+  assert printed == prompt + text + "\n"
+  encoder = finetune.Encoder(model_dir)
+  ids = encoder.prefix + encoder.tok.encode(prompt,
+                                            add_special_tokens=False).ids
+  want, = gen.generate(models.load_pretrained(model_dir), [ids],
+                       max_new_tokens=6, stop_tokens=[encoder.eos])
+  assert text == encoder.tok.decode(want, skip_special_tokens=True)
