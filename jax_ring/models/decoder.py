@@ -160,8 +160,8 @@ class Decoder(nnx.Module):
                                    (cfg.hidden_size, cfg.vocab_size),
                                    (EMBED, VOCAB), cfg)
 
-  def hidden_states(self, inputs, positions, segment_ids=None):
-    """``(B, S, E)`` after the final norm, in ``cfg.dtype``."""
+  def embed_tokens(self, inputs):
+    """Token ids ``(B, S)`` -> ``(B, S, E)`` in ``cfg.dtype``."""
     cfg = self.cfg
     # The table as the activations' rules lay it out (whole, under FSDP):
     # a lookup into an embed-sharded table would be replicated first.
@@ -169,7 +169,13 @@ class Decoder(nnx.Module):
     x = jnp.take(table, inputs, axis=0).astype(cfg.dtype)
     if cfg.scale_embeddings:  # sqrt(E) rounded to the dtype, as Gemma's
       x = x * jnp.asarray(math.sqrt(cfg.hidden_size), cfg.dtype)
-    x = constrain(x, ("batch", "length", EMBED), cfg.rules)
+    return x
+
+  def hidden_states(self, inputs, positions, segment_ids=None):
+    """``(B, S, E)`` after the final norm, in ``cfg.dtype``."""
+    cfg = self.cfg
+    x = constrain(self.embed_tokens(inputs), ("batch", "length", EMBED),
+                  cfg.rules)
     for block in self.layers:
       if cfg.remat == "attention":
         q, k, v = nnx.remat(lambda b, *a: b.project(*a))(block, x, positions)
@@ -190,11 +196,15 @@ class Decoder(nnx.Module):
   def __call__(self, inputs, positions, segment_ids=None):
     """Args: inputs ``(B, S)`` int token ids; positions ``(B, S)`` int;
     segment_ids ``(B, S)`` int packed-document ids or None."""
+    logits = self.logits(self.hidden_states(inputs, positions, segment_ids))
+    return constrain(logits, ("batch", "length", VOCAB), self.cfg.rules)
+
+  def logits(self, x):
+    """Final hidden states ``(..., E)`` -> float32 logits ``(..., V)``
+    (soft-capped where the family caps them)."""
     cfg = self.cfg
-    x = self.hidden_states(inputs, positions, segment_ids)
     logits = (x @ self.output_weights().astype(cfg.dtype)).astype(jnp.float32)
-    logits = soft_cap(logits, cfg.final_logits_soft_cap)
-    return constrain(logits, ("batch", "length", VOCAB), cfg.rules)
+    return soft_cap(logits, cfg.final_logits_soft_cap)
 
 
 def soft_cap(logits, cap: float | None):

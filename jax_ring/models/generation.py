@@ -43,11 +43,11 @@ from jax import lax
 
 from jax_ring._src.decode import decode_attention
 from jax_ring._src.strategies.layout import reorder_for_load_balance
-from jax_ring.flax.attention import (BATCH, EMBED, HEAD_DIM, KV_HEADS,
-                                     LENGTH, constrain)
+from jax_ring.flax.attention import (BATCH, HEAD_DIM, KV_HEADS, LENGTH,
+                                     constrain)
 from jax_ring.flax.data import reorder_size
 from jax_ring.models.config import DecoderConfig
-from jax_ring.models.decoder import VOCAB, Decoder, soft_cap
+from jax_ring.models.decoder import Decoder
 
 
 # Each device's slots are a multiple of this: XLA's GPU matrix products may
@@ -122,22 +122,6 @@ def _layout(cfg: DecoderConfig, x, seq_axis=1):
       seq_axis=seq_axis, layout=cp.load_balance)
 
 
-def _embed(model: Decoder, tokens):
-  cfg = model.cfg
-  table = constrain(model.embed[...], (VOCAB, EMBED), cfg.rules)
-  x = jnp.take(table, tokens, axis=0).astype(cfg.dtype)
-  if cfg.scale_embeddings:
-    x = x * jnp.asarray(math.sqrt(cfg.hidden_size), cfg.dtype)
-  return x
-
-
-def _logits(model: Decoder, x):
-  """``(B, E)`` final hidden states -> ``(B, V)`` float32 logits."""
-  cfg = model.cfg
-  logits = (x @ model.output_weights().astype(cfg.dtype)).astype(jnp.float32)
-  return soft_cap(logits, cfg.final_logits_soft_cap)
-
-
 def _cache_spec(cfg: DecoderConfig, x):
   """``x (B, S, K, H)`` -> the cache's ``(B, K, S, H)``, sharded as it."""
   return constrain(jnp.swapaxes(x, 1, 2), (BATCH, KV_HEADS, LENGTH, HEAD_DIM),
@@ -159,7 +143,7 @@ def _prefill(graphdef, state, tokens, positions, lengths, last, *,
   cfg = model.cfg
   b, p = tokens.shape
   d = _devices(cfg)
-  x = _embed(model, tokens)
+  x = model.embed_tokens(tokens)
   ks, vs = [], []
   for block in model.layers:
     q, k, v = block.project(x, positions)
@@ -181,7 +165,7 @@ def _prefill(graphdef, state, tokens, positions, lengths, last, *,
                   [_cache_spec(cfg, place(v)) for v in vs],
                   place(jnp.where(positions < lengths[:, None], positions, -1),
                         -1), lengths, p // d)
-  return _logits(model, x[jnp.arange(b), last]), cache
+  return model.logits(x[jnp.arange(b), last]), cache
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
@@ -196,7 +180,7 @@ def _step(graphdef, state, cache: KVCache, tokens, step):
   positions = cache.lengths + step
   kv_pos = lax.dynamic_update_slice_in_dim(cache.positions,
                                            positions[:, None], slot, 1)
-  x = _embed(model, tokens[:, None])
+  x = model.embed_tokens(tokens[:, None])
   ks, vs = [], []
   for i, block in enumerate(model.layers):
     q, k, v = block.project(x, positions[:, None])
@@ -214,7 +198,7 @@ def _step(graphdef, state, cache: KVCache, tokens, step):
     ks.append(k)
     vs.append(v)
   x = model.final_norm(x)
-  return _logits(model, x[:, 0]), KVCache(ks, vs, kv_pos, cache.lengths,
+  return model.logits(x[:, 0]), KVCache(ks, vs, kv_pos, cache.lengths,
                                           cache.prompt_slots)
 
 
