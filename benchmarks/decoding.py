@@ -68,7 +68,7 @@ def random_cache(cfg, batch: int, context: int, seed: int) -> gen.KVCache:
   positions = jnp.where(jnp.arange(c) < context, jnp.arange(c), -1)
   return gen.KVCache(kv[::2], kv[1::2],
                      jnp.broadcast_to(positions, (batch, c)).astype(jnp.int32),
-                     jnp.full((batch,), context, jnp.int32), context)
+                     jnp.full((batch,), context, jnp.int32), context, 1)
 
 
 def step_seconds(generator, cache, steps: int = 24) -> float:

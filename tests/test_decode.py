@@ -162,3 +162,22 @@ def test_kv_head_major_cache_is_the_same_attention():
   ref.assert_close(f(q, km, vm, KV_POS), want, jnp.float32)
   with pytest.raises(ValueError, match="^kv_layout must be 'bskh' or 'bksh'"):
     call(q, k, v, kw, kv_layout="bhsd")
+
+
+def test_two_sided_window_without_causality_and_empty_sizes():
+  """A window (2, 3) with no causal mask; an empty cache (C = 0: zeros)
+  and no new tokens (T = 0: an empty output)."""
+  q, k, v, _ = ref.random_qkv(9, B, T, C, N, K, H, hv=HV)
+  out = call(q, k, v, dict(is_causal=False, local_window_size=(2, 3)))
+  d = KV_POS[:, None, :] - Q_POS[:, :, None]
+  vis = (KV_POS[:, None, :] >= 0) & (d >= -2) & (d <= 3)
+  want = ref.attention(q, k, v, ref.Case(H**-0.5, dense=vis[:, None]))[0]
+  ref.assert_close(out, want, jnp.float32)
+  empty = jax_ring.decode_attention(q, k[:, :0], v[:, :0],
+                                    query_positions=Q_POS,
+                                    key_positions=KV_POS[:, :0])
+  np.testing.assert_array_equal(np.asarray(empty), 0.0)
+  none = jax_ring.decode_attention(q[:, :0], k, v,
+                                   query_positions=Q_POS[:, :0],
+                                   key_positions=KV_POS)
+  assert none.shape == (B, 0, N, HV)

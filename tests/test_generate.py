@@ -1,6 +1,7 @@
 """Generation against transformers' own ``generate``: tiny random float32
 checkpoints (Llama with Llama 3's RoPE scaling, Qwen2, Mistral with a
-window shorter than prompt + output) give transformers' greedy tokens, token
+window shorter than prompt + output, Gemma 2 with its soft caps and a
+sliding layer) give transformers' greedy tokens, token
 for token, on one device and with the cache split over the context axis of
 a data=2 x context=4 mesh; prefill and decode logits equal the full
 forward's; sampling is reproducible; bad calls are refused by name."""
@@ -33,6 +34,10 @@ CONFIGS = {
     # prompt 9 + 7 new tokens against a window of 5
     "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=5,
                                                   head_dim=8),
+    # soft caps that bite, query_pre_attn_scalar, a window on one layer of 2
+    "gemma2": lambda: transformers.Gemma2Config(
+        **COMMON, head_dim=8, query_pre_attn_scalar=12, sliding_window=5,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
 }
 PROMPTS = [[3, 14, 15, 9, 2, 6, 5, 35, 8], [27, 18, 28]]
 NEW = 7
@@ -148,6 +153,18 @@ def test_bad_prompts_steps_and_caches_are_named(checkpoints):
   with pytest.raises(ValueError, match=re.escape(
       "tokens must be 1 int ids in [0, 61)")):
     generator.step(cache, [3, 4], 0)
+  with pytest.raises(ValueError, match=re.escape(
+      "prompt 0 must be a list of int token ids; got float64")):
+    generator.prefill([[1.7, 2.0]], max_new_tokens=2)
+  with pytest.raises(ValueError, match=re.escape(
+      "step must be an int >= 0; got '0'")):
+    generator.step(cache, [3], "0")
+  parallel = models.load_pretrained(path, context_parallel=jax_ring.
+                                    ContextParallel(axis="context"))
+  with pytest.raises(ValueError, match=re.escape(
+      "the model is context-parallel over 'context', which the mesh in "
+      "scope {} lacks")):
+    gen.Generator(parallel).prefill([[1, 2]], max_new_tokens=2)
   other = models.Decoder(models.DecoderConfig(
       vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=3,
       num_heads=4, num_kv_heads=2, head_dim=8), rngs=nnx.Rngs(0))

@@ -85,9 +85,20 @@ def decode_attention(query, key, value, *, query_positions, key_positions,
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   if kv_layout not in _PRODUCTS:
     raise ValueError(f"kv_layout must be 'bskh' or 'bksh'; got {kv_layout!r}")
+  for name, x, dims in (("query", query, "(B, T, N, H)"),
+                        ("key", key, kv_layout), ("value", value, kv_layout)):
+    if x.ndim != 4:
+      raise ValueError(f"decode_attention: {name} must have rank 4, "
+                       f"{dims}; got shape {tuple(x.shape)}")
   as_bskh = lambda x: x if kv_layout == "bskh" else jax.ShapeDtypeStruct(
       (x.shape[0], x.shape[2], x.shape[1]) + x.shape[3:], x.dtype)
-  validate.qkv(query, as_bskh(key), as_bskh(value))
+  try:
+    validate.qkv(query, as_bskh(key), as_bskh(value))
+  except ValueError as e:
+    if kv_layout == "bskh":
+      raise
+    raise ValueError(f"{e} (key and value shown as (B, C, K, H); "
+                     f"kv_layout='bksh' takes them as (B, K, C, H))") from None
   q_pos, kv_pos = (_positions(name, x, s) for name, x, s in (
       ("query_positions", query_positions, query.shape[:2]),
       ("key_positions", key_positions, as_bskh(key).shape[:2])))
@@ -143,11 +154,11 @@ def _local(q, k, v, q_pos, kv_pos, *, band, scale, cap, layout):
     vis &= d >= -left
   vis = vis[:, None, None]
   s = jnp.where(vis, s, MASK_VALUE)
-  m = s.max(-1)
+  m = s.max(-1, initial=MASK_VALUE)  # C = 0: an empty cache
   p = jnp.where(vis, jnp.exp(s - m[..., None]), 0.0)
   o = _product(output, p.astype(v.dtype), v)
   rows = lambda x: jnp.moveaxis(x, 3, 1).reshape(b, t, n)
-  return o.reshape(b, t, n, -1), rows(m), rows(p.sum(-1))
+  return o.reshape(b, t, n, v.shape[-1]), rows(m), rows(p.sum(-1))
 
 
 def _product(spec, a, b):

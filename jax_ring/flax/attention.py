@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_ring._src.api import dot_product_attention
+from jax_ring._src.decode import decode_attention
 from jax_ring._src.core.config import ContextParallel
 from jax_ring._src.strategies import layout
 
@@ -385,7 +386,7 @@ class Attention(nnx.Module):
                                    segment_ids))
 
   # The three stages of __call__, apart so that a model can rematerialise
-  # the projections without the attention (see jax_ring.models.Llama).
+  # the projections without the attention (see jax_ring.models.Decoder).
 
   def project(self, x, positions):
     """``x (B, S, E)`` -> q ``(B, S, N, H)``, k, v ``(B, S, K, H)``, with
@@ -421,6 +422,21 @@ class Attention(nnx.Module):
         implementation=cfg.implementation,
         sinks=self.sinks[...].astype(jnp.float32) if cfg.sinks else None,
         context_parallel=cfg.context_parallel)
+
+  def decode(self, q, k, v, query_positions, key_positions,
+             kv_layout="bskh"):
+    """``jax_ring.decode_attention`` with the layer's options (its window,
+    scale, soft cap, sinks and context parallelism): ``q (B, T, N, H)``
+    against a cache ``k``, ``v`` whose slots hold ``key_positions``;
+    ``(B, T, N, H)``."""
+    cfg = self.config
+    return decode_attention(
+        q, k, v, query_positions=query_positions,
+        key_positions=key_positions, is_causal=cfg.is_causal,
+        local_window_size=cfg.local_window_size, scale=cfg.scale,
+        logits_soft_cap=cfg.logits_soft_cap,
+        sinks=self.sinks[...].astype(jnp.float32) if cfg.sinks else None,
+        context_parallel=cfg.context_parallel, kv_layout=kv_layout)
 
   def output(self, out):
     """``(B, S, N, H)`` -> ``(B, S, E)``: the output projection."""

@@ -21,7 +21,7 @@ from jax_ring.models.generation import Generator, KVCache, Sampling, generate
 from jax_ring.models.hf_checkpoint import load_pretrained, save_pretrained
 from jax_ring.models.hf_config import config_from_hf, config_to_hf
 
-# The names of the Llama-only releases: the same classes.
+# The Llama family's names for the same classes.
 Llama = Decoder
 LlamaConfig = DecoderConfig
 

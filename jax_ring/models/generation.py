@@ -41,7 +41,6 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jax_ring._src.decode import decode_attention
 from jax_ring._src.strategies.layout import reorder_for_load_balance
 from jax_ring.flax.attention import (BATCH, HEAD_DIM, KV_HEADS, LENGTH,
                                      constrain)
@@ -68,6 +67,7 @@ class KVCache:
     lengths: ``(B,)`` int32, each row's prompt length: decode step t's
       token is at position ``lengths + t``.
     prompt_slots: P / D, the slots of each device the prompt fills (static).
+    devices: D, the pieces the slots are split into (static).
   """
 
   k: list
@@ -75,6 +75,7 @@ class KVCache:
   positions: jax.Array
   lengths: jax.Array
   prompt_slots: int = dataclasses.field(metadata=dict(static=True))
+  devices: int = dataclasses.field(metadata=dict(static=True))
 
   @property
   def capacity(self) -> int:
@@ -103,12 +104,23 @@ class Sampling:
 
 
 def _devices(cfg: DecoderConfig) -> int:
-  """D: how many pieces the sequence is split into."""
+  """D: how many pieces the sequence is split into, on the mesh in scope
+  (``jax.set_mesh``)."""
   cp = cfg.context_parallel
   if cp is None:
     return 1
   mesh = jax.sharding.get_abstract_mesh()
+  missing = [a for a in cp.axes if a not in mesh.axis_names]
+  if missing:
+    raise ValueError(
+        f"the model is context-parallel over {cp.axis!r}, which the mesh in "
+        f"scope {dict(mesh.shape)} lacks: generate under "
+        f"jax.set_mesh(mesh), as the model is called")
   return math.prod(mesh.shape[a] for a in cp.axes)
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _layout(cfg: DecoderConfig, x, seq_axis=1):
@@ -126,11 +138,6 @@ def _cache_spec(cfg: DecoderConfig, x):
   """``x (B, S, K, H)`` -> the cache's ``(B, K, S, H)``, sharded as it."""
   return constrain(jnp.swapaxes(x, 1, 2), (BATCH, KV_HEADS, LENGTH, HEAD_DIM),
                    cfg.rules)
-
-
-def _sinks(block):
-  attn = block.attn
-  return attn.sinks[...].astype(jnp.float32) if attn.config.sinks else None
 
 
 @functools.partial(jax.jit, static_argnums=(0,),
@@ -164,7 +171,7 @@ def _prefill(graphdef, state, tokens, positions, lengths, last, *,
   cache = KVCache([_cache_spec(cfg, place(k)) for k in ks],
                   [_cache_spec(cfg, place(v)) for v in vs],
                   place(jnp.where(positions < lengths[:, None], positions, -1),
-                        -1), lengths, p // d)
+                        -1), lengths, p // d, d)
   return model.logits(x[jnp.arange(b), last]), cache
 
 
@@ -187,19 +194,14 @@ def _step(graphdef, state, cache: KVCache, tokens, step):
     k, v = (lax.dynamic_update_slice_in_dim(c[i], jnp.swapaxes(x, 1, 2),
                                             slot, 2)
             for c, x in ((cache.k, k), (cache.v, v)))
-    acfg = block.attn.config
-    out = decode_attention(
-        q, k, v, kv_layout="bksh",
-        query_positions=positions[:, None], key_positions=kv_pos,
-        is_causal=True, local_window_size=acfg.local_window_size,
-        scale=acfg.scale, logits_soft_cap=acfg.logits_soft_cap,
-        sinks=_sinks(block), context_parallel=acfg.context_parallel)
+    out = block.attn.decode(q, k, v, positions[:, None], kv_pos,
+                            kv_layout="bksh")
     x = block.finish(x, out)
     ks.append(k)
     vs.append(v)
   x = model.final_norm(x)
   return model.logits(x[:, 0]), KVCache(ks, vs, kv_pos, cache.lengths,
-                                          cache.prompt_slots)
+                                          cache.prompt_slots, cache.devices)
 
 
 class Generator:
@@ -224,7 +226,12 @@ class Generator:
     if not len(prompts) or lengths.min() < 1:
       raise ValueError(f"prompts must be a non-empty list of non-empty "
                        f"token lists; got lengths {lengths.tolist()}")
-    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+    for i, prompt in enumerate(prompts):
+      ids = np.asarray(prompt)
+      if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"prompt {i} must be a list of int token ids; got "
+                         f"{ids.dtype} {ids.shape}")
+    if not (_is_int(max_new_tokens) and max_new_tokens >= 1):
       raise ValueError(f"max_new_tokens must be an int >= 1; got "
                        f"{max_new_tokens!r}")
     d = _devices(cfg)
@@ -265,15 +272,18 @@ class Generator:
         tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
       raise ValueError(f"tokens must be {b} int ids in [0, {cfg.vocab_size})"
                        f"; got {tokens.dtype} {tokens.shape}")
-    local = cache.prompt_slots + step // d
-    if not (isinstance(step, int) and step >= 0) or local >= (
-        cache.capacity // d):
+    if d != cache.devices:
+      raise ValueError(f"the cache is split into {cache.devices} pieces, "
+                       f"and the mesh in scope splits the sequence into {d}")
+    if not (_is_int(step) and step >= 0):
+      raise ValueError(f"step must be an int >= 0; got {step!r}")
+    if cache.prompt_slots + step // d >= cache.capacity // d:
       raise ValueError(
-          f"step {step!r} is past the cache: it holds "
+          f"step {step} is past the cache: it holds "
           f"{cache.capacity // d - cache.prompt_slots} new tokens per device "
           f"on {d} device(s); prefill with a larger max_new_tokens")
     return _step(self.graphdef, self.state, cache,
-                 jnp.asarray(tokens, jnp.int32), jnp.int32(step))
+                 jnp.asarray(tokens, jnp.int32), jnp.int32(int(step)))
 
   def generate(self, prompts: Sequence[Sequence[int]], *,
                max_new_tokens: int, sampling: Sampling = Sampling(),
