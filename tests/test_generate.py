@@ -83,6 +83,30 @@ def test_greedy_tokens_equal_transformers(name, cache, checkpoints):
   assert got == want
 
 
+@pytest.mark.parametrize("layout", ["striped", "contiguous", "hybrid"])
+def test_other_layouts_give_the_same_tokens(layout, checkpoints):
+  """The prompt in the striped layout, contiguous, or over a pair of axes
+  (Ulysses inside a ring, data=2 x ring=2 x ulysses=2): the cache's slots
+  follow the tokens, and the greedy tokens are transformers'."""
+  cp_mesh()  # skips without 8 devices
+  path, want = checkpoints["mistral"]
+  if layout == "hybrid":
+    mesh = jax.make_mesh((2, 2, 2), ("data", "ring", "ulysses"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    rules = models.model_rules(context=("ring", "ulysses"))
+    cpc = jax_ring.ContextParallel(axis=("ulysses", "ring"),
+                                   strategy="hybrid")
+  else:
+    mesh, rules = cp_mesh(), models.model_rules()
+    cpc = jax_ring.ContextParallel(
+        axis="context", load_balance=None if layout == "contiguous" else
+        layout)
+  with jax.set_mesh(mesh):
+    model = models.load_pretrained(path, mesh=mesh, rules=rules,
+                                   context_parallel=cpc)
+    assert gen.generate(model, PROMPTS, max_new_tokens=NEW) == want
+
+
 def test_prefill_and_decode_logits_equal_the_full_forward(checkpoints):
   """With the cache split over 4 devices: the logits after the prompt and
   after each decoded token equal the full forward's at those positions."""
