@@ -220,3 +220,31 @@ def test_the_example_streams_what_generate_returns(tmp_path, capsys):
   want, = gen.generate(models.load_pretrained(model_dir), [ids],
                        max_new_tokens=6, stop_tokens=[encoder.eos])
   assert text == encoder.tok.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_bfloat16_generation_on_a_gpu():
+  """bfloat16 on a GPU (the prefill's attention on cuDNN, the decode's
+  products on the GPU's matrix units), a sliding layer and a global one:
+  prefill and 8 decode steps give the full forward's logits, to
+  bfloat16's rounding."""
+  import jax.numpy as jnp
+  cfg = models.DecoderConfig(
+      vocab_size=V, hidden_size=256, intermediate_size=512, num_layers=2,
+      num_heads=4, num_kv_heads=2, head_dim=64, sliding_window=100,
+      layer_types=("sliding_attention", "full_attention"),
+      dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  model = models.Decoder(cfg, rngs=nnx.Rngs(0))
+  prompt = np.random.default_rng(0).integers(0, V, 500).tolist()
+  generator = gen.Generator(model)
+  logits, cache = generator.prefill([prompt], max_new_tokens=8)
+  got, seq = [logits[0]], list(prompt)
+  for step in range(7):
+    token = int(jnp.argmax(logits[0]))
+    seq.append(token)
+    logits, cache = generator.step(cache, [token], step)
+    got.append(logits[0])
+  full = model(np.array([seq]), np.arange(len(seq))[None])[0]
+  assert relative_error(np.stack(got).astype(np.float32),
+                        np.asarray(full[len(prompt) - 1:], np.float32)) < 3e-2
