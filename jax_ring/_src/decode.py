@@ -36,7 +36,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_ring._src.core import kernel, validate
-from jax_ring._src.core.config import ContextParallel
+from jax_ring._src.core.config import AttentionConfig, ContextParallel
 from jax_ring._src.core.mask import MASK_VALUE
 
 
@@ -102,9 +102,11 @@ def decode_attention(query, key, value, *, query_positions, key_positions,
   q_pos, kv_pos = (_positions(name, x, s) for name, x, s in (
       ("query_positions", query_positions, query.shape[:2]),
       ("key_positions", key_positions, as_bskh(key).shape[:2])))
-  band = _band(is_causal, local_window_size)
   scale, cap = validate.scalar_options(scale, logits_soft_cap)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+  band = AttentionConfig(
+      scale=scale, is_causal=bool(is_causal),
+      local_window=validate.window(local_window_size, None, None)).band
   if sinks is not None:
     sinks = validate.sinks(sinks, query.shape[2])
   if axis_name is not None and context_parallel is not None:
@@ -124,15 +126,6 @@ def _positions(name, x, shape):
     raise ValueError(f"{name} must be an int array of shape {tuple(shape)}; "
                      f"got {x.dtype} {tuple(x.shape)}")
   return x.astype(jnp.int32)
-
-
-def _band(is_causal, local_window_size):
-  """``(left, right)`` bounds of ``p_k - p_q`` in positions; None: none."""
-  window = validate.window(local_window_size, None, None)
-  left, right = window or (None, None)
-  if is_causal:
-    right = 0 if right is None else min(right, 0)
-  return left, right
 
 
 def _local(q, k, v, q_pos, kv_pos, *, band, scale, cap, layout):
