@@ -2,17 +2,17 @@
 shapes of released checkpoints: tokens/s, model FLOPs utilisation and peak
 memory at 32k tokens.
 
-  python benchmarks/finetune_models.py [--models gemma3-1b qwen3-1.7b]
-                                       [--seq 32768] [--steps 6]
+  python benchmarks/finetune_models.py [--models llama3.2-1b gemma3-1b
+                                       qwen3-1.7b] [--seq 32768] [--steps 8]
 
-Each model runs in a process of its own (its peak memory is then its
-own): ``finetune.py --demo-model M --seq S --context 1 --batch 1 --steps N
+Each model runs in a process of its own, which adds its row to the results
+file (its peak memory is then its own; the parent never touches a GPU): ``finetune.py --demo-model M --seq S --context 1 --batch 1 --steps N
 --vocab-chunk 8192`` (the demo's data and tokenizer, the weights random in
 the released config.json's shapes, bfloat16, cuDNN), on examples of
 ``--doc-words`` demo words each (about ten documents per 32k row: cuDNN's
 packed path serves up to 16 a row, and a row of more, such as the demo's
 own hundreds of short examples, runs on the pure-JAX kernel). tokens/s is the
-example's own, at the median step interval. MFU = model FLOPs / (step time
+example's own, at the median step interval (each interval is recorded). MFU = model FLOPs / (step time
 x peak), with model FLOPs per token 6 P (P: the parameters in matrix
 products; a tied table counts once, as the output layer) plus, per layer,
 12 Hq D times the keys a query sees on average in the rows trained on
@@ -37,6 +37,9 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
+
+
+MODELS = ["llama3.2-1b", "gemma3-1b", "qwen3-1.7b"]
 
 
 def flops_per_token(cfg, doc_lengths, tokens: int) -> float:
@@ -85,13 +88,19 @@ def one(model: str, seq: int, steps: int, peak_tflops: float,
     result = finetune.train(args)
     cfg = models.config_from_hf(json.loads(
         (result["model_dir"] / "config.json").read_text()))
-  segments = np.concatenate([result["data"].row(i)[1] for i in range(steps)])
-  lengths = np.bincount(segments)[1:]
-  per_token = flops_per_token(cfg, lengths[lengths > 0], segments.size)
+  rows = [result["data"].row(i)[1] for i in range(steps)]  # segment ids
+  lengths = np.concatenate([np.bincount(r)[1:] for r in rows])
+  lengths = lengths[lengths > 0]  # each row's documents, in tokens
+  segments = np.concatenate(rows)
+  per_token = flops_per_token(cfg, lengths, segments.size)
   tokens_per_s = result["tokens_per_s"]
   stats = jax.devices()[0].memory_stats() or {}
   return dict(model=model, seq=seq, steps=steps, params=cfg.num_params(),
               tokens_per_s=tokens_per_s,
+              step_intervals_s=result["step_intervals_s"],
+              documents=int(lengths.size),
+              mean_document=float(lengths.mean()),
+              fill=float((segments > 0).mean()),
               step_s=seq / tokens_per_s,
               mfu=tokens_per_s * per_token / (peak_tflops * 1e12),
               flops_per_token=per_token,
@@ -101,7 +110,7 @@ def one(model: str, seq: int, steps: int, peak_tflops: float,
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--models", nargs="+", default=["gemma3-1b", "qwen3-1.7b"])
+  p.add_argument("--models", nargs="+", choices=MODELS, default=MODELS)
   p.add_argument("--seq", type=int, default=32768)
   p.add_argument("--steps", type=int, default=8,
                  help="steps; the first compiles, the rest are timed")
@@ -112,29 +121,33 @@ def main():
   p.add_argument("--mode", default="default")
   p.add_argument("--one", default=None, help=argparse.SUPPRESS)
   a = p.parse_args()
-  if a.one:
-    print("ROW " + json.dumps(one(a.one, a.seq, a.steps, a.peak_tflops,
-                                  a.doc_words)))
+  if a.one:  # the child: run, then add its row to the results file
+    record([one(a.one, a.seq, a.steps, a.peak_tflops, a.doc_words)
+            | dict(doc_words=a.doc_words)], a)
     return
-  rows = []
-  for model in a.models:
+  failed = []
+  for model in a.models:  # this process never touches a GPU
     done = subprocess.run(
         [sys.executable, __file__, "--one", model, "--seq", str(a.seq),
          "--steps", str(a.steps), "--peak-tflops", str(a.peak_tflops),
-         "--doc-words", str(a.doc_words)],
-        capture_output=True, text=True)
-    row = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
-    if done.returncode or not row:
-      print(done.stdout[-2000:], done.stderr[-4000:])
-      rows.append(dict(model=model, seq=a.seq, error=done.stderr[-300:]))
-      continue
-    rows.append(json.loads(row[0][4:]) | dict(doc_words=a.doc_words))
-    print(rows[-1], flush=True)
-    record(rows, a)
+         "--doc-words", str(a.doc_words), "--mode", a.mode])
+    if done.returncode:
+      failed.append(model)
+  if failed:
+    sys.exit(f"failed: {failed}")
 
 
 def record(rows, a):
-  from common import write
+  """Write ``rows`` as mode ``a.mode``, keeping that mode's rows of models
+  not run this time (a run of one model beside an earlier run of the
+  others)."""
+  from common import results_path, environment, write
+  path = results_path("finetune_models", environment())
+  if path.exists():
+    old = json.loads(path.read_text())["runs"].get(a.mode, {}).get("rows", [])
+    ran = {r["model"] for r in rows}
+    rows = sorted([r for r in old if r["model"] not in ran] + rows,
+                  key=lambda r: MODELS.index(r["model"]))
   write("finetune_models", rows,
         ["model", "seq", "params", "tokens_per_s", "step_s", "mfu",
          "peak_gb", "final_loss"],

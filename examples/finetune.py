@@ -25,7 +25,7 @@ them. Nothing is ever downloaded.
   python examples/finetune.py --demo-model qwen3-1.7b --seq 32768 \\
       --context 2 --vocab-chunk 32768    # the demo on random weights in
                                          # Qwen3-1.7B's shapes (or
-                                         # gemma3-1b's)
+                                         # gemma3-1b's, llama3.2-1b's)
 
 ``--model`` is a local checkpoint directory as transformers saves it
 (config.json, *.safetensors, tokenizer.json) of a Llama, Qwen2, Mistral,
@@ -110,6 +110,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json",
 # transformers 4's spelling), whose shapes the random weights take.
 DEMO_MODELS = {
     "tiny-llama": None,
+    "llama3.2-1b": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"],
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, hidden_act="silu", rms_norm_eps=1e-5,
+        rope_theta=500_000.0, rope_scaling=dict(
+            rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+            high_freq_factor=4.0, original_max_position_embeddings=8192),
+        max_position_embeddings=131072, tie_word_embeddings=True,
+        attention_bias=False, mlp_bias=False, attention_dropout=0.0),
     "qwen3-1.7b": dict(
         model_type="qwen3", architectures=["Qwen3ForCausalLM"],
         vocab_size=151936, hidden_size=2048, intermediate_size=6144,

@@ -551,7 +551,7 @@ def train_loop(args, *, mesh, state, train_step, record: dict, batch_at,
   return dict(losses=losses, start=start, state=state,
               tokens_per_s=clock.steady, smoothed_tokens_per_s=clock.smoothed,
               median_step_s=clock.median_step_s,
-              steps_timed=len(clock.intervals), checkpoints=saves)
+              step_intervals_s=list(clock.intervals), checkpoints=saves)
 
 
 # --------------------------------------------------------------------------
@@ -583,8 +583,8 @@ def report(result, args, *, unit: str = "nats/byte", title: str | None = None):
   print(f"final loss {np.mean(losses[-k:]):.4f} (mean of the last {k} steps)")
   if result["tokens_per_s"]:
     print(f"throughput {result['tokens_per_s']:,.0f} tokens/s at the median "
-          f"step, {result['median_step_s']:.3f} s, of {result['steps_timed']}"
-          f" steps after compilation (the statistic of "
+          f"step, {result['median_step_s']:.3f} s, of "
+          f"{len(result['step_intervals_s'])} steps after compilation (the statistic of "
           f"benchmarks/lm_training.py)")
   c = result["checkpoints"]
   if c["count"]:
