@@ -5,21 +5,31 @@ memory at 32k tokens.
   python benchmarks/finetune_models.py [--models llama3.2-1b gemma3-1b
                                        qwen3-1.7b] [--seq 32768] [--steps 8]
 
-Each model runs in a process of its own, which adds its row to the results
-file (its peak memory is then its own; the parent never touches a GPU): ``finetune.py --demo-model M --seq S --context 1 --batch 1 --steps N
+Each model runs in a process of its own, which adds its row to the
+results file (its peak memory is then its own; the parent never touches a
+GPU): ``finetune.py --demo-model M --seq S --context 1 --batch 1 --steps N
 --vocab-chunk 8192`` (the demo's data and tokenizer, the weights random in
 the released config.json's shapes, bfloat16, cuDNN), on examples of
 ``--doc-words`` demo words each (about ten documents per 32k row: cuDNN's
 packed path serves up to 16 a row, and a row of more, such as the demo's
-own hundreds of short examples, runs on the pure-JAX kernel). tokens/s is the
-example's own, at the median step interval (each interval is recorded). MFU = model FLOPs / (step time
-x peak), with model FLOPs per token 6 P (P: the parameters in matrix
-products; a tied table counts once, as the output layer) plus, per layer,
-12 Hq D times the keys a query sees on average in the rows trained on
-(its own document's earlier tokens, within W on a sliding layer); peak
-``--peak-tflops``, the
-H100/H200 SXM datasheet's dense bf16 989 TFLOP/s. Peak memory is the
-allocator's ``peak_bytes_in_use``.
+own hundreds of short examples, runs on the pure-JAX kernel).
+
+Each row records:
+  tokens_per_s    the example's own, at the median step interval;
+  step_intervals_s  every interval between two steps' ends (the first
+                  step compiles; the interval ending at the last is left
+                  out, see ``StepClock``);
+  dispatch_s      how long each step call took to return, the compiling
+                  one aside (about a step's time where the host does not
+                  run ahead of the device);
+  mfu             model FLOPs / (step time x peak): per token 6 P (P: the
+                  parameters in matrix products; a tied table counts once,
+                  as the output layer) plus, per layer, 12 Hq D times the
+                  keys a query sees on average in the rows trained on (its
+                  own document's earlier tokens, within W on a sliding
+                  layer); peak ``--peak-tflops``, the H100/H200 SXM
+                  datasheet's dense bf16 989 TFLOP/s;
+  peak_gb         the allocator's ``peak_bytes_in_use``.
 
 Writes benchmarks/results/finetune_models_<count>x<gpu>.json.
 """
@@ -32,6 +42,7 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -85,6 +96,18 @@ def one(model: str, seq: int, steps: int, peak_tflops: float,
         "--demo-model", model, "--seq", str(seq), "--context", "1",
         "--batch", "1", "--steps", str(steps), "--vocab-chunk", "8192",
         "--lr", "1e-4", "--run-dir", run, "--quiet", *data])
+    dispatch = []  # seconds each train_step call took to return
+    loop = finetune.train_lm.train_loop
+
+    def timed_loop(args, *, train_step, **kw):
+      def step(*a):
+        t0 = time.perf_counter()
+        out = train_step(*a)
+        dispatch.append(time.perf_counter() - t0)
+        return out
+      return loop(args, train_step=step, **kw)
+
+    finetune.train_lm.train_loop = timed_loop
     result = finetune.train(args)
     cfg = models.config_from_hf(json.loads(
         (result["model_dir"] / "config.json").read_text()))
@@ -98,6 +121,7 @@ def one(model: str, seq: int, steps: int, peak_tflops: float,
   return dict(model=model, seq=seq, steps=steps, params=cfg.num_params(),
               tokens_per_s=tokens_per_s,
               step_intervals_s=result["step_intervals_s"],
+              dispatch_s=dispatch[1:],
               documents=int(lengths.size),
               mean_document=float(lengths.mean()),
               fill=float((segments > 0).mean()),

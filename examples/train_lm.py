@@ -359,13 +359,16 @@ def _run_record(args, built) -> dict:
 class StepClock:
   """Training throughput from the times at which steps *finish*.
 
-  Dispatch is asynchronous, so the time a step call takes on the host says
-  nothing about the device; the loop reads each step's loss one step late
-  (the device always has the next step queued) and ticks here when it has
-  it. The intervals between ticks are the real step times. The first tick
-  of a run ends the compiling step and starts the clock; so does the first
-  tick after :meth:`pause` (a checkpoint's copy to host memory is reported
-  on its own, not as a slow step).
+  The time a step call takes on the host says little about the device:
+  where dispatch is asynchronous it returns at once, and where it waits
+  (on one H100 the fine-tuning step's call returned after about a step's
+  time) it ends with its step. The loop reads each step's loss one step
+  late and ticks here when it has it, so the intervals between ticks are
+  the step times either way. The first tick of a run ends the compiling
+  step and starts the clock; so does the first tick after :meth:`pause`
+  (a checkpoint's copy to host memory is reported on its own, not as a
+  slow step; the read of a run's last step, already there where the call
+  waits, times nothing).
 
   ``smoothed``: tokens/s over an exponential moving average of the intervals
   (what the progress bar shows; a weight of 0.1 spans about the last 10
@@ -528,7 +531,11 @@ def train_loop(args, *, mesh, state, train_step, record: dict, batch_at,
         pending = loss
         last = step + 1 == stop
         if last or (step + 1) % args.checkpoint_every == 0:
-          finish(pending)  # the checkpoint records this step's loss too
+          # The checkpoint records this step's loss too. No interval is
+          # timed here: where the step call waits for its step, the tick
+          # just above already did, and this one would time nothing.
+          clock.pause()
+          finish(pending)
           pending = None
           # Orbax copies the state to host memory here, then writes it in a
           # background thread: the loop waits only for the copy (and for

@@ -41,7 +41,7 @@ def toy_step(state, batch):
           jnp.sum(state["f"]) * batch[0])
 
 
-def run(path, *flags, poison=None, record=RECORD, cols=16):
+def run(path, *flags, poison=None, record=RECORD, cols=16, step=toy_step):
   """``train_lm.train_loop`` for 4 steps (checkpoints after 2 and 4) of the
   toy step; ``poison = (step, (loss factor, state factor))`` feeds that
   batch at that (1-based) step, ones elsewhere."""
@@ -55,7 +55,7 @@ def run(path, *flags, poison=None, record=RECORD, cols=16):
                      (1.0, 1.0))
 
   return train_lm.train_loop(args, mesh=mesh, state=state,
-                             train_step=toy_step, record=record,
+                             train_step=step, record=record,
                              batch_at=batch_at, tokens_per_step=1,
                              banner=lambda start: "toy")
 
@@ -126,6 +126,27 @@ def test_a_nan_loss_or_state_stops_the_run_naming_the_step(tmp_path):
                      r"checkpoint"):
     run(tmp_path / "state", poison=(2, (1.0, np.inf)))
   assert steps(tmp_path / "state") == []
+
+
+def test_step_intervals_are_step_times_when_the_step_call_waits(
+    tmp_path, monkeypatch):
+  """A step call that returns only once its step has run (as on some GPU
+  runtimes): each interval is one step's time. The compiling step, the
+  read after a checkpoint's save and the read of the last step (already
+  there: it would time nothing) are left out."""
+  now = [0.0]
+
+  def waiting_step(state, batch):
+    out = jax.block_until_ready(toy_step(state, batch))
+    now[0] += 1.0  # the step's time, spent in the call
+    return out
+
+  monkeypatch.setattr(train_lm, "time", type(
+      "Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
+  result = run(tmp_path, "--steps", "6", "--checkpoint-every", "3",
+               step=waiting_step)
+  assert result["step_intervals_s"] == [1.0, 1.0]  # steps 2 and 5
+  assert result["tokens_per_s"] == 1.0
 
 
 def test_checksums_are_the_same_on_any_mesh_and_see_one_bit():
