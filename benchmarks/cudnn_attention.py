@@ -2,7 +2,7 @@
 the cost of attention sinks and of a value head dim unlike the keys'.
 
   python benchmarks/cudnn_attention.py [--seq 4096 8192 ...] [--tables
-      default sinks mla]
+      default sinks mla packed]
 
 Tables (each its own mode in the results file; ``--mode X`` names the
 default table X and the others X_sinks, X_mla):
@@ -21,6 +21,13 @@ default table X and the others X_sinks, X_mla):
              shape (a cell says "not accepted" where it raises, and the
              row keeps its message).
 
+``packed``   packed documents (segment ids, causal) of ``--doc-tokens``
+             tokens each in a row of ``--packed-seq``, N=16 K=8 D=128
+             (Qwen3-1.7B's heads): jax_ring's cuDNN backend (one call per
+             SLOTS documents) against its pure-JAX kernel, and the same
+             row as one causal document as the yardstick. FLOPs are the
+             documents' own (a query sees its document's earlier keys).
+
 FLOPs: 2*S^2*N*(H + Hv) forward and 2*S^2*N*(4H + 3Hv) forward+backward
 (the backward recomputes the logits: 2.5x the forward when H = Hv), halved
 for causal. ``--implementation xla`` runs every table on the pure-JAX
@@ -38,7 +45,7 @@ import jax.numpy as jnp
 import jax_ring
 from common import random_qkv, shape_args, time_fn, write
 
-TABLES = ("default", "sinks", "mla")
+TABLES = ("default", "sinks", "mla", "packed")
 SINK_SHAPES = ((64, 8, 64), (32, 8, 128))  # (N, K, D): gpt-oss; Llama-like
 MLA_DIMS = ((192, 128), (128, 128))
 
@@ -170,6 +177,38 @@ def mla_table(a):
                "jax.nn accepts them")
 
 
+def packed_table(a):
+  import numpy as np
+  from jax_ring._src.backends.cudnn.packed import SLOTS
+  rows, s, n, kh, d = [], a.packed_seq, 16, 8, 128
+  q, k, v, do = qkv(s, s, n, kh, d)
+  dense = None
+  for length in a.doc_tokens:
+    docs = -(-s // length)
+    ids = jnp.asarray(np.arange(s, dtype=np.int32)[None] // length)
+    sizes = np.bincount(np.asarray(ids[0]))
+    work = float((sizes * (sizes + 1) / 2).sum()) / (s * s / 2)
+    fl = tuple(f * work for f in flops(s, n, d, d, True))
+    row = dict(seq=s, heads=n, kv_heads=kh, doc_tokens=length,
+               documents=docs, cudnn_calls=-(-docs // SLOTS))
+    for name, impl in (("cudnn", None), ("xla", "xla")):
+      fn = lambda q, k, v, impl=impl: jax_ring.dot_product_attention(
+          q, k, v, is_causal=True, segment_ids=ids, implementation=impl)
+      timed(row, name, fn, (q, k, v), do, fl)
+    if dense is None:
+      dense = {}
+      timed(dense, "one_document", lambda q, k, v: jax_ring.dot_product_attention(
+          q, k, v, is_causal=True), (q, k, v), do, flops(s, n, d, d, True))
+    row.update(dense)
+    ratio(row, "xla", "cudnn", "xla_over_cudnn")
+    rows.append(row)
+    print(row, flush=True)
+  return rows, ["doc_tokens", "documents", "cudnn_calls", "cudnn_fwd_ms",
+                "xla_fwd_ms", "cudnn_fwdbwd_ms", "xla_fwdbwd_ms",
+                "fwdbwd_xla_over_cudnn", "one_document_fwdbwd_ms"], dict(
+      xla_over_cudnn="pure-JAX kernel time / cuDNN time (>1: cuDNN faster)")
+
+
 def main():
   p = argparse.ArgumentParser(
       description=__doc__.split("\n\n")[0],
@@ -181,12 +220,16 @@ def main():
   p.add_argument("--mla-seq", type=int, nargs="+",
                  default=[4096, 8192, 16384, 32768])
   p.add_argument("--mla-heads", type=int, default=32)
+  p.add_argument("--packed-seq", type=int, default=32768)
+  p.add_argument("--doc-tokens", type=int, nargs="+",
+                 default=[3000, 300, 30])
   p.add_argument("--implementation", default="cudnn", choices=("cudnn",
                                                                "xla"),
                  help="what both libraries are asked for (xla: a CPU dry "
                  "run)")
   a = p.parse_args()
-  builders = dict(default=default_table, sinks=sinks_table, mla=mla_table)
+  builders = dict(default=default_table, sinks=sinks_table, mla=mla_table,
+                  packed=packed_table)
   for table in a.tables:
     rows, columns, extra = builders[table](a)
     mode = a.mode if table == "default" else (

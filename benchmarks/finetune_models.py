@@ -10,9 +10,10 @@ results file (its peak memory is then its own; the parent never touches a
 GPU): ``finetune.py --demo-model M --seq S --context 1 --batch 1 --steps N
 --vocab-chunk 8192`` (the demo's data and tokenizer, the weights random in
 the released config.json's shapes, bfloat16, cuDNN), on examples of
-``--doc-words`` demo words each (about ten documents per 32k row: cuDNN's
-packed path serves up to 16 a row, and a row of more, such as the demo's
-own hundreds of short examples, runs on the pure-JAX kernel).
+``--doc-words`` demo words each (about ten documents per 32k row: one
+cuDNN call serves up to 16 a row; a row of more, such as the demo's own
+examples of about 30 tokens with ``--doc-words 0``, runs as a loop of
+such calls).
 
 Each row records:
   tokens_per_s    the example's own, at the median step interval;

@@ -12,6 +12,7 @@ import pytest
 
 import jax_ring
 from jax_ring._src.backends import cudnn
+from jax_ring._src.backends.cudnn import packed
 from jax_ring._src.core import kernel
 import reference as ref
 
@@ -281,9 +282,17 @@ PACKED = {
     "striped_causal_next": (*_striped(16, 0, 1), dict(is_causal=True,
                                                       kv_offset=1)),
     "striped_causal_previous": (*_striped(17, 1, 0), dict(is_causal=True)),
-    # More documents than cudnn.SLOTS: the run-time check sends it to xla.
-    "too_many_causal": (np.arange(P_T, dtype=np.int32)[None].repeat(B, 0) //
-                        10, None, dict(is_causal=True)),
+    # More documents than cudnn.SLOTS in a row: calls of SLOTS documents
+    # (31 and 61 documents: 2 and 4 calls), the window and the striped
+    # steps among them.
+    "many_causal": (np.arange(P_T, dtype=np.int32)[None].repeat(B, 0) //
+                    np.array([[10], [5]], np.int32), None,
+                    dict(is_causal=True)),
+    "many_window_causal": (ref.random_segments(18, B, P_T, 50), None,
+                           dict(is_causal=True, window=(7, 0))),
+    "many_striped_causal_next": (
+        *(ids[:, r::2] for ids in [ref.random_segments(19, B, 2 * P_T, 80)]
+          for r in (0, 1)), dict(is_causal=True, kv_offset=1)),
 }
 
 
@@ -309,6 +318,13 @@ def test_packed_documents_through_ragged_offsets(name):
 
   hlo = jax.jit(f).lower(q, k, v, ids).as_text()
   assert "jax_ring_sdpa_fwd" in hlo and "jax_ring_sdpa_bwd" in hlo
+  # Which branch runs: cuDNN (one call, or several) wherever the ids fit.
+  mask = jax_ring.BlockMask(
+      q_offset=case.q_offset, kv_offset=case.kv_offset, q_segment_ids=ids[0],
+      kv_segment_ids=ids[0] if kv_ids is None else ids[1])
+  fits, calls = packed.layout(mask.q_segment_ids, mask.kv_ids(),
+                              packed.diagonal_shift(cfg, mask))
+  assert bool(fits) and (int(calls) > 1) == name.startswith("many"), calls
   out, lse, (dq, dk, dv) = jax.jit(f)(q, k, v, ids)
   r_out, r_lse, r_g = ref.attention(q, k, v, case, dout=do)
   ref.assert_close(out, r_out, q.dtype, "out")

@@ -94,7 +94,8 @@ def test_packed_documents_become_ragged_batches_that_reproduce_the_mask():
   for q_ids, kv_ids in ((same, same), (same, np.sort(other, axis=1)),
                         (same[:, :t], same[:, ::2].repeat(2, 1))):
     docs = packed.documents(jnp.asarray(q_ids), jnp.asarray(kv_ids))
-    assert bool(docs.fits)
+    fits, calls = packed.layout(jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    assert bool(fits) and int(calls) == 1
     for row in range(b):
       want = q_ids[row][:, None] == kv_ids[row][None, :]
       got = ragged_visibility(docs, row, t, kv_ids.shape[1])
@@ -136,8 +137,10 @@ def test_striped_ring_blocks_of_packed_documents_become_causal_slots():
                        q_segment_ids=jnp.asarray(q_ids),
                        kv_segment_ids=jnp.asarray(kv_ids))
       assert bnd.is_causal and bnd.window is None, bnd  # lo in {0, 1}
-      docs, inner = packed.packed_slots(cfg, mask, Band())
-      assert bool(docs.fits) and inner == Band(right_bound=0)
+      shift = packed.diagonal_shift(cfg, mask)
+      docs = packed.documents(mask.q_segment_ids, mask.kv_ids(), shift)
+      fits, _ = packed.layout(mask.q_segment_ids, mask.kv_ids(), shift)
+      assert bool(fits) and shift == bnd.kv_offset - bnd.q_offset
       want = ((q_ids[0][:, None] == kv_ids[0][None, :])
               & (pos[src::cp][None, :] <= pos[r::cp][:, None]))
       got = ragged_visibility(docs, 0, t, t, causal=True)
@@ -148,14 +151,96 @@ def test_striped_ring_blocks_of_packed_documents_become_causal_slots():
   assert checked == 3 * (4 + 9 + 16 + 25)
 
 
-def test_packed_documents_that_do_not_fit_are_flagged():
+def test_packed_layout_counts_the_calls_and_flags_what_does_not_fit():
+  """A row of more documents than SLOTS takes several calls; an id in two
+  query runs, or whose keys are split, or (striped) a first key before its
+  first query's diagonal does not fit."""
   t = 40
-  too_many = np.arange(t, dtype=np.int32)[None] // 2  # 20 documents > SLOTS
+  many = np.arange(t, dtype=np.int32)[None] // 2  # 20 documents > SLOTS
   split = np.array([[1] * 10 + [2] * 10 + [1] * 20], np.int32)  # id 1 twice
-  for q_ids, kv_ids in ((too_many, too_many), (split, split),
-                        (np.ones((1, t), np.int32), split)):
-    assert not bool(packed.documents(jnp.asarray(q_ids),
-                                     jnp.asarray(kv_ids)).fits)
+  ones = np.ones((1, t), np.int32)
+  other = np.array([[7] * 5 + [1] * 35], np.int32)  # keys of no query: fine
+  for q_ids, kv_ids, shift, want in (
+      (many, many, None, (True, 2)), (many[:, :32], many[:, :32], None,
+                                      (True, 1)),
+      (np.concatenate([many, many + 20]), np.concatenate([many, many + 20]),
+       None, (True, 2)),
+      (ones, other, None, (True, 1)), (split, split, None, (False, 1)),
+      (ones, split, None, (False, 1)), (ones, ones, 0, (True, 1)),
+      (np.array([[0] * 3 + [1] * 37], np.int32), ones, 1, (False, 1)),
+      (np.array([[1] * 37 + [2] * 3], np.int32), ones, 1, (True, 1))):
+    fits, calls = packed.layout(jnp.asarray(q_ids), jnp.asarray(kv_ids),
+                                shift)
+    assert (bool(fits), int(calls)) == want, (q_ids, kv_ids, shift)
+
+
+# name: (q ids, kv ids or None = the same array, case kwargs); 2 rows of 61
+# tokens, more documents than SLOTS in one row (but in "one_call"), 5 or
+# fewer in the other.
+def _many(seed, docs, length=61):
+  return np.concatenate([ref.random_segments(seed, 1, length, docs),
+                         ref.random_segments(seed + 1, 1, length, 5)])
+
+
+def _split(ids):
+  """Row 0's last document also takes its first 3 tokens: in two runs."""
+  ids = ids.copy()
+  ids[0, :3] = ids[0, -1]
+  return ids
+
+
+def _striped_many(seed, r, src, cp=2):
+  ids = _many(seed, 45, 61 * cp)
+  return ids[:, r::cp], ids[:, src::cp]
+
+
+MANY = {
+    "same_causal": (_many(1, 40), None, dict(is_causal=True)),
+    "same_causal_one_call": (_many(8, 9), None, dict(is_causal=True)),
+    "same_window": (_many(2, 36), None, dict(is_causal=True, window=(3, 0))),
+    "different_full": (_many(3, 40), _many(4, 30), {}),
+    "striped_next": (*_striped_many(5, 0, 1), dict(is_causal=True,
+                                                   kv_offset=1)),
+    "not_contiguous": (_split(_many(6, 40)), None, dict(is_causal=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(MANY))
+def test_packed_calls_of_slots_documents_match_the_reference(name,
+                                                             monkeypatch):
+  """The packed forward and backward on cuDNN's ragged semantics (replayed
+  in jnp, tests/ragged_cudnn.py): calls of SLOTS documents merged, or the
+  xla backend where the layout does not fit, equal the float64 reference
+  in out, lse and every gradient."""
+  import jax
+  import ragged_cudnn
+  from jax_ring._src.core.mask import BlockMask
+  monkeypatch.setattr(ffi, "sdpa", ragged_cudnn.sdpa)
+  q_ids, kv_ids, kw = MANY[name]
+  kv_ids = q_ids if kv_ids is None else kv_ids
+  b, t, s = 2, q_ids.shape[1], kv_ids.shape[1]
+  q, k, v, do = ref.random_qkv(7, b, t, s, 4, 2, 8)
+  case = ref.Case(0.3, q_segment_ids=q_ids, kv_segment_ids=kv_ids, **kw)
+  cfg = ref.config(case)
+  bnd = band(cfg, case.q_offset, case.kv_offset, t, s)
+
+  def f(q, k, v, q_ids, kv_ids):
+    mask = BlockMask(q_offset=case.q_offset, kv_offset=case.kv_offset,
+                     q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    out, lse = packed.forward(q, k, v, mask, cfg, bnd)
+    grads = packed.backward(q, k, v, mask, out, lse, do, cfg, bnd)
+    return out, lse, grads, packed.layout(q_ids, kv_ids,
+                                          packed.diagonal_shift(cfg, mask))
+
+  out, lse, grads, (fits, calls) = jax.jit(f)(q, k, v, jnp.asarray(q_ids),
+                                             jnp.asarray(kv_ids))
+  assert bool(fits) == (name != "not_contiguous")
+  assert (int(calls) == 1) == name.endswith("one_call"), int(calls)
+  r_out, r_lse, r_g = ref.attention(q, k, v, case, dout=do)
+  ref.assert_close(out, r_out, q.dtype, "out")
+  ref.assert_close(lse, r_lse, q.dtype, "lse")
+  for gname, got in zip("qkv", grads):
+    ref.assert_close(got, r_g[gname], q.dtype, "d" + gname)
 
 
 def test_recording_notes_each_traced_call_with_its_graph_key(monkeypatch):
@@ -185,8 +270,9 @@ def test_recording_notes_each_traced_call_with_its_graph_key(monkeypatch):
         q, kv, kv, None, BlockMask(q_segment_ids=ids), cfg))(q, kv)
   assert ffi.RECORD is None
   assert "u8[256]" in str(fwd)  # the workspace: one more result of the call
+  # A packed call is traced twice: alone, and in the loop over calls.
   assert [(c["backward"], c["slots"]) for c in calls] == [
-      (False, 0), (True, 0), (False, cudnn.SLOTS)]
+      (False, 0), (True, 0), (False, cudnn.SLOTS), (False, cudnn.SLOTS)]
   assert calls[0] == dict(backward=False, q=(b, t, n, h), k=(b, t, k, h),
                           v=(b, t, k, h), dtype="bfloat16", scale=0.25,
                           row_start=0, col_start=0, right_bound=0,
@@ -220,7 +306,7 @@ def test_a_value_head_dim_unlike_the_keys_reaches_the_calls(monkeypatch):
       grads = jax.eval_shape(lambda: cudnn.backward(
           *args(mask), out, lse, out, None, cfg))
       assert [g.shape for g in grads[:3]] == [q.shape, kk.shape, v.shape]
-  assert [c["v"] for c in calls] == [v.shape] * 4
+  assert [c["v"] for c in calls] == [v.shape] * 6  # packed: 2 + 2
   with pytest.raises(ValueError, match="stacked dK/dV need key and value of "
                      "one shape"):
     cudnn.backward_dkv(*args(BlockMask()), out, lse, out, None, cfg)

@@ -224,8 +224,8 @@ def problem(case: CpCase, seed: int):
     kw["key_value_seq_lengths"] = jnp.asarray(lengths[1])
   elif case.mask == "packed":
     ids = odd_documents(seed, sh.b, s)
-    # cuDNN's ragged path takes SLOTS documents a row; past that it runs
-    # the pure-JAX blocks at run time, which no compiled program shows.
+    # One call of cuDNN's ragged path takes SLOTS documents a row: the
+    # lane's blocks stay within one (test_cudnn.py runs rows of more).
     assert ids.max() < cudnn.SLOTS, ids.max()
     rcase = dataclasses.replace(rcase, q_segment_ids=ids, kv_segment_ids=ids)
   elif case.mask == "soft_cap":

@@ -60,10 +60,7 @@ def forward(q, k, v, bias, mask, config):
     return (jnp.zeros(out_shape.shape, out_shape.dtype),
             jnp.full((b, t, n), MASK_VALUE, jnp.float32))
   if mask.q_segment_ids is not None:
-    docs, bnd = packed.packed_slots(config, mask, bnd)
-    return jax.lax.cond(
-        docs.fits, lambda: packed.packed_forward(q, k, v, docs, config, bnd),
-        lambda: xla.forward(q, k, v, None, mask, config))
+    return packed.forward(q, k, v, mask, config, bnd)
   seq_q, seq_kv, padding = band.window_lengths(mask, bnd, b, t, s)
   rows = t - bnd.row_start
   out, stats = sdpa(
@@ -115,12 +112,7 @@ def _backward(q, k, v, bias, mask, out, lse, dout, dlse, config, stack):
   if bnd.empty:
     return jnp.zeros_like(q), pack(jnp.zeros_like(k), jnp.zeros_like(v))
   if mask.q_segment_ids is not None:
-    docs, bnd = packed.packed_slots(config, mask, bnd)
-    dq, dk, dv = jax.lax.cond(
-        docs.fits,
-        lambda: packed.packed_backward(q, k, v, docs, out, lse, dout, config, bnd),
-        lambda: xla.backward(q, k, v, None, mask, out, lse, dout,
-                                     None, config)[:3])
+    dq, dk, dv = packed.backward(q, k, v, mask, out, lse, dout, config, bnd)
     return dq, pack(dk, dv)
   seq_q, seq_kv, padding = band.window_lengths(mask, bnd, b, t, s)
   stats = jnp.swapaxes(lse[:, bnd.row_start:], 1, 2).astype(jnp.float32)

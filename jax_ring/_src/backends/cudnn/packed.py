@@ -1,7 +1,10 @@
 """Packed documents (segment ids) on cuDNN's ragged offsets, not a copy
-into a padded batch: each row's runs of equal query ids become up to
-``SLOTS`` virtual batches ``b * SLOTS + j`` that start, in place, at the
-run's first query and at the first key with that id.
+into a padded batch: each row's runs of equal query ids become virtual
+batches ``b * SLOTS + j`` that start, in place, at the run's first query
+and at the first key with that id. One cuDNN call takes ``SLOTS``
+documents a row; a row of more runs as several calls, call ``g`` on
+documents ``g * SLOTS ...`` (a ``while`` loop, each call's rows and keys
+merged into the result: they are disjoint).
 
 ==========================  ================================================
 query and kv ids            served masks
@@ -18,8 +21,10 @@ A causal mask between two id arrays keeps key b for query a iff ``b <= a -
 shift`` (``shift = kv_offset - q_offset``) within a document: each slot
 starts its queries at ``kv_start + shift``. That is exact when no
 document's first key lies before its first query's diagonal, which the
-striped layout guarantees and ``Docs.fits`` checks at run time; a batch
-that does not fit goes to the ``xla`` backend through a ``lax.cond``.
+striped layout guarantees. :func:`layout` checks that, and that each id is
+one run of queries and one range of keys, at run time; a batch that does
+not fit goes to the ``xla`` backend. One ``lax.switch`` picks among the
+``xla`` backend, one call and the loop of calls.
 """
 
 from __future__ import annotations
@@ -29,54 +34,52 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jax_ring._src.backends import xla
 from jax_ring._src.backends.cudnn import ffi
 from jax_ring._src.backends.cudnn.band import Band
 from jax_ring._src.core.mask import MASK_VALUE
 
 
-# Packed documents per batch row that the ragged path serves. Its stats
-# buffer is SLOTS x the dense one, and rows with more documents fall back
-# to xla at run time.
+# Documents per row in one cuDNN call: its stats buffer is SLOTS x the
+# dense one (cuDNN 9.19's backward reads no ragged stats).
 SLOTS = 16
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Docs:
-  """Up to SLOTS documents per row. (B, M) int32 starts and lengths of each
-  slot's query run and key range; ``slot (B, T)`` of each query token."""
+  """One call's documents: (B, M) int32 starts and lengths of each slot's
+  query run and key range; ``slot (B, T)`` of each query token (clipped to
+  the slots), ``member (B, T)`` whether its document is in this call."""
 
   q_start: jax.Array
   q_len: jax.Array
   kv_start: jax.Array
   kv_len: jax.Array
   slot: jax.Array
-  fits: jax.Array  # () bool: every row fits the slots, ids contiguous
+  member: jax.Array
 
 
-def documents(q_ids, kv_ids, shift: int | None = None) -> Docs:
-  """The slots of each row; ``shift``: a causal mask between two id arrays
-  (``b <= a - shift``, see the module doc), whose slots start their queries
-  at their first key's diagonal."""
+def documents(q_ids, kv_ids, shift: int | None = None, first=0) -> Docs:
+  """The slots of each row's documents ``first ... first + SLOTS - 1``
+  (in order of their query runs); ``shift``: a causal mask between two id
+  arrays (``b <= a - shift``, see the module doc), whose slots start their
+  queries at their first key's diagonal. Meaningful where :func:`layout`
+  fits."""
   b, t = q_ids.shape
   s = kv_ids.shape[1]
   new = jnp.concatenate([jnp.ones((b, 1), bool),
                          q_ids[:, 1:] != q_ids[:, :-1]], 1)
-  slot = jnp.cumsum(new, 1, dtype=jnp.int32) - 1
+  slot = jnp.cumsum(new, 1, dtype=jnp.int32) - 1 - first
   j = jnp.arange(SLOTS, dtype=jnp.int32)[None, :, None]
   in_slot = slot[:, None, :] == j  # (B, M, T)
   q_len = in_slot.sum(-1, dtype=jnp.int32)
   q_start = jnp.where(in_slot, jnp.arange(t, dtype=jnp.int32), t).min(-1)
   ids = jnp.take_along_axis(q_ids, jnp.minimum(q_start, t - 1), 1)  # (B, M)
-  q_count = (q_ids[:, None, :] == ids[:, :, None]).sum(-1, dtype=jnp.int32)
   hit = kv_ids[:, None, :] == ids[:, :, None]  # (B, M, S)
   kv_len = hit.sum(-1, dtype=jnp.int32)
-  pos = jnp.arange(s, dtype=jnp.int32)
-  kv_start = jnp.where(hit, pos, s).min(-1)
-  kv_last = jnp.where(hit, pos, -1).max(-1)
+  kv_start = jnp.where(hit, jnp.arange(s, dtype=jnp.int32), s).min(-1)
   used = q_len > 0
-  fits = (jnp.all(slot[:, -1] < SLOTS) & jnp.all(~used | (q_count == q_len))
-          & jnp.all(~used | (kv_len == 0) | (kv_last - kv_start + 1 == kv_len)))
   # Unused slots: empty, starting at the row's end.
   q_start = jnp.where(used, q_start, t)
   kv_len = jnp.where(used, kv_len, 0)
@@ -84,12 +87,43 @@ def documents(q_ids, kv_ids, shift: int | None = None) -> Docs:
   if shift is not None:
     keys = kv_len > 0
     diagonal = kv_start + shift
-    fits &= jnp.all(~keys | (diagonal >= q_start))
-    first = jnp.where(keys, jnp.clip(diagonal, q_start, q_start + q_len),
-                      q_start)
-    q_start, q_len = first, q_start + q_len - first
-  return Docs(q_start, q_len, kv_start, kv_len, jnp.minimum(slot, SLOTS - 1),
-               fits)
+    first_row = jnp.where(keys, jnp.clip(diagonal, q_start, q_start + q_len),
+                          q_start)
+    q_start, q_len = first_row, q_start + q_len - first_row
+  return Docs(q_start, q_len, kv_start, kv_len,
+              jnp.clip(slot, 0, SLOTS - 1), (slot >= 0) & (slot < SLOTS))
+
+
+def layout(q_ids, kv_ids, shift: int | None = None):
+  """``(fits, calls)``, both ``()``: whether every row's query ids are runs
+  of one id each (no id in two runs), the keys of each such id one
+  contiguous range, and (``shift``) no document's first key before its
+  first query's diagonal; and the calls of SLOTS documents the row with
+  the most documents needs. O(T log T) a row (sorts)."""
+
+  def row(q, kv):
+    t, s = q.shape[0], kv.shape[0]
+    runs = 1 + (q[1:] != q[:-1]).sum(dtype=jnp.int32)
+    order = jnp.argsort(q, stable=True)  # an id's first query comes first
+    sq = q[order]
+    distinct = 1 + (sq[1:] != sq[:-1]).sum(dtype=jnp.int32)
+    at = jnp.clip(jnp.searchsorted(sq, kv), 0, t - 1)
+    member = sq[at] == kv  # the key's id has queries
+    starts = member & jnp.concatenate([jnp.ones((1,), bool),
+                                       kv[1:] != kv[:-1]])
+    by_id = jnp.lexsort((kv, ~member))  # members first, by id
+    sk, sm = kv[by_id], member[by_id]
+    kv_ids = (sm & jnp.concatenate([jnp.ones((1,), bool),
+                                    (sk[1:] != sk[:-1]) | (sm[1:] != sm[:-1])])
+              ).sum(dtype=jnp.int32)  # distinct ids among the members
+    fits = (runs == distinct) & (starts.sum(dtype=jnp.int32) == kv_ids)
+    if shift is not None:
+      diagonal = jnp.arange(s, dtype=jnp.int32) + shift
+      fits &= jnp.all(~starts | (diagonal >= order[at]))
+    return fits, runs
+
+  fits, runs = jax.vmap(row)(q_ids, kv_ids)
+  return jnp.all(fits), (jnp.max(runs) + SLOTS - 1) // SLOTS
 
 
 def offsets(start, rows, heads, h):
@@ -121,14 +155,16 @@ def doc_index(docs: Docs, t):
 
 
 def doc_row_valid(docs: Docs, t):
-  """(B, T): the query lies in its slot (at or after the slot's start) and
-  its document has keys (bands keep the slot's diagonal)."""
+  """(B, T): the query's document is in this call, the query lies in its
+  slot (at or after the slot's start) and its document has keys (bands
+  keep the slot's diagonal)."""
   _, _, row = doc_index(docs, t)
-  return (jnp.take_along_axis(docs.kv_len, docs.slot, 1) > 0) & (row >= 0)
+  return docs.member & (
+      jnp.take_along_axis(docs.kv_len, docs.slot, 1) > 0) & (row >= 0)
 
 
 def doc_col_valid(docs: Docs, s):
-  """(B, S): the key lies in some slot's key range."""
+  """(B, S): the key lies in some slot's key range of this call."""
   j = jnp.arange(s)[None, None, :]
   inside = (j >= docs.kv_start[:, :, None]) & (
       j < (docs.kv_start + docs.kv_len)[:, :, None])
@@ -144,14 +180,8 @@ def diagonal_shift(config, mask) -> int | None:
   return mask.kv_offset - mask.q_offset
 
 
-def packed_slots(config, mask, bnd: Band) -> tuple[Docs, Band]:
-  """The slots of a packed call and the band cuDNN applies inside each."""
-  shift = diagonal_shift(config, mask)
-  docs = documents(mask.q_segment_ids, mask.kv_ids(), shift)
-  return docs, bnd if shift is None else Band(right_bound=0)
-
-
-def packed_forward(q, k, v, docs: Docs, config, bnd: Band):
+def call_forward(q, k, v, docs: Docs, config, bnd: Band):
+  """One call's (out, lse): zero and MASK_VALUE outside its rows."""
   b, t, n, _ = q.shape
   out, stats = ffi.sdpa(
       "jax_ring_sdpa_fwd",
@@ -167,7 +197,8 @@ def packed_forward(q, k, v, docs: Docs, config, bnd: Band):
           jnp.where(valid[:, :, None], lse, MASK_VALUE))
 
 
-def packed_backward(q, k, v, docs: Docs, out, lse, dout, config, bnd: Band):
+def call_backward(q, k, v, docs: Docs, out, lse, dout, config, bnd: Band):
+  """One call's (dq, dk, dv): zero outside its rows and keys."""
   b, t, n, _ = q.shape
   bi, slot, row = doc_index(docs, t)
   valid = doc_row_valid(docs, t)
@@ -185,6 +216,60 @@ def packed_backward(q, k, v, docs: Docs, out, lse, dout, config, bnd: Band):
   cols = doc_col_valid(docs, k.shape[1])[:, :, None, None]
   return (jnp.where(rows, dq, 0), jnp.where(cols, dk, 0),
           jnp.where(cols, dv, 0))
+
+
+def forward(q, k, v, mask, config, bnd: Band):
+  """The block forward on packed ``mask`` ids: ``(out, lse)``."""
+  shift = diagonal_shift(config, mask)
+  inner = bnd if shift is None else Band(right_bound=0)
+  q_ids, kv_ids = mask.q_segment_ids, mask.kv_ids()
+  t = q.shape[1]
+
+  def call(g, acc):
+    docs = documents(q_ids, kv_ids, shift, g * SLOTS)
+    out, lse = call_forward(q, k, v, docs, config, inner)
+    valid = doc_row_valid(docs, t)[:, :, None]
+    return acc[0] + out, jnp.where(valid, lse, acc[1])
+
+  def loop():
+    b, _, n, _ = q.shape
+    init = (jnp.zeros((b, t, n, v.shape[3]), q.dtype),
+            jnp.full((b, t, n), MASK_VALUE, jnp.float32))
+    return jax.lax.fori_loop(0, calls, call, init)
+
+  fits, calls = layout(q_ids, kv_ids, shift)
+  return jax.lax.switch(_branch(fits, calls), [
+      lambda: xla.forward(q, k, v, None, mask, config),
+      lambda: call_forward(q, k, v, documents(q_ids, kv_ids, shift), config,
+                           inner),
+      loop])
+
+
+def backward(q, k, v, mask, out, lse, dout, config, bnd: Band):
+  """The block backward on packed ``mask`` ids: ``(dq, dk, dv)``."""
+  shift = diagonal_shift(config, mask)
+  inner = bnd if shift is None else Band(right_bound=0)
+  q_ids, kv_ids = mask.q_segment_ids, mask.kv_ids()
+
+  def call(g, acc):
+    docs = documents(q_ids, kv_ids, shift, g * SLOTS)
+    grads = call_backward(q, k, v, docs, out, lse, dout, config, inner)
+    return tuple(a + x for a, x in zip(acc, grads))  # disjoint rows, keys
+
+  fits, calls = layout(q_ids, kv_ids, shift)
+  return jax.lax.switch(_branch(fits, calls), [
+      lambda: xla.backward(q, k, v, None, mask, out, lse, dout, None,
+                           config)[:3],
+      lambda: call_backward(q, k, v, documents(q_ids, kv_ids, shift), out,
+                            lse, dout, config, inner),
+      lambda: jax.lax.fori_loop(0, calls, call, (jnp.zeros_like(q),
+                                                 jnp.zeros_like(k),
+                                                 jnp.zeros_like(v)))])
+
+
+def _branch(fits, calls):
+  """0: the ``xla`` backend; 1: one call; 2: the loop of calls."""
+  return jnp.where(fits, jnp.where(calls > 1, 2, 1), 0)
 
 
 def unsupported_ids(config, query, key, value, mask) -> str | None:
