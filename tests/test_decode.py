@@ -90,13 +90,14 @@ def test_cache_split_inside_shard_map(name):
                    jnp.float32)
 
 
-def test_context_parallel_under_jit_and_eagerly_moves_no_kv():
+@pytest.mark.parametrize("cp", [4, 1])
+def test_context_parallel_under_jit_and_eagerly_moves_no_kv(cp):
   """A data x cp mesh: the cache's slots over cp, the batch over data;
   the same numbers eagerly and under jit, and a program whose only
-  collectives are the merge's reductions."""
+  collectives are the merge's reductions (none where cp is 1)."""
   kw, window = CASES["window_cap_sinks"]
   q, k, v, _ = ref.random_qkv(4, B, T, C, N, K, H, hv=HV)
-  m = jax.make_mesh((2, 4), ("data", "cp"),
+  m = jax.make_mesh((2, cp), ("data", "cp"), devices=jax.devices()[:2 * cp],
                     axis_types=(jax.sharding.AxisType.Auto,) * 2)
   cpc = jax_ring.ContextParallel(axis="cp")
   f = lambda q, k, v, kp: jax_ring.decode_attention(
@@ -112,7 +113,7 @@ def test_context_parallel_under_jit_and_eagerly_moves_no_kv():
     hlo = jitted.lower(q, k, v, kv_pos).compile().as_text()
   ref.assert_close(out, expected(q, k, v, kw, window), jnp.float32)
   moved = collectives(hlo)
-  assert moved["all-reduce"] >= 1, moved
+  assert (moved["all-reduce"] >= 1) == (cp > 1), moved
   assert not any(moved[op] for op in ("all-gather", "collective-permute",
                                       "all-to-all")), moved
 
@@ -125,6 +126,8 @@ def test_context_parallel_under_jit_and_eagerly_moves_no_kv():
     (dict(axis_name="cp", context_parallel=jax_ring.ContextParallel()),
      "decode_attention takes axis_name (inside shard_map) or "
      "context_parallel"),
+    (dict(query_positions=np.full((B, T), 2**32 - 1, np.int64)),
+     "query_positions must fit in int32; got 4294967295..4294967295"),
 ])
 def test_bad_inputs_are_named(kw, message):
   q, k, v, _ = ref.random_qkv(5, B, T, C, N, K, H, hv=HV)
@@ -177,6 +180,10 @@ def test_two_sided_window_without_causality_and_empty_sizes():
                                     query_positions=Q_POS,
                                     key_positions=KV_POS[:, :0])
   np.testing.assert_array_equal(np.asarray(empty), 0.0)
+  # A side wider than int32 positions bound nothing: no window.
+  wide = call(q, k, v, dict(is_causal=False, local_window_size=2**40))
+  np.testing.assert_array_equal(np.asarray(wide), np.asarray(
+      call(q, k, v, dict(is_causal=False))))
   none = jax_ring.decode_attention(q[:, :0], k, v,
                                    query_positions=Q_POS[:, :0],
                                    key_positions=KV_POS)

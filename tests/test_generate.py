@@ -83,14 +83,22 @@ def test_greedy_tokens_equal_transformers(name, cache, checkpoints):
   assert got == want
 
 
-@pytest.mark.parametrize("layout", ["striped", "contiguous", "hybrid"])
+@pytest.mark.parametrize("layout", ["striped", "contiguous", "hybrid",
+                                    "context_of_one"])
 def test_other_layouts_give_the_same_tokens(layout, checkpoints):
-  """The prompt in the striped layout, contiguous, or over a pair of axes
-  (Ulysses inside a ring, data=2 x ring=2 x ulysses=2): the cache's slots
-  follow the tokens, and the greedy tokens are transformers'."""
+  """The prompt in the striped layout, contiguous, over a pair of axes
+  (Ulysses inside a ring, data=2 x ring=2 x ulysses=2), or on a context
+  axis of one device beside a data axis: the cache's slots follow the
+  tokens, and the greedy tokens are transformers'."""
   cp_mesh()  # skips without 8 devices
   path, want = checkpoints["mistral"]
-  if layout == "hybrid":
+  if layout == "context_of_one":
+    mesh = jax.make_mesh((2, 1), ("data", "context"),
+                         devices=jax.devices()[:2],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rules, cpc = models.model_rules(), jax_ring.ContextParallel(
+        axis="context")
+  elif layout == "hybrid":
     mesh = jax.make_mesh((2, 2, 2), ("data", "ring", "ulysses"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 3)
     rules = models.model_rules(context=("ring", "ulysses"))
@@ -150,8 +158,33 @@ def test_stop_tokens_end_a_row_and_are_kept(checkpoints):
   assert got[1] == want[1][:stop_1[0] + 1] if stop_1 else want[1]
 
 
+def test_a_tiny_temperature_is_greedy_and_options_are_named(checkpoints):
+  """Logits over a temperature of 1e-39 overflow float32 unless shifted
+  first: the tokens must be the greedy ones. NumPy numbers are numbers;
+  a seed, stop tokens or sampling of another kind are named."""
+  path, want = checkpoints["qwen2"]
+  generator = gen.Generator(models.load_pretrained(path))
+  run = lambda **kw: generator.generate(PROMPTS, max_new_tokens=NEW, **kw)
+  assert run(sampling=gen.Sampling(np.float32(1e-39), top_k=np.int64(5)),
+             seed=np.int64(1)) == want
+  for kw, error, message in (
+      (dict(seed=2**32), ValueError, "seed must be an int in [0, 2**32); "
+       "got 4294967296"),
+      (dict(seed=None), ValueError, "seed must be an int in [0, 2**32); got "
+       "None"),
+      (dict(stop_tokens=5), TypeError, "stop_tokens must be a list of int "
+       "token ids; got 5"),
+      (dict(stop_tokens=[1.5]), ValueError, "stop_tokens must be a list of "
+       "int token ids; got float64 (1,)"),
+      (dict(sampling=None), TypeError, "sampling must be a jax_ring.models."
+       "generation.Sampling; got None")):
+    with pytest.raises(error, match="^" + re.escape(message)):
+      run(**kw)
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+    (dict(temperature=True), "temperature must be a finite number >= 0"),
     (dict(top_k=0), "top_k must be None or an int >= 1; got 0"),
     (dict(top_p=0.0), "top_p must be in (0, 1]; got 0.0"),
 ])
@@ -164,8 +197,14 @@ def test_bad_prompts_steps_and_caches_are_named(checkpoints):
   path, _ = checkpoints["qwen2"]
   generator = gen.Generator(models.load_pretrained(path))
   with pytest.raises(ValueError, match=re.escape(
-      "prompt token ids must be in [0, 61); got 1..61")):
+      "prompt token ids must be in [0, 61); prompt 0 holds 1..61")):
     generator.prefill([[1, 61]], max_new_tokens=2)
+  with pytest.raises(ValueError, match=re.escape(  # not wrapped into int32
+      "prompt token ids must be in [0, 61); prompt 1 holds 2..4294967297")):
+    generator.prefill([[1], np.array([2**32 + 1, 2])], max_new_tokens=2)
+  with pytest.raises(TypeError, match="prompts must be a list of token-id "
+                     "lists; got"):
+    generator.prefill([1, 2], max_new_tokens=2)
   with pytest.raises(ValueError, match=re.escape(
       "prompts must be a non-empty list of non-empty token lists")):
     generator.prefill([[1], []], max_new_tokens=2)

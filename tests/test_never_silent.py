@@ -69,6 +69,31 @@ def test_automatic_path_eager_and_jit_on_auto_and_explicit_axes(kind):
   np.testing.assert_array_equal(np.asarray(eager), np.asarray(jitted))
 
 
+@pytest.mark.parametrize("strategy", ["ring", "auto"])
+def test_eager_autodiff_uses_the_layout(strategy):
+  """jax.grad, jax.vjp and jax.checkpoint with no jax.jit around them
+  (dual-chunk, causal, packed): the forward and every gradient are the
+  reference's, as under jit."""
+  mesh = cp_mesh()
+  q, k, v = qkv(7)
+  do = jax.random.normal(jax.random.key(8), q.shape)
+  seg = jnp.asarray(ref.random_segments(9, B, T, 3))
+  cpc = jax_ring.ContextParallel(axis="cp", strategy=strategy)
+  f = lambda q, k, v, seg: jax_ring.dot_product_attention(
+      q, k, v, is_causal=True, segment_ids=seg, context_parallel=cpc)
+  *args, seg_p, do_p = placed(mesh, q, k, v, seg, do)
+  case = ref.Case(H**-0.5, is_causal=True, q_segment_ids=np.asarray(seg),
+                  kv_segment_ids=np.asarray(seg))
+  r_out, _, g = ref.attention(q, k, v, case, dout=do)
+  out, vjp = jax.vjp(lambda *a: f(*a, seg_p), *args)
+  ref.assert_close(natural(out, CP), r_out, q.dtype, "vjp's out")
+  for name, got in zip("qkv", vjp(do_p)):
+    ref.assert_close(natural(got, CP), g[name], q.dtype, "d" + name)
+  loss = lambda q, k, v: jnp.sum(jax.checkpoint(f)(q, k, v, seg_p) * do_p)
+  for name, got in zip("qkv", jax.grad(loss, (0, 1, 2))(*args)):
+    ref.assert_close(natural(got, CP), g[name], q.dtype, "grad d" + name)
+
+
 def test_flax_attention_fn_eager_uses_the_layout():
   pytest.importorskip("flax")
   import jax_ring.flax

@@ -163,11 +163,11 @@ def _context_parallel(query, key, value, tm: TokenMask, sinks,
     # The partition rule places the shards; it runs on Auto axes.
     call = jax.sharding.auto_axes(call, axes=explicit,
                                   out_sharding=jax.typeof(query).sharding)
-  if not isinstance(query, jax.core.Tracer):
-    # Called eagerly, custom_partitioning would run the unpartitioned body
-    # on the whole arrays, which knows nothing of the load-balance layout.
-    call = jax.jit(call)
-  return call(query, key, value, tm, sinks)
+  # Always a jitted program: outside one (eagerly, and under an eager
+  # jax.grad, jax.vjp or jax.checkpoint, whose tracers are no jit's),
+  # custom_partitioning would run the unpartitioned body on the whole
+  # arrays, which knows nothing of the load-balance layout.
+  return jax.jit(call)(query, key, value, tm, sinks)
 
 
 def _out_shape(query, value):

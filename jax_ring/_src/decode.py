@@ -32,6 +32,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -104,9 +105,11 @@ def decode_attention(query, key, value, *, query_positions, key_positions,
       ("key_positions", key_positions, as_bskh(key).shape[:2])))
   scale, cap = validate.scalar_options(scale, logits_soft_cap)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-  band = AttentionConfig(
-      scale=scale, is_causal=bool(is_causal),
-      local_window=validate.window(local_window_size, None, None)).band
+  window = validate.window(local_window_size, None, None)
+  if window is not None:  # int32 positions: a wider side bounds nothing
+    window = tuple(min(w, 2**31 - 1) for w in window)
+  band = AttentionConfig(scale=scale, is_causal=bool(is_causal),
+                         local_window=window).band
   if sinks is not None:
     sinks = validate.sinks(sinks, query.shape[2])
   if axis_name is not None and context_parallel is not None:
@@ -121,6 +124,11 @@ def decode_attention(query, key, value, *, query_positions, key_positions,
 
 
 def _positions(name, x, shape):
+  if not isinstance(x, jax.Array):  # host values: checked before the cast
+    x = np.asarray(x)
+    if (np.issubdtype(x.dtype, np.integer) and x.size and
+        (x.min() < -2**31 or x.max() >= 2**31)):
+      raise ValueError(f"{name} must fit in int32; got {x.min()}..{x.max()}")
   x = jnp.asarray(x)
   if x.shape != tuple(shape) or not jnp.issubdtype(x.dtype, jnp.integer):
     raise ValueError(f"{name} must be an int array of shape {tuple(shape)}; "
@@ -199,6 +207,8 @@ def _context_parallel(local, q, k, v, q_pos, kv_pos, sinks, cp, seq_axis):
     raise ValueError(
         f"decode_attention: the cache's slots, key {tuple(k.shape)}, must "
         f"divide over the {cp.axis!r} axis of size {size}")
+  if size == 1:  # nothing to merge; XLA refuses a reduction over it
+    return _attend(local, q, k, v, q_pos, kv_pos, sinks, None)
   cache, whole = P(*(None,) * seq_axis, axes), P()
   f = jax.shard_map(
       functools.partial(_attend, local, axis_name=axes), mesh=mesh,

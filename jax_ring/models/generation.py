@@ -95,12 +95,16 @@ class Sampling:
 
   def __post_init__(self):
     t, k, p = self.temperature, self.top_k, self.top_p
-    if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
+    if not (_is_number(t) and math.isfinite(t) and t >= 0):
       raise ValueError(f"temperature must be a finite number >= 0; got {t!r}")
-    if k is not None and not (isinstance(k, int) and k >= 1):
+    if k is not None and not (_is_int(k) and k >= 1):
       raise ValueError(f"top_k must be None or an int >= 1; got {k!r}")
-    if not (isinstance(p, (int, float)) and 0 < p <= 1):
+    if not (_is_number(p) and 0 < p <= 1):
       raise ValueError(f"top_p must be in (0, 1]; got {p!r}")
+    # Python numbers: the jitted sampler takes the record as a static key.
+    object.__setattr__(self, "temperature", float(t))
+    object.__setattr__(self, "top_k", None if k is None else int(k))
+    object.__setattr__(self, "top_p", float(p))
 
 
 def _devices(cfg: DecoderConfig) -> int:
@@ -121,6 +125,11 @@ def _devices(cfg: DecoderConfig) -> int:
 
 def _is_int(x) -> bool:
   return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+  return isinstance(x, (int, float, np.integer, np.floating)) and not (
+      isinstance(x, (bool, np.bool_)))
 
 
 def _layout(cfg: DecoderConfig, x, seq_axis=1):
@@ -222,7 +231,11 @@ class Generator:
     slots rounded up to a multiple of ``SLOT_ALIGN``), and the logits
     ``(B, V)`` of each prompt's last token."""
     cfg = self.cfg
-    lengths = np.array([len(p) for p in prompts], np.int32)
+    try:
+      lengths = np.array([len(p) for p in prompts], np.int32)
+    except TypeError:
+      raise TypeError(f"prompts must be a list of token-id lists; got "
+                      f"{prompts!r:.80}") from None
     if not len(prompts) or lengths.min() < 1:
       raise ValueError(f"prompts must be a non-empty list of non-empty "
                        f"token lists; got lengths {lengths.tolist()}")
@@ -231,6 +244,10 @@ class Generator:
       if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"prompt {i} must be a list of int token ids; got "
                          f"{ids.dtype} {ids.shape}")
+      if ids.min() < 0 or ids.max() >= cfg.vocab_size:  # before any cast
+        raise ValueError(f"prompt token ids must be in [0, "
+                         f"{cfg.vocab_size}); prompt {i} holds "
+                         f"{ids.min()}..{ids.max()}")
     if not (_is_int(max_new_tokens) and max_new_tokens >= 1):
       raise ValueError(f"max_new_tokens must be an int >= 1; got "
                        f"{max_new_tokens!r}")
@@ -294,7 +311,20 @@ class Generator:
     after one of ``stop_tokens`` (kept in its output). ``on_tokens(step,
     tokens (B,))`` sees each step's tokens as they come (rows already
     stopped included). Returns each row's new tokens."""
-    stop = np.asarray(list(stop_tokens), np.int32)
+    if not isinstance(sampling, Sampling):
+      raise TypeError(f"sampling must be a jax_ring.models.generation."
+                      f"Sampling; got {sampling!r:.80}")
+    if not (_is_int(seed) and 0 <= seed < 2**32):
+      raise ValueError(f"seed must be an int in [0, 2**32); got {seed!r}")
+    try:
+      stop = np.asarray(list(stop_tokens))
+    except TypeError:
+      raise TypeError(f"stop_tokens must be a list of int token ids; got "
+                      f"{stop_tokens!r:.80}") from None
+    if stop.size and (stop.ndim != 1 or
+                      not np.issubdtype(stop.dtype, np.integer)):
+      raise ValueError(f"stop_tokens must be a list of int token ids; got "
+                       f"{stop.dtype} {stop.shape}")
     logits, cache = self.prefill(prompts, max_new_tokens=max_new_tokens)
     key = jax.random.key(seed)
     out = [[] for _ in prompts]
@@ -325,7 +355,9 @@ def _sample(logits, key, sampling: Sampling):
   """``(B,)`` int32 next tokens from ``logits (B, V)``."""
   if sampling.temperature == 0:
     return jnp.argmax(logits, -1).astype(jnp.int32)
-  logits = logits / sampling.temperature
+  # Shifted first, so that a tiny temperature tends to greedy rather than
+  # overflowing: the best logit stays 0 and the others fall to -inf.
+  logits = (logits - logits.max(-1, keepdims=True)) / sampling.temperature
   if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
     kth = lax.top_k(logits, sampling.top_k)[0][:, -1:]
     logits = jnp.where(logits < kth, -jnp.inf, logits)
