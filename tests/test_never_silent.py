@@ -125,20 +125,26 @@ def test_plain_arrays_under_set_mesh_and_jit(made):
   ref.assert_close(natural(out, CP), expected, q.dtype)
 
 
-def test_ulysses_serves_t_not_equal_s_with_gradients():
+@pytest.mark.parametrize("ids", [False, True], ids=["causal", "id_pair"])
+def test_ulysses_serves_t_not_equal_s_with_gradients(ids):
   """Causal cross-length attention (top-left, as jax.nn): Ulysses gathers
-  whole sequences, so it serves T != S exactly; contiguous shards."""
+  whole sequences, so it serves T != S exactly; contiguous shards; with a
+  (query ids, key ids) pair of two lengths too."""
   mesh = cp_mesh()
   q, k, v = qkv(5, t=8, s=T)
   do = jax.random.normal(jax.random.key(6), q.shape)
   cpc = jax_ring.ContextParallel(axis="cp", strategy="ulysses",
                                  load_balance=None)
+  seg = (ref.random_segments(10, B, 8, 3), ref.random_segments(11, B, T, 3))
   f = lambda q, k, v: jax_ring.dot_product_attention(
-      q, k, v, is_causal=True, context_parallel=cpc)
+      q, k, v, is_causal=True, context_parallel=cpc, segment_ids=tuple(
+          jax.device_put(x, NamedSharding(mesh, SEQ)) for x in seg)
+      if ids else None)
   args = placed(mesh, q, k, v, layout=None)
   out, vjp = jax.jit(lambda *a: jax.vjp(f, *a))(*args)
   grads = vjp(jax.device_put(do, NamedSharding(mesh, SEQ)))
-  case = ref.Case(H**-0.5, is_causal=True)
+  case = ref.Case(H**-0.5, is_causal=True, **dict(
+      q_segment_ids=seg[0], kv_segment_ids=seg[1]) if ids else {})
   r_out, _, g = ref.attention(q, k, v, case, dout=do)
   ref.assert_close(out, r_out, q.dtype, "out")
   for name, got in zip("qkv", grads):
@@ -198,6 +204,10 @@ CP_REFUSALS = {
     "dual_chunk_length": (dict(t=12, s=12), "load_balance='dual_chunk' needs "
                           "the global sequence length (12) divisible by 2 * "
                           "cp_size = 8"),
+    "dual_chunk_key_length": (dict(strategy="ulysses", t=16, s=12),
+                              "load_balance='dual_chunk' needs the global "
+                              "sequence length (12) divisible by 2 * cp_size "
+                              "= 8; the local key length is 3"),
     "length_not_divisible": (dict(t=10, s=10, load_balance=None),
                              "context_parallel: the sequence length of query "
                              "(2, 10, 4, 8) must be divisible by the 'cp' "

@@ -246,16 +246,17 @@ def self_attention(strategy: str, q_shape, k_shape) -> None:
 
 
 def ring_options(load_balance, loop, local_len, cp_size,
-                 kv_sends=None) -> None:
-  """Layout and loop of local shards of ``local_len`` tokens on cp_size
-  devices. ``"striped"`` needs only S % cp_size == 0, which local shards
-  already are; ``"dual_chunk"`` also needs an even local length."""
+                 kv_sends=None, name="query") -> None:
+  """Layout and loop of local shards of ``local_len`` tokens (of the
+  ``name`` sequence) on cp_size devices. ``"striped"`` needs only S %
+  cp_size == 0, which local shards already are; ``"dual_chunk"`` also
+  needs an even local length."""
   ring_choices(load_balance, loop, kv_sends)
   if load_balance == "dual_chunk" and local_len % 2:
     raise ValueError(
         f"load_balance='dual_chunk' needs the global sequence length "
         f"({local_len * cp_size}) divisible by 2 * cp_size = {2 * cp_size}; "
-        f"the local query length is {local_len}")
+        f"the local {name} length is {local_len}")
 
 
 def context_parallel(cp, query, key, *, bias, mask, return_residual):
@@ -359,6 +360,9 @@ def cp_shapes(cp, sizes, q_shape, k_shape, local_heads) -> None:
   ring_cp = sizes[cp.ring_axis] if strategy == "hybrid" else total
   ring_options(cp.load_balance, cp.loop, q_shape[1] // ring_cp, ring_cp,
                cp.kv_sends)
+  if k_shape[1] != q_shape[1]:  # Ulysses: the keys take the layout too
+    ring_options(cp.load_balance, cp.loop, k_shape[1] // ring_cp, ring_cp,
+                 cp.kv_sends, name="key")
 
 
 def mesh_in_scope(x):

@@ -102,15 +102,25 @@ def kv_grads_to_tokens(dk, dv, k, v, plan: ShardPlan):
 def _block_mask(tm: TokenMask, plan: ShardPlan) -> BlockMask:
   """The full-sequence, natural-order mask of the one kernel call."""
   q_ids = kv_ids = None
-  if tm.q_segment_ids is not None:
-    # Same ids gather once and stay one array (kv None) for the kernel.
-    ids = (tm.q_segment_ids[None] if tm.same_ids else
-           jnp.stack([tm.q_segment_ids, tm.kv_segment_ids]))
+
+  def gather(ids):  # (I, B, L) local -> (I, B, L * cp), natural order
     ids = lax.all_gather(ids, plan.axis_name, axis=2, tiled=True)
     if plan.load_balance:
       ids = reorder_from_load_balance(ids, plan.cp_size, seq_axis=2,
                                       layout=plan.load_balance)
-    q_ids, kv_ids = ids[0], (None if tm.same_ids else ids[1])
+    return ids
+
+  if tm.q_segment_ids is not None:
+    # Same ids gather once and stay one array (kv None) for the kernel;
+    # two of one length gather as one stack.
+    if tm.same_ids:
+      q_ids = gather(tm.q_segment_ids[None])[0]
+    elif tm.q_segment_ids.shape == tm.kv_segment_ids.shape:
+      q_ids, kv_ids = gather(jnp.stack([tm.q_segment_ids,
+                                        tm.kv_segment_ids]))
+    else:  # T != S
+      q_ids = gather(tm.q_segment_ids[None])[0]
+      kv_ids = gather(tm.kv_segment_ids[None])[0]
   return BlockMask(q_segment_ids=q_ids, kv_segment_ids=kv_ids,
                    q_lengths=tm.q_lengths, kv_lengths=tm.kv_lengths)
 
