@@ -243,6 +243,40 @@ def test_packed_calls_of_slots_documents_match_the_reference(name,
     ref.assert_close(got, r_g[gname], q.dtype, "d" + gname)
 
 
+@pytest.mark.parametrize("load_balance", ["dual_chunk", "striped"])
+def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
+  """The ring's packed blocks on cuDNN's ragged semantics (replayed in jnp)
+  inside shard_map, on 2 simulated devices, rows of more documents than
+  SLOTS: the loop's carry varies over the mesh axis as its calls' results
+  do, and the output and gradients equal the reference's."""
+  import jax
+  import jax_ring
+  import ragged_cudnn
+  from jax.sharding import PartitionSpec as P
+  from helpers import layout_vjp, mesh
+  from jax_ring._src.core import registry
+  monkeypatch.setattr(ffi, "sdpa", ragged_cudnn.sdpa)
+  monkeypatch.setattr(cudnn, "unsupported", lambda *_: None)  # as on a GPU
+  monkeypatch.setitem(registry.BACKENDS, "cudnn", registry.Backend(
+      "cudnn", cudnn.forward, cudnn.backward, lambda *_: None))
+  cp, t = 2, 84
+  ids = _many(14, 70, t)
+  q, k, v, do = ref.random_qkv(15, 2, t, t, 4, 2, 8)
+  spec = P(None, "cp")
+  f = jax.shard_map(
+      lambda q, k, v, ids: jax_ring.ring_attention(
+          q, k, v, axis_name="cp", implementation="cudnn", is_causal=True,
+          segment_ids=ids, load_balance=load_balance),
+      mesh=mesh(cp), in_specs=(spec,) * 4, out_specs=spec)
+  out, grads = layout_vjp(f, cp, load_balance, q, k, v, do, jnp.asarray(ids))
+  case = ref.Case(8**-0.5, is_causal=True, q_segment_ids=ids,
+                  kv_segment_ids=ids)
+  r_out, _, r_g = ref.attention(q, k, v, case, dout=do)
+  ref.assert_close(out, r_out, q.dtype, "out")
+  for gname, got in zip("qkv", grads):
+    ref.assert_close(got, r_g[gname], q.dtype, "d" + gname)
+
+
 def test_recording_notes_each_traced_call_with_its_graph_key(monkeypatch):
   """``recording()`` collects every cuDNN call traced inside, with what
   ``workspace_bytes`` needs to rebuild its graph: a causal block's forward

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax_ring._src.backends import xla
 from jax_ring._src.backends.cudnn import ffi
 from jax_ring._src.backends.cudnn.band import Band
+from jax_ring._src.core import vma
 from jax_ring._src.core.mask import MASK_VALUE
 
 
@@ -235,6 +236,8 @@ def forward(q, k, v, mask, config, bnd: Band):
     b, _, n, _ = q.shape
     init = (jnp.zeros((b, t, n, v.shape[3]), q.dtype),
             jnp.full((b, t, n), MASK_VALUE, jnp.float32))
+    # Inside shard_map the carry varies as the calls' results do.
+    init = vma.like(init, q, k, v, q_ids, kv_ids)
     return jax.lax.fori_loop(0, calls, call, init)
 
   fits, calls = layout(q_ids, kv_ids, shift)
@@ -262,9 +265,9 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd: Band):
                            config)[:3],
       lambda: call_backward(q, k, v, documents(q_ids, kv_ids, shift), out,
                             lse, dout, config, inner),
-      lambda: jax.lax.fori_loop(0, calls, call, (jnp.zeros_like(q),
-                                                 jnp.zeros_like(k),
-                                                 jnp.zeros_like(v)))])
+      lambda: jax.lax.fori_loop(0, calls, call, vma.like(
+          (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)),
+          q, k, v, out, lse, dout, q_ids, kv_ids))])
 
 
 def _branch(fits, calls):
