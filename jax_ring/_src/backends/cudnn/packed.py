@@ -114,10 +114,11 @@ def layout(q_ids, kv_ids, shift: int | None = None):
                                        kv[1:] != kv[:-1]])
     by_id = jnp.lexsort((kv, ~member))  # members first, by id
     sk, sm = kv[by_id], member[by_id]
-    kv_ids = (sm & jnp.concatenate([jnp.ones((1,), bool),
-                                    (sk[1:] != sk[:-1]) | (sm[1:] != sm[:-1])])
-              ).sum(dtype=jnp.int32)  # distinct ids among the members
-    fits = (runs == distinct) & (starts.sum(dtype=jnp.int32) == kv_ids)
+    key_docs = (sm & jnp.concatenate([jnp.ones((1,), bool),
+                                      (sk[1:] != sk[:-1]) |
+                                      (sm[1:] != sm[:-1])])
+                ).sum(dtype=jnp.int32)  # distinct ids among the members
+    fits = (runs == distinct) & (starts.sum(dtype=jnp.int32) == key_docs)
     if shift is not None:
       diagonal = jnp.arange(s, dtype=jnp.int32) + shift
       fits &= jnp.all(~starts | (diagonal >= order[at]))
