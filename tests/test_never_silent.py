@@ -6,6 +6,7 @@ the call), eagerly and under ``jax.jit``, or raises ``ValueError`` /
 few and small (a 4-device mesh, 16 tokens): most cases only trace.
 """
 
+import contextlib
 import re
 
 import jax
@@ -69,12 +70,22 @@ def test_automatic_path_eager_and_jit_on_auto_and_explicit_axes(kind):
   np.testing.assert_array_equal(np.asarray(eager), np.asarray(jitted))
 
 
-@pytest.mark.parametrize("strategy", ["ring", "auto"])
-def test_eager_autodiff_uses_the_layout(strategy):
+@pytest.mark.parametrize("strategy, kind", [
+    ("ring", AxisType.Auto), ("auto", AxisType.Auto),
+    ("ring", AxisType.Explicit)])
+def test_eager_autodiff_uses_the_layout(strategy, kind):
   """jax.grad, jax.vjp and jax.checkpoint with no jax.jit around them
   (dual-chunk, causal, packed): the forward and every gradient are the
-  reference's, as under jit."""
-  mesh = cp_mesh()
+  reference's, as under jit; on Explicit axes too (under jax.set_mesh, as
+  jax's own gradients there need), where the forward and the backward are
+  two programs."""
+  mesh = cp_mesh(kind)
+  with jax.set_mesh(mesh) if kind == AxisType.Explicit else (
+      contextlib.nullcontext()):
+    _eager_autodiff(mesh, strategy)
+
+
+def _eager_autodiff(mesh, strategy):
   q, k, v = qkv(7)
   do = jax.random.normal(jax.random.key(8), q.shape)
   seg = jnp.asarray(ref.random_segments(9, B, T, 3))

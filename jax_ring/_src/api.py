@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -146,7 +148,7 @@ def _context_parallel(query, key, value, tm: TokenMask, sinks,
   seq = cp.sequence_axes
   u = P.UNCONSTRAINED
 
-  def call(q, k, v, tm, sinks):
+  def placed(q, k, v, tm, sinks):
     scope = jax.sharding.get_abstract_mesh()
     on = lambda x, *spec: jax.lax.with_sharding_constraint(
         x, NamedSharding(mesh if scope.empty else scope, P(*spec)))
@@ -156,18 +158,66 @@ def _context_parallel(query, key, value, tm: TokenMask, sinks,
                       for f, x in vars(tm).items()})
     if sinks is not None:  # on the mesh too, wherever it was made
       sinks = on(sinks, None)
-    return partition.attention(q, k, v, tm, sinks, config, cp)
+    return q, k, v, tm, sinks
 
+  call = lambda *args: partition.attention(*placed(*args), config, cp)
   explicit = layout.explicit_axes(mesh)
   if explicit:
-    # The partition rule places the shards; it runs on Auto axes.
-    call = jax.sharding.auto_axes(call, axes=explicit,
-                                  out_sharding=jax.typeof(query).sharding)
+    call = _on_auto_axes(placed, config, cp, explicit, query, key, value,
+                         sinks)
   # Always a jitted program: outside one (eagerly, and under an eager
   # jax.grad, jax.vjp or jax.checkpoint, whose tracers are no jit's),
   # custom_partitioning would run the unpartitioned body on the whole
   # arrays, which knows nothing of the load-balance layout.
   return jax.jit(call)(query, key, value, tm, sinks)
+
+
+def _on_auto_axes(placed, config, cp, explicit, query, key, value, sinks):
+  """``partition.attention`` for arrays on Explicit mesh axes. The
+  partition rule runs on Auto axes, so the forward and the backward each
+  run in ``auto_axes``, and what passes between them (the residuals) is on
+  the caller's axes: one ``auto_axes`` around the whole custom VJP would
+  hand the backward residuals typed on the Auto mesh, which jax refuses
+  beside Explicit ones when the two are separate programs (an eager
+  ``jax.grad``, ``jax.vjp`` of a jitted call)."""
+  auto = functools.partial(jax.sharding.auto_axes, axes=explicit)
+  typed = lambda x: jax.typeof(x).sharding
+  q_spec = typed(query).spec
+  lse_sharding = NamedSharding(typed(query).mesh, P(*tuple(q_spec)[:3]))
+  out_sharding = typed(query)  # (B, T, N, Hv): the query's placement
+  grads_sharding = (typed(query), typed(key), typed(value)) + (
+      () if sinks is None else (NamedSharding(typed(query).mesh, P()),))
+
+  def forward(q, k, v, tm, sinks):
+    out, res = partition.forward(*placed(q, k, v, tm, sinks), config, cp)
+    return out, res[-1]  # out, lse
+
+  @jax.custom_vjp
+  def call(q, k, v, tm, sinks):
+    return auto(forward, out_sharding=(out_sharding, lse_sharding))(
+        q, k, v, tm, sinks)[0]
+
+  def call_fwd(q, k, v, tm, sinks):
+    out, lse = auto(forward, out_sharding=(out_sharding, lse_sharding))(
+        q, k, v, tm, sinks)
+    return out, (q, k, v, tm, sinks, out, lse)
+
+  def call_bwd(res, dout):
+    q, k, v, tm, sinks, out, lse = res
+
+    def backward(q, k, v, tm, sinks, out, lse, dout):
+      q, k, v, tm, sinks = placed(q, k, v, tm, sinks)
+      dq, dk, dv, _, dsinks = partition.backward(
+          config, cp, (q, k, v, tm, sinks, out, lse), dout)
+      return (dq, dk, dv) + (() if sinks is None else (dsinks,))
+
+    grads = auto(backward, out_sharding=grads_sharding)(
+        q, k, v, tm, sinks, out, lse, dout)
+    return (*grads[:3], jax.tree.map(lambda _: None, tm),
+            None if sinks is None else grads[3])
+
+  call.defvjp(call_fwd, call_bwd)
+  return call
 
 
 def _out_shape(query, value):

@@ -200,10 +200,11 @@ def attention(q, k, v, tm: TokenMask, sinks, cfg, cpc: ContextParallel):
   """Context-parallel attention of global arrays. Returns ``out``. The
   ``sinks`` (or None) fold into the merged global ``(out, lse)``, outside
   the partitioned calls: XLA reduces the sinks' gradient over the shards."""
-  return _fwd(q, k, v, tm, sinks, cfg, cpc)[0]
+  return forward(q, k, v, tm, sinks, cfg, cpc)[0]
 
 
-def _fwd(q, k, v, tm, sinks, cfg, cpc):
+def forward(q, k, v, tm, sinks, cfg, cpc):
+  """``(out, residuals)``; the residuals' last entry is the global lse."""
   present, ops = _pack(tm)
   fwd, _ = _functions(present)
   out, lse = fwd(cfg, cpc, jax.sharding.get_abstract_mesh(), q, k, v, *ops)
@@ -212,7 +213,9 @@ def _fwd(q, k, v, tm, sinks, cfg, cpc):
   return out, (q, k, v, tm, sinks, out, lse)
 
 
-def _bwd(cfg, cpc, res, dout):
+def backward(cfg, cpc, res, dout):
+  """``(dq, dk, dv, None for the token mask, dsinks)`` from
+  :func:`forward`'s residuals."""
   q, k, v, tm, sinks, out, lse = res
   present, ops = _pack(tm)
   _, bwd = _functions(present)
@@ -223,4 +226,4 @@ def _bwd(cfg, cpc, res, dout):
   return dq, dk, dv, jax.tree.map(lambda _: None, tm), dsinks
 
 
-attention.defvjp(_fwd, _bwd)
+attention.defvjp(forward, backward)
