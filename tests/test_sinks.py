@@ -74,6 +74,25 @@ def test_a_row_that_sees_no_key_gives_its_weight_to_the_sink():
   np.testing.assert_allclose(np.asarray(grad), B * T, rtol=1e-6)
 
 
+def test_an_infinite_or_nan_sink_makes_its_heads_nan_as_jax_nn_would():
+  """A sink is one more logit: +inf or NaN there makes the head's rows NaN
+  (jax.nn's softmax of a row holding one), and its gradients; -inf is a
+  sink that takes nothing."""
+  q, k, v, _ = ref.random_qkv(23, B, T, T, N, K, H)
+  sinks = random_sinks(24).at[1].set(jnp.inf).at[2].set(jnp.nan).at[3].set(
+      -jnp.inf)
+  f = lambda q, s: jax_ring.dot_product_attention(q, k, v, sinks=s,
+                                                  is_causal=True)
+  out = np.asarray(f(q, sinks))
+  assert np.isnan(out[:, :, 1:3]).all() and np.isfinite(out[:, :, [0, 3]]).all()
+  np.testing.assert_array_equal(out[:, :, 3], np.asarray(
+      f(q, sinks.at[3].set(-1e30)))[:, :, 3])
+  dq, ds = jax.grad(lambda q, s: f(q, s).sum(), (0, 1))(q, sinks)
+  ds = np.asarray(ds)
+  assert np.isnan(ds[1:3]).all() and np.isfinite(ds[[0, 3]]).all()
+  assert np.isnan(np.asarray(dq)[:, :, 1:3]).all()
+
+
 @pytest.mark.parametrize("sinks, message", [
     (np.zeros((N + 1,), np.float32), r"sinks must be a float array of shape "
      r"\(N,\) = \(4,\).*got float32 \(5,\)"),

@@ -313,13 +313,16 @@ def fold_sinks(out, lse, sinks):
   """``(out', lse')``: the attention of ``(out (B, T, N, H), lse (B, T,
   N))`` with one more logit per head, ``sinks (N,)``, that has no value:
   ``lse' = logaddexp(lse, s)``, ``out' = out exp(lse - lse')``. A fully
-  masked row (``lse = MASK_VALUE``) gives ``lse' = s`` and ``out' = 0``.
+  masked row (``lse = MASK_VALUE``) gives ``lse' = s`` and ``out' = 0``; a
+  sink of +inf gives NaN rows, a NaN sink NaN rows.
 
   Given ``out'`` and ``lse'``, the block backward is already exact for the
   keys (``p = exp(z - lse')``, ``delta = rowsum(dout out') - dlse``); the
   sink's own gradient is :func:`sinks_grad`."""
   s = sinks.astype(jnp.float32)
-  folded = jnp.logaddexp(lse, s)
+  # A sink of +inf is an infinite logit: its rows are NaN, as jax.nn's
+  # softmax makes a row with one (logaddexp would give them zeros).
+  folded = jnp.where(jnp.isposinf(s), jnp.nan, jnp.logaddexp(lse, s))
   scale = jnp.exp(lse - folded)[..., None]
   return (out.astype(jnp.float32) * scale).astype(out.dtype), folded
 
