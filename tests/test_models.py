@@ -302,6 +302,32 @@ def test_save_keeps_every_config_field_it_loaded(name, checkpoints,
           back.eos_token_id) == (77, 0, 1, [2, 3])
 
 
+def test_extra_config_that_changes_the_model_is_refused(checkpoints,
+                                                        tmp_path):
+  """Qwen2 with its windows given by max_window_layers (no layer_types):
+  an extra_config max_window_layers would make transformers read another
+  model back, so save_pretrained names it and writes nothing."""
+  path, _ = checkpoints["qwen2"]
+  hf = json.loads((path / "config.json").read_text())
+  hf.pop("layer_types", None)
+  hf.update(use_sliding_window=True, sliding_window=5, max_window_layers=1)
+  base = tmp_path / "base"
+  base.mkdir()
+  (base / "config.json").write_text(json.dumps(hf))
+  (base / "model.safetensors").symlink_to(path / "model.safetensors")
+  model = models.load_pretrained(base)
+  with pytest.raises(ValueError, match=re.escape(
+      "save_pretrained: config.json would read back as another model "
+      "(sliding_window None, the model's 5, layer_types None, the model's "
+      "('full_attention', 'sliding_attention')); extra_config sets "
+      "['max_window_layers']")):
+    models.save_pretrained(model, tmp_path / "out",
+                           extra_config={"max_window_layers": 2})
+  assert not (tmp_path / "out").exists()
+  models.save_pretrained(model, tmp_path / "out",
+                         extra_config={"eos_token_id": 3})
+
+
 def test_loss_is_the_mean_next_token_cross_entropy(checkpoints):
   path, hf = checkpoints["qwen2"]
   model = models.load_pretrained(path, implementation="xla")
@@ -356,6 +382,11 @@ UNSUPPORTED = {
                             "transformers' 'mistral' ignores"),
     "dropout": ("qwen2", dict(attention_dropout=0.1),
                 "config.json sets attention_dropout=0.1"),
+    "partial_rotary": ("qwen2", dict(partial_rotary_factor=0.5),
+                       "config.json sets partial_rotary_factor=0.5: RoPE on "
+                       "part of the head dim is not implemented"),
+    "null_eps": ("mistral", dict(rms_norm_eps=None),
+                 "config.json: rms_norm_eps must be a number, not None"),
 }
 
 
@@ -368,6 +399,48 @@ def test_unsupported_configs_are_named(case, checkpoints):
   hf.pop("rope_scaling", None)
   with pytest.raises(ValueError, match=re.escape(message)):
     models.config_from_hf(hf | change)
+
+
+EDITS = {
+    # A tied config over a checkpoint with an output layer of its own:
+    # transformers keeps the two apart, and so must we.
+    "tied_with_its_own_head": ("llama3", dict(tie_word_embeddings=True)),
+    # Only Gemma 3 reads sliding_window_pattern; Gemma 2 alternates.
+    "gemma2_pattern": ("gemma2", dict(layer_types=None,
+                                      sliding_window_pattern=3)),
+    # rope_parameters' rope_theta wins over a top-level one.
+    "top_level_rope_theta": ("mistral", dict(rope_theta=500_000.0)),
+    # rope_scaling replaces rope_parameters (its theta then the default).
+    "rope_scaling_replaces": ("mistral", dict(
+        rope_parameters=dict(rope_type="default", rope_theta=500_000.0),
+        rope_scaling=dict(rope_type="linear", factor=3.0))),
+    # A top-level original_max_position_embeddings wins for llama3 RoPE.
+    "top_level_original_context": ("llama3", dict(
+        original_max_position_embeddings=64)),
+}
+
+
+@pytest.mark.parametrize("case", EDITS)
+def test_edited_configs_read_as_transformers_reads_them(case, checkpoints,
+                                                        tmp_path):
+  """config.json edited by hand in ways whose meaning is transformers'
+  precedence: the loaded model's logits are transformers' own from the
+  same files (positions from 100, where RoPE's base shows)."""
+  name, change = EDITS[case]
+  src = checkpoints[name][0]
+  for f in src.iterdir():
+    (tmp_path / f.name).write_bytes(f.read_bytes())
+  hf = json.loads((src / "config.json").read_text())
+  hf.update(change)
+  hf = {k: v for k, v in hf.items() if v is not None}
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+  ours = models.load_pretrained(tmp_path, implementation="xla")
+  tokens = np.random.default_rng(3).integers(0, V, (1, 21))
+  positions = np.arange(100, 121)[None]
+  assert_logits_close(ours(jnp.asarray(tokens), jnp.asarray(positions)),
+                      hf_logits(theirs, tokens, positions), case)
 
 
 def test_configs_in_transformers_4_spelling_read_as_transformers_5_does():

@@ -17,6 +17,7 @@ it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -181,6 +182,15 @@ def _check(tensor: Tensor, file: pathlib.Path, fh) -> None:
                      f"{tensor.shape}")
 
 
+def _differ(files: dict, a: str, b: str) -> bool:
+  """Whether tensors ``a`` and ``b`` are both in ``files`` and differ (in
+  shape, dtype or any bit)."""
+  if a not in files or b not in files:
+    return False
+  x, y = (files[n][1].get_tensor(n) for n in (a, b))
+  return x.shape != y.shape or x.dtype != y.dtype or x.tobytes() != y.tobytes()
+
+
 def _read(tensor: Tensor, file: pathlib.Path, fh) -> np.ndarray:
   try:
     return fh.get_tensor(tensor.name)
@@ -206,7 +216,10 @@ def load_pretrained(path, *, mesh: jax.sharding.Mesh | None = None,
 
   Returns:
     The model, its config keeping ``config.json`` (``cfg.hf_config``); call
-    it under ``jax.set_mesh(mesh)`` when sharded.
+    it under ``jax.set_mesh(mesh)`` when sharded. The config is read with
+    transformers' precedence; a tied config whose checkpoint holds an
+    ``lm_head.weight`` unlike the embedding loads untied, as transformers
+    loads it.
 
   Raises:
     ValueError: naming the file (and the tensor) for a config this model
@@ -229,6 +242,11 @@ def load_pretrained(path, *, mesh: jax.sharding.Mesh | None = None,
                      "to place the weights (mesh=...)")
   with contextlib.ExitStack() as stack:
     files = _locate(path, stack)
+    if cfg.tie_word_embeddings and _differ(files, "lm_head.weight",
+                                           "model.embed_tokens.weight"):
+      # As transformers: a tied config whose checkpoint holds another
+      # output layer is not tied; that layer is the model's.
+      cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     tensors = list(tensor_map(cfg))
     expected = {t.name for t in tensors}
     missing = sorted(expected - files.keys())
@@ -316,7 +334,8 @@ def save_pretrained(model: Decoder, path, *, dtype=None,
       comes with ``model.safetensors.index.json``.
     extra_config: more ``config.json`` keys (e.g. ``bos_token_id``,
       ``eos_token_id``, ``pad_token_id``), over those of the loaded
-      checkpoint; the architecture's own keys win.
+      checkpoint; the architecture's own keys win, and keys that would
+      make the file read back as another model are a ValueError.
 
   ``config.json`` holds every field of the checkpoint the model was loaded
   from (``model.cfg.hf_config``), changed only where the model differs from

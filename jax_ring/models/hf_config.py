@@ -102,6 +102,15 @@ def _count(hf: dict, key: str, default=None) -> int:
   return value
 
 
+def _float(hf: dict, key: str, default: float) -> float:
+  """``hf[key]`` (``default`` where absent) as a float, or a ValueError
+  naming the key."""
+  value = hf.get(key, default)
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise ValueError(f"config.json: {key} must be a number, not {value!r}")
+  return float(value)
+
+
 def _family(hf: dict) -> tuple[str, Family]:
   kind = hf.get("model_type")
   if kind not in FAMILIES:
@@ -125,6 +134,13 @@ def _refuse_unimplemented(hf: dict) -> None:
     if hf.get(key):
       raise ValueError(f"config.json sets {key}=true, which this model does "
                        "not implement")
+  ropes = [hf, hf.get("rope_scaling") or {}, hf.get("rope_parameters") or {}]
+  ropes += [r for r in ropes[2].values() if isinstance(r, dict)]
+  for rope in ropes:
+    if rope.get("partial_rotary_factor", 1.0) not in (1, 1.0, None):
+      raise ValueError(f"config.json sets partial_rotary_factor="
+                       f"{rope['partial_rotary_factor']}: RoPE on part of "
+                       "the head dim is not implemented")
   if hf.get("attention_dropout"):
     raise ValueError(f"config.json sets attention_dropout="
                      f"{hf['attention_dropout']}: attention dropout is not "
@@ -161,8 +177,11 @@ def _windows(hf: dict, kind: str, family: Family, layers: int
     types = types or ["sliding_attention" if window and i >= start
                       else "full_attention" for i in range(layers)]
   else:  # Gemma: alternating local and global layers
-    pattern = hf.get("sliding_window_pattern",
-                     family.defaults["sliding_window_pattern"])
+    # Only Gemma 3 reads the pattern; transformers' Gemma 2 alternates.
+    pattern = (hf.get("sliding_window_pattern",
+                      family.defaults["sliding_window_pattern"])
+               if kind == "gemma3_text" else
+               family.defaults["sliding_window_pattern"])
     types = types or ["sliding_attention" if (i + 1) % pattern
                       else "full_attention" for i in range(layers)]
   if window is not None and (isinstance(window, bool) or not isinstance(
@@ -219,9 +238,17 @@ def _rope(hf: dict, kind: str, family: Family) -> dict[str, Any]:
   params = dict(hf.get("rope_parameters") or {})
   theta = family.defaults.get("rope_theta", 10_000.0)
   if kind != "gemma3_text":
-    params.update(hf.get("rope_scaling") or {})
-    theta = hf.get("rope_theta", params.get("rope_theta", theta))
-    return dict(rope_theta=float(theta),
+    # As PreTrainedConfig.convert_rope_params_to_dict and
+    # standardize_rope_params: rope_scaling, where given, replaces
+    # rope_parameters; the dict's rope_theta wins and the top-level one
+    # only fills a gap; a top-level original_max_position_embeddings wins.
+    params = dict(hf.get("rope_scaling") or params)
+    params.setdefault("rope_theta", _float(hf, "rope_theta", theta))
+    if (params.get("rope_type", params.get("type")) == "llama3" and
+        hf.get("original_max_position_embeddings") is not None):
+      params["original_max_position_embeddings"] = hf[
+          "original_max_position_embeddings"]
+    return dict(rope_theta=_float(params, "rope_theta", theta),
                 rope_scaling=_scaling(params, "config.json"))
   # As Gemma3TextConfig.convert_rope_params_to_dict.
   if params and not {"full_attention", "sliding_attention"} >= params.keys():
@@ -275,7 +302,7 @@ def fields_from_hf(hf: dict) -> dict[str, Any]:
       num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
       head_dim=_count(hf, "head_dim", d.get("head_dim",
                                             hidden // heads or None)),
-      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      rms_norm_eps=_float(hf, "rms_norm_eps", 1e-6),
       max_position_embeddings=(None if positions is None else
                                _count(hf, "max_position_embeddings")),
       tie_word_embeddings=bool(hf.get("tie_word_embeddings",
@@ -419,4 +446,19 @@ def config_to_save(cfg: DecoderConfig, extra_config: dict | None,
   for key in ("torch_dtype", "dtype"):
     if key in hf or (key == "torch_dtype" and "dtype" not in hf):
       hf[key] = dtype_name
+  # What is written must read back as this model (an extra key such as
+  # max_window_layers or sliding_window_pattern can change the layers).
+  back = fields_from_hf(hf)
+  differ = [k for k in back if _normal(back[k]) != _normal(getattr(cfg, k))]
+  if differ:
+    raise ValueError(
+        "save_pretrained: config.json would read back as another model ("
+        + ", ".join(f"{k} {back[k]!r}, the model's {getattr(cfg, k)!r}"
+                    for k in differ)
+        + f"); extra_config sets {sorted(extra_config or {})}")
   return hf
+
+
+def _normal(value):
+  """Lists as tuples, for comparing a field read from JSON."""
+  return tuple(value) if isinstance(value, list) else value
