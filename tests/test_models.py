@@ -414,6 +414,9 @@ EDITS = {
     "rope_scaling_replaces": ("mistral", dict(
         rope_parameters=dict(rope_type="default", rope_theta=500_000.0),
         rope_scaling=dict(rope_type="linear", factor=3.0))),
+    # Keys transformers' Qwen2 ignores, and silu's other name.
+    "qwen2_ignored_keys": ("qwen2", dict(attention_bias=True, mlp_bias=True,
+                                         hidden_act="swish")),
     # A top-level original_max_position_embeddings wins for llama3 RoPE.
     "top_level_original_context": ("llama3", dict(
         original_max_position_embeddings=64)),

@@ -121,9 +121,10 @@ def _family(hf: dict) -> tuple[str, Family]:
   return kind, FAMILIES[kind]
 
 
-def _refuse_unimplemented(hf: dict) -> None:
+def _refuse_unimplemented(hf: dict, kind: str) -> None:
   """A ValueError naming the first key whose value asks for what no layer
-  here implements."""
+  here implements (Qwen2's biases are fixed: transformers ignores its
+  attention_bias and mlp_bias)."""
   if hf.get("quantization_config"):
     method = (hf["quantization_config"].get("quant_method")
               if isinstance(hf["quantization_config"], dict) else None)
@@ -131,7 +132,7 @@ def _refuse_unimplemented(hf: dict) -> None:
                      f"{method!r}): quantized checkpoints are not loaded; "
                      "dequantize it first")
   for key in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
-    if hf.get(key):
+    if hf.get(key) and not (kind == "qwen2" and key.endswith("bias")):
       raise ValueError(f"config.json sets {key}=true, which this model does "
                        "not implement")
   ropes = [hf, hf.get("rope_scaling") or {}, hf.get("rope_parameters") or {}]
@@ -151,6 +152,7 @@ def _activation(hf: dict, family: Family) -> str:
   key = ("hidden_activation" if "hidden_activation" in family.defaults
          else "hidden_act")
   act = hf.get(key) or family.defaults.get(key, "silu")
+  act = {"swish": "silu"}.get(act, act)  # one function in transformers
   if act not in ACTIVATIONS:
     raise ValueError(f"config.json: {key} {act!r} is not supported (only "
                      f"{', '.join(map(repr, ACTIVATIONS))})")
@@ -274,7 +276,7 @@ def _rope(hf: dict, kind: str, family: Family) -> dict[str, Any]:
 def fields_from_hf(hf: dict) -> dict[str, Any]:
   """The :class:`DecoderConfig` fields a ``config.json`` dict sets."""
   kind, family = _family(hf)
-  _refuse_unimplemented(hf)
+  _refuse_unimplemented(hf, kind)
   d = family.defaults
   hidden, heads = _count(hf, "hidden_size"), _count(hf, "num_attention_heads")
   kv_heads = _count(hf, "num_key_value_heads", heads)
