@@ -148,6 +148,32 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy(checkpoints):
   assert run(gen.Sampling(temperature=1.0, top_k=1), 5) == want
 
 
+@pytest.mark.parametrize("kw", [dict(top_p=0.5), dict(top_p=0.9),
+                                dict(top_k=3), dict(top_k=2, top_p=0.8)],
+                         ids=str)
+def test_filtered_tokens_are_transformers_warpers(kw):
+  """The tokens the draw is made from are those transformers' TopK and
+  TopP warpers keep (temperature 0.7), on random logits; on a row of ties
+  (four equal logits) the nucleus has transformers' count."""
+  from transformers.generation import logits_process as lp
+  logits = np.random.default_rng(4).normal(size=(5, 11)).astype(np.float32)
+  ties = np.array([[1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0]], np.float32)
+  sampling = gen.Sampling(0.7, **kw)
+  warpers = [lp.TemperatureLogitsWarper(0.7)] + (
+      [lp.TopKLogitsWarper(kw["top_k"])] if "top_k" in kw else []) + (
+      [lp.TopPLogitsWarper(kw["top_p"])] if "top_p" in kw else [])
+  for x in (logits, ties):
+    theirs = torch.tensor(x)
+    for w in warpers:
+      theirs = w(None, theirs)
+    ours = np.isfinite(np.asarray(sampling.filter(jax.numpy.asarray(x))))
+    theirs = np.isfinite(theirs.numpy())
+    if x is logits:
+      np.testing.assert_array_equal(ours, theirs)
+    else:
+      assert ours.sum() == theirs.sum(), (ours, theirs)
+
+
 def test_stop_tokens_end_a_row_and_are_kept(checkpoints):
   path, want = checkpoints["llama3"]
   got = gen.generate(models.load_pretrained(path), PROMPTS,

@@ -106,6 +106,27 @@ class Sampling:
     object.__setattr__(self, "top_k", None if k is None else int(k))
     object.__setattr__(self, "top_p", float(p))
 
+  def filter(self, logits):
+    """The logits ``(B, V)`` a token is drawn from (softmax of them), for a
+    temperature above 0: over the temperature, -inf outside the top k
+    (ties with the k-th kept, as transformers' TopK) and outside the
+    nucleus (the most likely tokens, ties by id, up to the first whose
+    cumulative probability reaches top_p: exactly that many)."""
+    # Shifted first, so that a tiny temperature tends to greedy rather than
+    # overflowing: the best logit stays 0 and the others fall to -inf.
+    logits = (logits - logits.max(-1, keepdims=True)) / self.temperature
+    if self.top_k is not None and self.top_k < logits.shape[-1]:
+      kth = lax.top_k(logits, self.top_k)[0][:, -1:]
+      logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if self.top_p < 1:
+      order = jnp.argsort(-logits, -1, stable=True)
+      probs = jax.nn.softmax(jnp.take_along_axis(logits, order, -1), -1)
+      above = jnp.cumsum(probs, -1) - probs  # the mass ranked above each
+      keep = jnp.zeros(logits.shape, bool).at[
+          jnp.arange(logits.shape[0])[:, None], order].set(above < self.top_p)
+      logits = jnp.where(keep, logits, -jnp.inf)
+    return logits
+
 
 def _devices(cfg: DecoderConfig) -> int:
   """D: how many pieces the sequence is split into, on the mesh in scope
@@ -352,17 +373,5 @@ def _sample(logits, key, sampling: Sampling):
   """``(B,)`` int32 next tokens from ``logits (B, V)``."""
   if sampling.temperature == 0:
     return jnp.argmax(logits, -1).astype(jnp.int32)
-  # Shifted first, so that a tiny temperature tends to greedy rather than
-  # overflowing: the best logit stays 0 and the others fall to -inf.
-  logits = (logits - logits.max(-1, keepdims=True)) / sampling.temperature
-  if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
-    kth = lax.top_k(logits, sampling.top_k)[0][:, -1:]
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-  if sampling.top_p < 1:
-    sort = jnp.sort(logits, -1)[:, ::-1]
-    cum = jnp.cumsum(jax.nn.softmax(sort, -1), -1)
-    # The smallest logit kept: the first whose cumulative mass reaches p.
-    cut = jnp.take_along_axis(
-        sort, jnp.sum(cum < sampling.top_p, -1, keepdims=True), -1)
-    logits = jnp.where(logits < cut, -jnp.inf, logits)
+  logits = sampling.filter(logits)
   return jax.random.categorical(key, logits).astype(jnp.int32)
