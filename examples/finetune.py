@@ -159,23 +159,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "Qwen3-1.7B or Gemma-3-1B (default: %(default)s)")
   p.add_argument("--data", default=None, help="JSON lines of examples; "
                  "default: a toy dataset made in --run-dir")
-  p.add_argument("--context", type=int, default=None, help="context-parallel "
+  p.add_argument("--context", type=run_dir.POSITIVE, default=None, help="context-parallel "
                  "degree; the other devices form the data axis (default 4 "
                  "on 8 devices, else all devices)")
   strategies = tuple(s for s in train_lm.field_choices("strategy")
                      if s != "hybrid")
   p.add_argument("--strategy", default="ring", choices=strategies)
-  p.add_argument("--seq", type=int, default=None, help="the sequence "
+  p.add_argument("--seq", type=run_dir.POSITIVE, default=None, help="the sequence "
                  "length: tokens per packed row, split over --context "
                  "devices (a multiple of 2 x --context; default 512 for the "
                  "demo, 4096 with --model)")
-  p.add_argument("--batch", type=int, default=None, help="rows per step")
-  p.add_argument("--steps", type=int, default=None,
+  p.add_argument("--batch", type=run_dir.POSITIVE, default=None, help="rows per step")
+  p.add_argument("--steps", type=run_dir.POSITIVE, default=None,
                  help="default: 150 for the demo, one epoch of --data else")
-  p.add_argument("--lr", type=float, default=None, help="peak learning rate")
-  p.add_argument("--warmup", type=int, default=10)
+  p.add_argument("--lr", type=run_dir.POSITIVE_FLOAT, default=None, help="peak learning rate")
+  p.add_argument("--warmup", type=run_dir.NON_NEGATIVE, default=10)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--examples", type=int, default=DEMO["examples"],
+  p.add_argument("--examples", type=run_dir.POSITIVE, default=DEMO["examples"],
                  help="size of the demo dataset")
   p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                  help="compute dtype; default bfloat16 on GPU, else float32 "
@@ -187,7 +187,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  default=None, help="what the backward recomputes: nothing, "
                  "each block, or each block but its attention (default: "
                  "attention on GPUs, none on CPUs; see DecoderConfig.remat)")
-  p.add_argument("--vocab-chunk", type=int, default=None,
+  p.add_argument("--vocab-chunk", type=run_dir.POSITIVE, default=None,
                  help="the loss takes the vocabulary this many entries at a "
                  "time, so the float32 logits are never whole (default: "
                  "whole)")
@@ -198,6 +198,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   run_dir.check_flags(p, args)
   if args.model and not args.data:
     p.error("--model needs --data (JSON lines; see --help)")
+  if args.model and not os.path.isfile(os.path.join(args.model,
+                                                    "config.json")):
+    p.error(f"--model {args.model}: no config.json there (a local Hugging "
+            "Face checkpoint directory)")
+  if args.data and not os.path.isfile(args.data):
+    p.error(f"--data {args.data}: no such file")
   if args.model and args.demo_model != "tiny-llama":
     p.error("--demo-model makes the demo's model; --model names yours: "
             "pass one of them")
@@ -264,7 +270,13 @@ def make_demo(run: pathlib.Path, args) -> tuple[pathlib.Path, str]:
 
   from jax_ring import models
   base, data = run / "base_model", args.data or run / "demo.jsonl"
-  if args.resume and (base / "config.json").exists() and os.path.exists(data):
+  if args.resume:  # a resumed run writes nothing before its checks
+    missing = [str(p) for p in (base / "config.json", pathlib.Path(data))
+               if not p.exists()]
+    if missing:
+      raise SystemExit(f"--resume: {run} is not a run of the demo's model "
+                       f"with this data ({', '.join(missing)} absent); pass "
+                       "the --model and --data the run started with")
     return base, str(data)
   if jax.process_index() == 0:
     run.mkdir(parents=True, exist_ok=True)
@@ -379,9 +391,9 @@ def train(args) -> dict:
 
   run = run_dir.prepare(args, "finetune", outputs(args),
                         inputs=(args.model, args.data))
+  shape, batch = layout(args)  # the flags' checks, before any write
   model_dir, data_path = ((pathlib.Path(args.model), args.data)
                           if args.model else make_demo(run, args))
-  shape, batch = layout(args)
   encoder = Encoder(model_dir)
   data = SFTData(encoder(*read_records(data_path)), args.seq, args.seed)
   if args.steps is None:  # one epoch

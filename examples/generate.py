@@ -30,6 +30,8 @@ import os
 import pathlib
 import tempfile
 
+import run_dir
+
 DEFAULT_PROMPT = "Reverse the words: owl sun lamp\n"
 
 
@@ -42,10 +44,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "checkpoint directory; default: a tiny random Llama")
   p.add_argument("--prompts", default=None, help='JSON lines of '
                  '{"prompt": "..."}')
-  p.add_argument("--max-new-tokens", type=int, default=32)
-  p.add_argument("--temperature", type=float, default=0.0)
-  p.add_argument("--top-k", type=int, default=None)
-  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--max-new-tokens", type=run_dir.POSITIVE, default=32)
+  p.add_argument("--temperature", type=run_dir.number(float, 0.0),
+                 default=0.0, help="0: greedy")
+  p.add_argument("--top-k", type=run_dir.POSITIVE, default=None)
+  p.add_argument("--top-p", type=run_dir.number(float, 0.0, above=True,
+                                                 high=1.0), default=1.0)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--context", type=int, default=1, help="devices the KV "
                  "cache's sequence is split over (a data x context mesh "
@@ -57,6 +61,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error("give prompts on the command line or with --prompts, not both")
   if args.context < 1:
     p.error(f"--context must be >= 1; got {args.context}")
+  if args.model and not os.path.isfile(os.path.join(args.model,
+                                                    "config.json")):
+    p.error(f"--model {args.model}: no config.json there (a local Hugging "
+            "Face checkpoint directory)")
+  if args.prompts and not os.path.isfile(args.prompts):
+    p.error(f"--prompts {args.prompts}: no such file")
+  if args.temperature == 0 and (args.top_k is not None or args.top_p < 1):
+    p.error("--top-k and --top-p shape sampling: they need --temperature "
+            "> 0 (0 is greedy)")
   return args
 
 

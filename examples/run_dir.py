@@ -28,6 +28,31 @@ import sys
 import tempfile
 
 
+def number(kind, low, *, above: bool = False, high=None):
+  """An argparse ``type``: ``kind`` (int or float) at least ``low`` (more
+  than ``low`` if ``above``) and at most ``high``; anything else is the
+  flag's error (exit status 2), not a run that quietly does another
+  thing."""
+  def parse(text: str):
+    try:
+      value = kind(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"not {kind.__name__}: {text!r}")
+    if (value <= low if above else value < low) or (
+        high is not None and value > high):
+      bound = (f"> {low}" if above else f">= {low}") + (
+          f" and <= {high}" if high is not None else "")
+      raise argparse.ArgumentTypeError(f"must be {bound}; got {text}")
+    return value
+  parse.__name__ = kind.__name__  # argparse names the type in errors
+  return parse
+
+
+POSITIVE = number(int, 1)
+NON_NEGATIVE = number(int, 0)
+POSITIVE_FLOAT = number(float, 0.0, above=True)
+
+
 def add_flags(p: argparse.ArgumentParser, example: str) -> None:
   """The run-directory and checkpoint flags of ``example``."""
   p.add_argument("--run-dir", default=None, help=(
@@ -39,8 +64,8 @@ def add_flags(p: argparse.ArgumentParser, example: str) -> None:
   p.add_argument("--overwrite", action="store_true",
                  help="a fresh run into a --run-dir that holds an earlier "
                  "run's results deletes them first (otherwise it refuses)")
-  p.add_argument("--checkpoint-every", type=int, default=25)
-  p.add_argument("--stop-after", type=int, default=None,
+  p.add_argument("--checkpoint-every", type=POSITIVE, default=25)
+  p.add_argument("--stop-after", type=POSITIVE, default=None,
                  help="stop after this step, as if interrupted")
 
 

@@ -97,7 +97,7 @@ def field_choices(field: str) -> tuple[str, ...]:
 
 
 def add_process_flags(p: argparse.ArgumentParser):
-  p.add_argument("--cpu-devices", type=int, default=8,
+  p.add_argument("--cpu-devices", type=run_dir.POSITIVE, default=8,
                  help="simulated CPU devices (per process)")
   p.add_argument("--distributed", action="store_true",
                  help="jax.distributed.initialize (one process per host)")
@@ -121,11 +121,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="token layout; none = contiguous shards")
   p.add_argument("--loop", choices=["scan", "unrolled"], default=None,
                  help="ring loop form (default: the library's)")
-  p.add_argument("--seq", type=int, default=None, help="sequence length")
-  p.add_argument("--batch", type=int, default=None, help="global batch")
-  p.add_argument("--steps", type=int, default=None)
-  p.add_argument("--lr", type=float, default=None, help="peak learning rate")
-  p.add_argument("--warmup", type=int, default=10)
+  p.add_argument("--seq", type=run_dir.POSITIVE, default=None, help="sequence length")
+  p.add_argument("--batch", type=run_dir.POSITIVE, default=None, help="global batch")
+  p.add_argument("--steps", type=run_dir.POSITIVE, default=None)
+  p.add_argument("--lr", type=run_dir.POSITIVE_FLOAT, default=None, help="peak learning rate")
+  p.add_argument("--warmup", type=run_dir.NON_NEGATIVE, default=10)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                  help="compute dtype; default bfloat16 on GPU, else float32")
@@ -134,7 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--soft-cap", type=float, default=None)
   p.add_argument("--remat", action=argparse.BooleanOptionalAction,
                  default=None, help="rematerialise each block")
-  p.add_argument("--vocab-chunk", type=int, default=None,
+  p.add_argument("--vocab-chunk", type=run_dir.POSITIVE, default=None,
                  help="the loss takes the vocabulary this many entries at a "
                  "time (jax_ring.models.lm_loss)")
   p.add_argument("--remat-attention", action="store_true",
@@ -262,6 +262,14 @@ def build(args, devices=None):
         axis=("ulysses", "context") if hybrid else "context",
         strategy=args.strategy, load_balance=args.load_balance,
         loop=args.loop)
+  if cpc is not None:  # the layout's split, named by its flag
+    devices_cp = math.prod(shape[a] for a in seq_axes)
+    parts = devices_cp * (2 if args.load_balance == "dual_chunk" else 1)
+    if args.seq % parts:
+      raise SystemExit(
+          f"--seq {args.seq} must be a multiple of {parts}: the "
+          f"{args.load_balance or 'contiguous'} layout over {devices_cp} "
+          "devices of the sequence")
   seq = seq_axes if len(seq_axes) > 1 else (seq_axes or (None,))[0]
   preset = PRESETS[args.preset]
   gpu = jax.default_backend() == "gpu"

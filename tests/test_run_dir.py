@@ -8,6 +8,7 @@ naming the step; the default run directory is new per run."""
 
 import hashlib
 import pathlib
+import re
 import sys
 
 import jax
@@ -17,6 +18,8 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
 import checkpoints  # noqa: E402
+import finetune  # noqa: E402
+import generate  # noqa: E402
 import run_dir  # noqa: E402
 import train_lm  # noqa: E402
 
@@ -185,3 +188,45 @@ def test_a_run_never_writes_over_what_it_reads(tmp_path):
   with pytest.raises(SystemExit, match="is read by this run but lies in"):
     run_dir.prepare(args, "test", ("final",),
                     inputs=(tmp_path / "final" / "model",))
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    (finetune, ["--steps", "0"], "argument --steps: must be >= 1; got 0"),
+    (finetune, ["--lr", "-1"], "argument --lr: must be > 0.0; got -1"),
+    (finetune, ["--context", "0"], "argument --context: must be >= 1"),
+    (finetune, ["--data", "/no/such.jsonl"],
+     "--data /no/such.jsonl: no such file"),
+    (train_lm, ["--checkpoint-every", "0"],
+     "argument --checkpoint-every: must be >= 1; got 0"),
+    (train_lm, ["--batch", "0"], "argument --batch: must be >= 1; got 0"),
+    (train_lm, ["--warmup", "-5"], "argument --warmup: must be >= 0"),
+    (train_lm, ["--stop-after", "x"], "argument --stop-after: not int: 'x'"),
+    (generate, ["--top-k", "3"], "--top-k and --top-p shape sampling: they "
+     "need --temperature > 0"),
+    (generate, ["--temperature", "1", "--top-p", "1.5"],
+     "argument --top-p: must be > 0.0 and <= 1.0; got 1.5"),
+    (generate, ["--max-new-tokens", "0"],
+     "argument --max-new-tokens: must be >= 1; got 0"),
+])
+def test_flags_out_of_range_are_the_flags_errors(script, flags, message,
+                                                 capsys):
+  """A value no run can mean is an argparse error naming the flag (exit
+  status 2), never a run that quietly does another thing."""
+  with pytest.raises(SystemExit) as e:
+    script.parse_args(flags)
+  assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_resume_writes_nothing_before_its_checks(tmp_path):
+  """finetune.py --resume in a directory that is not a run of the demo's
+  model with its data (a user's directory; a run started with --data,
+  resumed without it): refused, nothing written or replaced."""
+  (tmp_path / "demo.jsonl").write_text('{"prompt": "mine", "response": "x"}\n')
+  before = contents(tmp_path)
+  with pytest.raises(SystemExit, match=re.escape(
+      f"--resume: {tmp_path} is not a run of the demo's model with this "
+      f"data ({tmp_path / 'base_model' / 'config.json'} absent)")):
+    finetune.train(finetune.parse_args(["--run-dir", str(tmp_path),
+                                        "--resume", "--quiet"]))
+  assert contents(tmp_path) == before
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.jsonl"]
