@@ -425,7 +425,10 @@ def train(args) -> dict:
   record = dict(model=str(model_dir), data_sha256=_sha256(data_path),
                 tokenizer_sha256=_sha256(encoder.path), seq=args.seq,
                 batch=batch, steps=args.steps, lr=args.lr,
-                warmup=args.warmup, seed=args.seed, dtype=str(cfg.dtype))
+                warmup=args.warmup, seed=args.seed, dtype=str(cfg.dtype),
+                # the demo's own flags (a resumed demo keeps its files)
+                demo_model=None if args.model else args.demo_model,
+                examples=None if args.model or args.data else args.examples)
   result = train_lm.train_loop(
       args, mesh=mesh, state=built["state"], train_step=built["train_step"],
       record=record, batch_at=batch_at,

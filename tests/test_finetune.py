@@ -105,6 +105,9 @@ def test_resume_continues_the_uninterrupted_run(whole, tmp_path):
   with pytest.raises(SystemExit, match="other settings: lr: saved 0.003, "
                      "now 0.01$"):
     run(tmp_path, "--resume", "--lr", "1e-2")
+  with pytest.raises(SystemExit, match="other settings: examples: saved "
+                     "100, now 80$"):  # the demo's data is kept: say so
+    run(tmp_path, "--resume", "--examples", "80")
   # A fresh run refuses the directory, final/ included, before writing.
   final = (tmp_path / "final" / "model.safetensors").read_bytes()
   with pytest.raises(SystemExit, match="final.*--resume.*--overwrite"):
