@@ -53,7 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--context", type=int, default=1, help="devices the KV "
                  "cache's sequence is split over (a data x context mesh "
-                 "takes the rest); on a CPU, that many are simulated")
+                 "takes the rest; it must divide the devices); on a CPU, 8 "
+                 "are simulated (more if --context is larger)")
   p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                  help="default: bfloat16 on GPUs, float32 on a CPU")
   args = p.parse_args(argv)

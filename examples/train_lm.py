@@ -216,6 +216,8 @@ def parse_mesh(spec: str | None, num_devices: int) -> dict[str, int]:
     if name not in MESH_AXES or not size.isdigit():
       raise SystemExit(f"--mesh: expected axis=size with axis in "
                        f"{', '.join(MESH_AXES)}; got {item!r}")
+    if name in shape:
+      raise SystemExit(f"--mesh {spec}: axis {name!r} given twice")
     shape[name] = int(size)
   if math.prod(shape.values()) != num_devices:
     raise SystemExit(f"--mesh {spec} has {math.prod(shape.values())} devices;"

@@ -217,6 +217,12 @@ def test_flags_out_of_range_are_the_flags_errors(script, flags, message,
   assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_mesh_axis_given_twice_is_named():
+  with pytest.raises(SystemExit, match=re.escape(
+      "--mesh context=4,context=2: axis 'context' given twice")):
+    train_lm.parse_mesh("context=4,context=2", 8)
+
+
 def test_a_resume_writes_nothing_before_its_checks(tmp_path):
   """finetune.py --resume in a directory that is not a run of the demo's
   model with its data (a user's directory; a run started with --data,
