@@ -132,7 +132,9 @@ def restore(mngr, state, record: dict):
     state = mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract)))["state"]
   except Exception as e:  # noqa: BLE001
-    raise SystemExit(f"{where} cannot be read ({e!r})") from e
+    why = repr(e)  # TensorStore's own specs run to thousands of characters
+    raise SystemExit(f"{where} cannot be read ({why[:300]}"
+                     f"{' ...' if len(why) > 300 else ''})") from e
   for want, got in zip(meta["arrays"], fingerprint(state), strict=True):
     if (want["sum"], want["mix"]) != (got["sum"], got["mix"]):
       others = [s for s in mngr.all_steps() if s != step]
