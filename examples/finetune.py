@@ -159,20 +159,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "Qwen3-1.7B or Gemma-3-1B (default: %(default)s)")
   p.add_argument("--data", default=None, help="JSON lines of examples; "
                  "default: a toy dataset made in --run-dir")
-  p.add_argument("--context", type=run_dir.POSITIVE, default=None, help="context-parallel "
-                 "degree; the other devices form the data axis (default 4 "
-                 "on 8 devices, else all devices)")
+  p.add_argument("--context", type=run_dir.POSITIVE, default=None,
+                 help="context-parallel degree; the other devices form "
+                 "the data axis (default 4 on 8 devices, else all devices)")
   strategies = tuple(s for s in train_lm.field_choices("strategy")
                      if s != "hybrid")
   p.add_argument("--strategy", default="ring", choices=strategies)
-  p.add_argument("--seq", type=run_dir.POSITIVE, default=None, help="the sequence "
-                 "length: tokens per packed row, split over --context "
-                 "devices (a multiple of 2 x --context; default 512 for the "
-                 "demo, 4096 with --model)")
-  p.add_argument("--batch", type=run_dir.POSITIVE, default=None, help="rows per step")
+  p.add_argument("--seq", type=run_dir.POSITIVE, default=None,
+                 help="the sequence length: tokens per packed row, split "
+                 "over --context devices (a multiple of 2 x --context; "
+                 "default 512 for the demo, 4096 with --model)")
+  p.add_argument("--batch", type=run_dir.POSITIVE, default=None,
+                 help="rows per step")
   p.add_argument("--steps", type=run_dir.POSITIVE, default=None,
                  help="default: 150 for the demo, one epoch of --data else")
-  p.add_argument("--lr", type=run_dir.POSITIVE_FLOAT, default=None, help="peak learning rate")
+  p.add_argument("--lr", type=run_dir.POSITIVE_FLOAT, default=None,
+                 help="peak learning rate")
   p.add_argument("--warmup", type=run_dir.NON_NEGATIVE, default=10)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--examples", type=run_dir.POSITIVE, default=DEMO["examples"],

@@ -121,10 +121,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="token layout; none = contiguous shards")
   p.add_argument("--loop", choices=["scan", "unrolled"], default=None,
                  help="ring loop form (default: the library's)")
-  p.add_argument("--seq", type=run_dir.POSITIVE, default=None, help="sequence length")
-  p.add_argument("--batch", type=run_dir.POSITIVE, default=None, help="global batch")
+  p.add_argument("--seq", type=run_dir.POSITIVE, default=None,
+                 help="sequence length")
+  p.add_argument("--batch", type=run_dir.POSITIVE, default=None,
+                 help="global batch")
   p.add_argument("--steps", type=run_dir.POSITIVE, default=None)
-  p.add_argument("--lr", type=run_dir.POSITIVE_FLOAT, default=None, help="peak learning rate")
+  p.add_argument("--lr", type=run_dir.POSITIVE_FLOAT, default=None,
+                 help="peak learning rate")
   p.add_argument("--warmup", type=run_dir.NON_NEGATIVE, default=10)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
