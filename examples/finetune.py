@@ -200,12 +200,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   run_dir.check_flags(p, args)
   if args.model and not args.data:
     p.error("--model needs --data (JSON lines; see --help)")
-  if args.model and not os.path.isfile(os.path.join(args.model,
-                                                    "config.json")):
-    p.error(f"--model {args.model}: no config.json there (a local Hugging "
-            "Face checkpoint directory)")
-  if args.data and not os.path.isfile(args.data):
-    p.error(f"--data {args.data}: no such file")
+  run_dir.check_inputs(p, args.model, data=args.data)
   if args.model and args.demo_model != "tiny-llama":
     p.error("--demo-model makes the demo's model; --model names yours: "
             "pass one of them")

@@ -51,23 +51,17 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--top-p", type=run_dir.number(float, 0.0, above=True,
                                                  high=1.0), default=1.0)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--context", type=int, default=1, help="devices the KV "
-                 "cache's sequence is split over (a data x context mesh "
-                 "takes the rest; it must divide the devices); on a CPU, 8 "
-                 "are simulated (more if --context is larger)")
+  p.add_argument("--context", type=run_dir.POSITIVE, default=1,
+                 help="devices the KV cache's sequence is split over (a "
+                 "data x context mesh takes the rest; it must divide the "
+                 "devices); on a CPU, 8 are simulated (more if --context "
+                 "is larger)")
   p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                  help="default: bfloat16 on GPUs, float32 on a CPU")
   args = p.parse_args(argv)
   if args.prompts and args.prompt:
     p.error("give prompts on the command line or with --prompts, not both")
-  if args.context < 1:
-    p.error(f"--context must be >= 1; got {args.context}")
-  if args.model and not os.path.isfile(os.path.join(args.model,
-                                                    "config.json")):
-    p.error(f"--model {args.model}: no config.json there (a local Hugging "
-            "Face checkpoint directory)")
-  if args.prompts and not os.path.isfile(args.prompts):
-    p.error(f"--prompts {args.prompts}: no such file")
+  run_dir.check_inputs(p, args.model, prompts=args.prompts)
   if args.temperature == 0 and (args.top_k is not None or args.top_p < 1):
     p.error("--top-k and --top-p shape sampling: they need --temperature "
             "> 0 (0 is greedy)")

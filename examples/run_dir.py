@@ -22,6 +22,7 @@ The contract:
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import shutil
 import sys
@@ -67,6 +68,19 @@ def add_flags(p: argparse.ArgumentParser, example: str) -> None:
   p.add_argument("--checkpoint-every", type=POSITIVE, default=25)
   p.add_argument("--stop-after", type=POSITIVE, default=None,
                  help="stop after this step, as if interrupted")
+
+
+def check_inputs(p: argparse.ArgumentParser, model: str | None,
+                 **files: str | None) -> None:
+  """Refuse (``p.error``) a ``--model`` that is no checkpoint directory
+  (no config.json) and each input file (``files``: flag name without its
+  dashes -> path) that is not there."""
+  if model and not os.path.isfile(os.path.join(model, "config.json")):
+    p.error(f"--model {model}: no config.json there (a local Hugging Face "
+            "checkpoint directory)")
+  for flag, path in files.items():
+    if path and not os.path.isfile(path):
+      p.error(f"--{flag} {path}: no such file")
 
 
 def check_flags(p: argparse.ArgumentParser, args) -> None:

@@ -207,6 +207,9 @@ def test_a_run_never_writes_over_what_it_reads(tmp_path):
      "argument --top-p: must be > 0.0 and <= 1.0; got 1.5"),
     (generate, ["--max-new-tokens", "0"],
      "argument --max-new-tokens: must be >= 1; got 0"),
+    (generate, ["--context", "0"], "argument --context: must be >= 1"),
+    (generate, ["--model", "/no/dir"], "--model /no/dir: no config.json "
+     "there"),
 ])
 def test_flags_out_of_range_are_the_flags_errors(script, flags, message,
                                                  capsys):
