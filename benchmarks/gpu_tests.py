@@ -6,7 +6,14 @@ versions, and the context-parallel cases' errors and cuDNN calls, as
       --record gpu_cases.jsonl --seconds 312 [--out DIR]
 
 ``--junit`` is pytest's ``--junitxml`` report; ``--record`` the lines that
-``tests/test_gpu_cp.py`` appends under ``JAX_RING_TEST_RECORD``.
+``tests/test_gpu_cp.py`` appends under ``JAX_RING_TEST_RECORD``. A lane run
+in parts (``LANE_SHARD=i/n``, one machine) is merged by giving each part's
+files and seconds, in the same order, and the environment one part
+recorded (``--env``, written beside its report), so that the summary can be
+written on another machine:
+
+  python benchmarks/gpu_tests.py --junit p1.xml p2.xml \\
+      --record p1.jsonl p2.jsonl --seconds 300 280 --env gpu_env.json
 """
 
 from __future__ import annotations
@@ -39,14 +46,19 @@ def outcomes(junit: pathlib.Path) -> list[tuple[str, str, str, str]]:
 
 
 def summary(results, records, seconds, env, command) -> str:
+  """``seconds``: the wall time of each part (one, unless merged)."""
   counts = collections.Counter(o for _, _, o, _ in results)
+  wall = f"{sum(seconds):.0f} s" + (
+      "" if len(seconds) == 1 else " in " + str(len(seconds)) +
+      " parts, one after another on one machine (" +
+      " + ".join(f"{s:.0f}" for s in seconds) + " s)")
   lines = [
       "jax_ring GPU lane",
       f"command: {command}",
-      f"date: {time.strftime('%Y-%m-%d')}",
+      f"date: {env.get('date') or time.strftime('%Y-%m-%d')}",
       f"devices: {env['device_count']} x {env['device']}; jax {env['jax']}; "
       f"cuDNN {env.get('cudnn', 'not loaded')}; jax_ring {env['jax_ring']}",
-      f"wall time: {seconds:.0f} s",
+      f"wall time: {wall}",
       "totals: " + ", ".join(f"{counts[k]} {k}" for k in (
           "passed", "failed", "error", "skipped")),
       "", "by module:"]
@@ -92,6 +104,12 @@ def summary(results, records, seconds, env, command) -> str:
                  f"{fwd[0]}-{fwd[-1]}, backward {bwd[0]}-{bwd[-1]}; case "
                  f"times {min(r['seconds'] for r in records):.1f}-"
                  f"{max(r['seconds'] for r in records):.1f} s")
+    phases = collections.Counter()
+    for r in records:
+      phases.update(r.get("phases", {}))
+    if phases:
+      lines.append("case time by phase, summed over the cases: " + ", ".join(
+          f"{k} {v:.0f} s" for k, v in phases.items()))
   failed = [(n, m) for _, n, o, m in results if o in ("failed", "error")]
   if failed:
     lines += ["", "failed:"] + [f"  {n}: {m}" for n, m in failed]
@@ -100,23 +118,35 @@ def summary(results, records, seconds, env, command) -> str:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--junit", type=pathlib.Path, required=True)
-  p.add_argument("--record", type=pathlib.Path)
-  p.add_argument("--seconds", type=float, required=True)
+  p.add_argument("--junit", type=pathlib.Path, nargs="+", required=True)
+  p.add_argument("--record", type=pathlib.Path, nargs="*", default=[])
+  p.add_argument("--seconds", type=float, nargs="+", required=True)
   p.add_argument("--command", default="python -m pytest tests -m gpu")
+  p.add_argument("--env", type=pathlib.Path,
+                 help="the environment a part recorded (default: this "
+                 "machine's, also written as gpu_env.json beside the summary)")
   p.add_argument("--out", type=pathlib.Path, default=common.RESULTS)
   args = p.parse_args(argv)
+  if len(args.seconds) != len(args.junit):
+    p.error(f"--seconds needs one value per --junit report; got "
+            f"{len(args.seconds)} for {len(args.junit)}")
   records = []
-  if args.record and args.record.exists():
-    records = [json.loads(line) for line in args.record.read_text().split(
-        "\n") if line]
-  env = common.environment()
-  text = summary(outcomes(args.junit), records, args.seconds, env,
-                 args.command)
+  for path in args.record:
+    if path.exists():
+      records += [json.loads(line) for line in path.read_text().split("\n")
+                  if line]
+  if args.env:
+    env = json.loads(args.env.read_text())
+  else:
+    env = dict(common.environment(), date=time.strftime("%Y-%m-%d"))
+  results = [r for path in args.junit for r in outcomes(path)]
+  text = summary(results, records, args.seconds, env, args.command)
   kind = common.device_kind(env["device"], env["platform"])
   path = args.out / f"gpu_tests_{env['device_count']}x{kind}.txt"
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(text)
+  if not args.env:
+    (args.out / "gpu_env.json").write_text(json.dumps(env))
   print(text + f"wrote {path}")
   return path
 

@@ -18,7 +18,8 @@ stalled (see ``jax_ring/_src/__init__.py``).
 import importlib.util
 import os
 
-import jax  # importing jax starts no backend: XLA_FLAGS is read later
+import jax
+import pytest  # importing jax starts no backend: XLA_FLAGS is read later
 
 if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
   # XLA aborts on a flag it does not know: the emitter flag only where known.
@@ -41,5 +42,33 @@ SLOWEST_MODULES = ("test_train_lm.py", "test_finetune.py",
                    "test_compile_default_flags.py", "test_models.py")
 
 
-def pytest_collection_modifyitems(items):
+def pytest_addoption(parser):
+  parser.addoption(
+      "--lane-shard", metavar="I/N", default=None,
+      help="run only the I-th (from 1) of N interleaved parts of the "
+      "selected tests: a long lane split over jobs of limited time")
+
+
+def lane_shard(option: str | None, count: int) -> list[int]:
+  """The indices, among ``count`` selected tests, of ``--lane-shard I/N``'s
+  part: every N-th from the (I-1)-th, so that each part mixes the lane."""
+  if option is None:
+    return list(range(count))
+  try:
+    i, n = (int(x) for x in option.split("/"))
+  except ValueError:
+    i = n = 0
+  if not 1 <= i <= n:
+    raise pytest.UsageError(f"--lane-shard takes I/N with 1 <= I <= N; got "
+                     f"{option!r}")
+  return list(range(i - 1, count, n))
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: item.path.name not in SLOWEST_MODULES)
+  keep = set(lane_shard(config.getoption("--lane-shard"), len(items)))
+  if len(keep) < len(items):
+    config.hook.pytest_deselected(
+        items=[x for i, x in enumerate(items) if i not in keep])
+    items[:] = [x for i, x in enumerate(items) if i in keep]

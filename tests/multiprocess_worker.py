@@ -4,25 +4,27 @@ context axis spans every process, and (process 0) saves the gathered
 results for the test to compare with the reference.
 
   python tests/multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT.npz \
-      [cpu|gpu]
+      [cpu|gpu|gpu2]
 
 ``cpu``: 4 CPU devices a process (gloo collectives), float32, the pure-JAX
 blocks. ``gpu``: the process's own GPU (NCCL), bfloat16 at 512 tokens a
 device, ``implementation=None``; the compiled programs must hold cuDNN's FFI
-calls.
+calls. ``gpu2``: as ``gpu``, with two GPUs a process (GPUs 2i and 2i + 1).
 """
 
 import sys
 
 import jax
 
-# platform -> (devices a process, dtype, B, tokens a device, N, K, H)
+# setup -> (devices a process, dtype, B, tokens a device, N, K, H)
 SETUPS = {"cpu": (4, "float32", 2, 6, 4, 2, 16),
-          "gpu": (1, "bfloat16", 1, 512, 8, 2, 64)}
+          "gpu": (1, "bfloat16", 1, 512, 8, 2, 64),
+          "gpu2": (2, "bfloat16", 1, 512, 8, 2, 64)}
 
 
-def main(process_id, num_processes, port, out_path, platform="cpu"):
-  local, dtype, b, t, n, kh, h = SETUPS[platform]
+def main(process_id, num_processes, port, out_path, setup="cpu"):
+  local, dtype, b, t, n, kh, h = SETUPS[setup]
+  platform = setup.rstrip("0123456789")
   if platform == "cpu":
     jax.config.update("jax_num_cpu_devices", local)
     # CPU collectives across processes: gloo over TCP (jaxlib's default on
@@ -31,7 +33,9 @@ def main(process_id, num_processes, port, out_path, platform="cpu"):
   jax.distributed.initialize(
       f"localhost:{port}", num_processes=num_processes, process_id=process_id,
       initialization_timeout=60,
-      local_device_ids=[process_id] if platform == "gpu" else None)
+      local_device_ids=(list(range(process_id * local,
+                                   (process_id + 1) * local))
+                        if platform == "gpu" else None))
 
   import numpy as np
   from jax.experimental import multihost_utils
@@ -44,7 +48,7 @@ def main(process_id, num_processes, port, out_path, platform="cpu"):
   assert cp == local * num_processes, jax.devices()
   assert jax.default_backend() == platform, jax.default_backend()
   # Devices in process order: ring neighbours r -> r+1 cross the process
-  # boundary at r = 3 and at the wrap-around.
+  # boundary at r = local - 1 and at the wrap-around.
   mesh = Mesh(np.array(jax.devices()), ("cp",))
   owners = sorted({d.process_index for d in mesh.devices.flat})
   assert owners == list(range(num_processes)), owners

@@ -188,3 +188,45 @@ def test_two_sided_window_without_causality_and_empty_sizes():
                                    query_positions=Q_POS[:, :0],
                                    key_positions=KV_POS)
   assert none.shape == (B, 0, N, HV)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() < 2,
+                    reason="needs 2 or more GPUs")
+def test_bfloat16_cache_over_every_gpu_matches_reference():
+  """A bfloat16 cache of 8k slots a row in no particular order, split over
+  every GPU of the machine (``context_parallel`` under jit), with a window,
+  soft cap and sinks: the float64 reference, and the one-GPU call to
+  bfloat16's rounding."""
+  gpus, c, t = jax.device_count(), 8192, 2
+  rng = np.random.default_rng(10)
+  kv_pos = np.stack([rng.permutation(c) for _ in range(B)]).astype(np.int32)
+  kv_pos[0, kv_pos[0] >= c - 700] = -1  # row 0: 700 empty slots
+  q_pos = np.array([[c - 700, c - 699], [c, c + 1]], np.int32)
+  kw = dict(local_window_size=(3000, 0), logits_soft_cap=20.0,
+            sinks=SINKS)
+  q, k, v, _ = ref.random_qkv(11, B, t, c, N, K, 128, jnp.bfloat16, hv=64)
+  code = ref.shard_code(c, gpus)
+  k, v = (k - code).astype(jnp.bfloat16), (v + code).astype(jnp.bfloat16)
+  d = kv_pos[:, None, :] - q_pos[:, :, None]
+  vis = (kv_pos[:, None, :] >= 0) & (d <= 0) & (d >= -3000)
+  want = ref.attention(q, k, v, ref.Case(128**-0.5, dense=vis[:, None],
+                                         soft_cap=20.0), sinks=SINKS)[0]
+  one = jax_ring.decode_attention(q, k, v, query_positions=q_pos,
+                                  key_positions=kv_pos, **kw)
+  m = jax.make_mesh((gpus,), ("cp",),
+                    axis_types=(jax.sharding.AxisType.Auto,))
+  cpc = jax_ring.ContextParallel(axis="cp")
+  with jax.set_mesh(m):
+    k, v, kv_pos = (jax.device_put(x, NamedSharding(m, P(None, "cp")))
+                    for x in (k, v, kv_pos))
+    f = jax.jit(lambda q, k, v, kp: jax_ring.decode_attention(
+        q, k, v, query_positions=q_pos, key_positions=kp,
+        context_parallel=cpc, **kw))
+    split = f(q, k, v, kv_pos)
+    assert collectives(f.lower(q, k, v, kv_pos).compile().as_text())[
+        "all-reduce"] >= 1
+  ref.assert_close(one, want, jnp.bfloat16, "one GPU")
+  ref.assert_close(split, want, jnp.bfloat16, f"{gpus} GPUs")
+  ref.assert_close(split, np.asarray(one, np.float32), jnp.bfloat16,
+                   "against one GPU")

@@ -313,3 +313,51 @@ def test_bfloat16_generation_on_a_gpu():
   full = model(np.array([seq]), np.arange(len(seq))[None])[0]
   assert relative_error(np.stack(got).astype(np.float32),
                         np.asarray(full[len(prompt) - 1:], np.float32)) < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() < 2,
+                    reason="needs 2 or more GPUs")
+def test_cache_over_every_gpu_generates_as_one_gpu():
+  """The same random weights on one GPU and with the prompt and cache
+  split over every GPU (context=GPUs): in float32, the same greedy tokens;
+  in bfloat16 (the prefill on cuDNN), the same logits at every decoded
+  position to bfloat16's rounding, the one-GPU tokens fed to both."""
+  import jax.numpy as jnp
+  gpus = jax.device_count()
+  prompts = [np.random.default_rng(1).integers(0, V, n).tolist()
+             for n in (1500, 931)]
+  for dtype in (jnp.float32, jnp.bfloat16):
+    cfg = models.DecoderConfig(
+        vocab_size=V, hidden_size=256, intermediate_size=512, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=64, sliding_window=300,
+        layer_types=("sliding_attention", "full_attention"), dtype=dtype,
+        param_dtype=dtype)
+    one = models.Decoder(cfg, rngs=nnx.Rngs(0))
+    mesh = jax.make_mesh((1, gpus), ("data", "context"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+      split = models.Decoder(cfg.replace(
+          rules=models.model_rules(),
+          context_parallel=jax_ring.ContextParallel(axis="context")),
+          rngs=nnx.Rngs(1))
+      state = nnx.state(split)
+      nnx.replace_by_pure_dict(state, jax.tree.map(
+          lambda x, into: jax.device_put(x, into.sharding),
+          nnx.to_pure_dict(nnx.state(one)), nnx.to_pure_dict(state)))
+      nnx.update(split, state)
+    if dtype == jnp.float32:
+      want = gen.generate(one, prompts, max_new_tokens=8)
+      with jax.set_mesh(mesh):
+        assert gen.generate(split, prompts, max_new_tokens=8) == want
+      continue
+    logits, cache = gen.Generator(one).prefill(prompts, max_new_tokens=8)
+    with jax.set_mesh(mesh):
+      generator = gen.Generator(split)
+      got, got_cache = generator.prefill(prompts, max_new_tokens=8)
+      for step in range(8):
+        assert relative_error(np.asarray(got, np.float32), np.asarray(
+            logits, np.float32)) < 3e-2, step
+        tokens = np.asarray(jnp.argmax(logits, -1))
+        logits, cache = gen.Generator(one).step(cache, tokens, step)
+        got, got_cache = generator.step(got_cache, tokens, step)

@@ -43,9 +43,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import json
 import os
+import pathlib
 import re
 import time
 
@@ -81,6 +83,9 @@ STRATEGIES = {
 # take no striped layout.
 LAYOUTS = {"all_gather": ("dual_chunk", None), "hybrid": ("dual_chunk", None)}
 MASKS = ("causal", "full", "window", "padding", "packed", "soft_cap")
+# At the largest cp only: sinks (causal; their gradient checked too), and
+# rows of more documents than one cuDNN call takes (cudnn.SLOTS).
+EXTRA_MASKS = ("sinks", "many_docs")
 SHARD_MAP_FUNCTIONS = {"ring": jax_ring.ring_attention,
                        "all_gather": jax_ring.all_gather_attention,
                        "ulysses": jax_ring.ulysses_attention,
@@ -145,35 +150,41 @@ class CpCase:
 
 def cases(devices: int, shapes=GPU_SHAPES, min_cp: int = 2) -> list[CpCase]:
   """The lane's matrix on ``devices`` devices, for each cp >= ``min_cp``
-  that divides it."""
+  that divides it; at the largest cp also EXTRA_MASKS and the MLA cases.
+
+  A case's shape is set by its cp, mask and layout, not by its strategy or
+  entry: every strategy and entry of one (cp, mask, layout) solves the same
+  problem, so its float64 reference is computed once (``expected``)."""
+  cps = [c for c in range(min_cp, devices + 1) if devices % c == 0]
   out = []
-  for cp in (c for c in range(min_cp, devices + 1) if devices % c == 0):
-    for i, name in enumerate(STRATEGIES):
-      kind = STRATEGIES[name][0]
+  for cp in cps:
+    masks = MASKS + (EXTRA_MASKS if cp == cps[-1] else ())
+    for name, (kind, _) in STRATEGIES.items():
       if kind == "hybrid" and (cp < 4 or cp % 2):
         continue
       entries = ("jit",) if kind == "auto" else ("shard_map", "jit")
-      combos = itertools.product(MASKS, LAYOUTS.get(kind, (
-          "dual_chunk", "striped")), entries)
-      for j, (mask, layout, entry) in enumerate(combos):
-        shape = shapes[(i + j) % len(shapes)]
+      layouts = LAYOUTS.get(kind, ("dual_chunk", "striped"))
+      for j, (mask, layout) in enumerate(itertools.product(masks, layouts)):
+        shape = shapes[(j + cp) % len(shapes)]
         t = max(min(shape.t, MAX_TOKENS // cp), 256) if shapes is GPU_SHAPES \
             else shape.t
-        out.append(CpCase(name, mask, layout, entry, cp,
-                          dataclasses.replace(shape, t=t)))
+        out += [CpCase(name, mask, layout, entry, cp,
+                       dataclasses.replace(shape, t=t)) for entry in entries]
+  if shapes is GPU_SHAPES and cps:
+    out += mla_cases(cps[-1])
   return out
 
 
-def mla_cases() -> list[CpCase]:
-  """Each strategy but hybrid (cp >= 4) at cp = 1 on MLA_SHAPE: the causal
-  and packed masks, in its first layout, through shard_map (auto: jit)."""
+def mla_cases(cp: int) -> list[CpCase]:
+  """Each strategy that runs at ``cp`` on MLA_SHAPE: the causal and packed
+  masks, in its first layout, through shard_map (auto: jit)."""
   out = []
   for name, (kind, _) in STRATEGIES.items():
-    if kind == "hybrid":
+    if kind == "hybrid" and (cp < 4 or cp % 2):
       continue
     layout = LAYOUTS.get(kind, ("dual_chunk",))[0]
     entry = "jit" if kind == "auto" else "shard_map"
-    out += [CpCase(name, mask, layout, entry, 1, MLA_SHAPE)
+    out += [CpCase(name, mask, layout, entry, cp, MLA_SHAPE)
             for mask in MLA_MASKS]
   return out
 
@@ -182,15 +193,16 @@ def mla_cases() -> list[CpCase]:
 # Inputs and the reference problem
 
 
-def odd_documents(seed, b, s):
-  """(B, S) int32 packed-document ids: documents of odd lengths (the last
-  takes what is left) of about S/5 tokens, so most cross a shard border."""
+def odd_documents(seed, b, s, per_row=5):
+  """(B, S) int32 packed-document ids: about ``per_row`` documents of odd
+  lengths (the last takes what is left), so most cross a shard border."""
   rng = np.random.default_rng(seed)
   ids = np.zeros((b, s), np.int32)
   for row in range(b):
     start, doc = 0, 0
     while start < s:
-      length = int(rng.integers(s // 10, s // 4)) | 1
+      length = int(rng.integers(s // (2 * per_row), 5 * s // (4 * per_row)))
+      length |= 1
       ids[row, start:start + length] = doc
       start, doc = start + length, doc + 1
   return ids
@@ -198,7 +210,7 @@ def odd_documents(seed, b, s):
 
 def problem(case: CpCase, seed: int):
   """(q, k, v, dout in natural order, rank-coded; the reference Case; the
-  call's options; the segment ids or None)."""
+  call's options; the segment ids or None; the sinks or None)."""
   sh, cp = case.shape, case.cp
   s = sh.t * cp
   q, k, v, do = ref.random_qkv(seed, sh.b, s, s, sh.n, sh.k, sh.h, hv=sh.hv)
@@ -210,7 +222,7 @@ def problem(case: CpCase, seed: int):
   scale = sh.h**-0.5
   rcase = ref.Case(scale, is_causal=case.mask != "full")
   kw = dict(is_causal=rcase.is_causal)
-  ids = None
+  ids = sinks = None
   if case.mask == "window":
     window = (sh.t * 3 // 4 + 1, 0)  # reaches into the previous shard
     rcase = dataclasses.replace(rcase, window=window)
@@ -222,16 +234,23 @@ def problem(case: CpCase, seed: int):
                                 kv_lengths=lengths[1])
     kw["query_seq_lengths"] = jnp.asarray(lengths[0])
     kw["key_value_seq_lengths"] = jnp.asarray(lengths[1])
-  elif case.mask == "packed":
-    ids = odd_documents(seed, sh.b, s)
-    # One call of cuDNN's ragged path takes SLOTS documents a row: the
-    # lane's blocks stay within one (test_cudnn.py runs rows of more).
-    assert ids.max() < cudnn.SLOTS, ids.max()
+  elif case.mask in ("packed", "many_docs"):
+    many = case.mask == "many_docs"
+    ids = odd_documents(seed, sh.b, s, per_row=4 * cudnn.SLOTS if many
+                        else 5)
+    # packed: one cuDNN ragged call per block takes them all; many_docs:
+    # a row needs several calls (test_cudnn.py runs such rows on one GPU).
+    assert (ids.max() >= 2 * cudnn.SLOTS) if many else (
+        ids.max() < cudnn.SLOTS), ids.max()
     rcase = dataclasses.replace(rcase, q_segment_ids=ids, kv_segment_ids=ids)
   elif case.mask == "soft_cap":
     rcase = dataclasses.replace(rcase, soft_cap=5.0)
     kw["logits_soft_cap"] = 5.0
-  return (q, k, v, do), rcase, kw, ids
+  elif case.mask == "sinks":
+    # Around the logits' scale, so that each sink takes a real share.
+    sinks = jax.random.normal(jax.random.key(seed + 1), (sh.n,),
+                              jnp.float32) + 1.0
+  return (q, k, v, do), rcase, kw, ids, sinks
 
 
 # ---------------------------------------------------------------------------
@@ -296,7 +315,8 @@ def case_mesh(case: CpCase):
 
 
 def attention_fn(case: CpCase, kw, implementation, mesh):
-  """(f(q, k, v, ids) on global arrays in the layout, the token spec)."""
+  """(f(q, k, v, ids, sinks) on global arrays in the layout, the token
+  spec); ``ids`` and ``sinks`` may be None."""
   kind, options = STRATEGIES[case.strategy]
   hybrid = kind == "hybrid"
   axis = HYBRID_AXES if hybrid else "cp"
@@ -306,26 +326,29 @@ def attention_fn(case: CpCase, kw, implementation, mesh):
     cpc = jax_ring.ContextParallel(axis=axis, strategy=kind,
                                    load_balance=case.layout, **options)
     del call["load_balance"]
-    f = lambda q, k, v, ids: jax_ring.dot_product_attention(
-        q, k, v, segment_ids=ids, context_parallel=cpc, **call)
+    f = lambda q, k, v, ids, sinks: jax_ring.dot_product_attention(
+        q, k, v, segment_ids=ids, sinks=sinks, context_parallel=cpc, **call)
     return f, spec
   fn = SHARD_MAP_FUNCTIONS[kind]
 
-  def f(q, k, v, ids):
-    inner = lambda q, k, v, *ids: fn(
-        q, k, v, axis_name=axis, segment_ids=ids[0] if ids else None,
-        **options, **call)
-    nids = 0 if ids is None else 1
-    return jax.shard_map(inner, mesh=mesh, in_specs=(spec,) * (3 + nids),
-                         out_specs=spec)(q, k, v, *(() if ids is None else
-                                                     (ids,)))
+  def f(q, k, v, ids, sinks):
+    # The optional operands travel as a dict (None leaves are no operands):
+    # ids split like the tokens, the sinks whole on every device.
+    extra = {n: x for n, x in dict(segment_ids=ids, sinks=sinks).items()
+             if x is not None}
+    specs = dict(segment_ids=spec, sinks=P())
+    inner = lambda q, k, v, extra: fn(q, k, v, axis_name=axis, **extra,
+                                      **options, **call)
+    return jax.shard_map(inner, mesh=mesh, in_specs=(spec,) * 3 + (
+        {n: specs[n] for n in extra},), out_specs=spec)(q, k, v, extra)
   return f, spec
 
 
 def run_case(case: CpCase, implementation, seed=0):
   """Forward and backward of ``case`` on its mesh. Returns (inputs, the
-  reference Case, out, grads, the backend spy, FFI calls by target)."""
-  inputs, rcase, kw, ids = problem(case, seed)
+  reference Case, the sinks or None, out, grads (dq, dk, dv[, dsinks]),
+  the backend spy, FFI calls by target, seconds by phase)."""
+  inputs, rcase, kw, ids, sinks = problem(case, seed)
   mesh = case_mesh(case)
   f, spec = attention_fn(case, kw, implementation, mesh)
   n = layout_cp(case)
@@ -336,30 +359,67 @@ def run_case(case: CpCase, implementation, seed=0):
   tok = NamedSharding(mesh, spec)
   q, k, v, do = (jax.device_put(to(x), tok) for x in inputs)
   seg = None if ids is None else jax.device_put(to(jnp.asarray(ids)), tok)
+  primals = (q, k, v) + (() if sinks is None else (sinks,))
 
   @jax.jit
-  def go(q, k, v, do, seg):
-    out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, seg), q, k, v)
+  def go(primals, do, seg):
+    out, vjp = jax.vjp(
+        lambda q, k, v, *s: f(q, k, v, seg, s[0] if s else None), *primals)
     return out, vjp(do)
 
+  seconds, t0 = {}, time.perf_counter()
   with backend_spy() as spy:
-    compiled = go.lower(q, k, v, do, seg).compile()
-  out, grads = compiled(q, k, v, do, seg)
-  return (inputs, rcase, back(out), tuple(back(g) for g in grads), spy,
-          ffi_calls(compiled.as_text()))
+    compiled = go.lower(primals, do, seg).compile()
+  seconds["compile"], t0 = time.perf_counter() - t0, time.perf_counter()
+  out, grads = compiled(primals, do, seg)
+  out = jax.block_until_ready(out)
+  seconds["run"] = time.perf_counter() - t0
+  grads = tuple(back(g) for g in grads[:3]) + grads[3:]
+  return (inputs, rcase, sinks, back(out), grads, spy,
+          ffi_calls(compiled.as_text()), seconds)
 
 
-def check_values(inputs, rcase, out, grads):
+def expected(case: CpCase, inputs, rcase, sinks, seed=0):
+  """The float64 reference's {out, dq, dk, dv[, dsinks]} for ``case``'s
+  problem. With ``JAX_RING_REF_CACHE=dir`` it is kept there, one file a
+  problem, for every case (and lane worker) that solves the same one."""
+  q, k, v, do = inputs
+
+  def solve():
+    out, _, g = ref.attention(q, k, v, rcase, dout=do, sinks=sinks)
+    return dict(out=out, dq=g["q"], dk=g["k"], dv=g["v"],
+                **({} if sinks is None else dict(dsinks=g["sinks"])))
+
+  root = os.environ.get("JAX_RING_REF_CACHE")
+  if not root:
+    return solve()
+  # What the problem depends on (test_gpu_cp.problem): the shape, mask,
+  # the rank code's layout and device counts, and the seed.
+  key = repr((case.shape, case.mask, case.layout, layout_cp(case), case.cp,
+              seed))
+  path = pathlib.Path(root) / (hashlib.sha1(key.encode()).hexdigest() +
+                               ".npz")
+  if path.exists():
+    with np.load(path) as f:
+      return dict(f)
+  want = solve()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(f".{os.getpid()}.npz")
+  np.savez(tmp, **want)
+  os.replace(tmp, path)  # whole or absent, for the other workers
+  return want
+
+
+def check_values(case: CpCase, inputs, rcase, sinks, out, grads):
   """Max relative errors, after asserting each within the dtype's
   tolerance against the float64 reference."""
-  q, k, v, do = inputs
-  r_out, _, r_g = ref.attention(q, k, v, rcase, dout=do)
+  want = expected(case, inputs, rcase, sinks)
+  got = dict(zip(("out", "dq", "dk", "dv", "dsinks"), (out,) + grads))
+  assert got.keys() == want.keys(), (got.keys(), want.keys())
   errors = {}
-  for name, got, want in (("out", out, r_out), ("dq", grads[0], r_g["q"]),
-                          ("dk", grads[1], r_g["k"]),
-                          ("dv", grads[2], r_g["v"])):
-    ref.assert_close(got, want, q.dtype, name)
-    errors[name] = ref.relative_error(got, want)
+  for name in want:
+    ref.assert_close(got[name], want[name], inputs[0].dtype, name)
+    errors[name] = ref.relative_error(got[name], want[name])
   return errors
 
 
@@ -371,11 +431,9 @@ def _gpu_params():
   # Collected on every machine, run where the devices are: ids of the
   # 2-GPU matrix without GPUs, so that `-m gpu` lists what it would run.
   # A machine of one GPU runs the matrix at cp = 1 instead (ids n1-...):
-  # no collectives, but the same cuDNN blocks, spy and FFI checks. Every
-  # machine runs the MLA cases (cp = 1).
+  # no collectives, but the same cuDNN blocks, spy and FFI checks.
   extra = cases(1, min_cp=1) if GPUS == 1 else []
-  return [pytest.param(c, id=str(c))
-          for c in cases(max(GPUS, 2)) + extra + mla_cases()]
+  return [pytest.param(c, id=str(c)) for c in cases(max(GPUS, 2)) + extra]
 
 
 @pytest.mark.gpu
@@ -385,46 +443,78 @@ def test_cuda_blocks_match_reference(case):
     pytest.skip(f"needs {case.cp} NVIDIA GPUs; found {GPUS}")
   assert cudnn.LOAD_ERROR is None, cudnn.LOAD_ERROR
   start = time.perf_counter()
-  inputs, rcase, out, grads, spy, calls = run_case(case, None)
+  inputs, rcase, sinks, out, grads, spy, calls, seconds = run_case(case, None)
   assert spy.xla_blocks == 0, (
       f"{spy.xla_blocks} blocks lowered through the pure-JAX backend")
   assert not spy.cudnn_fallbacks, spy.cudnn_fallbacks
   fwd = calls.get("jax_ring_sdpa_fwd", 0)
   bwd = sum(n for t, n in calls.items() if t.startswith("jax_ring_sdpa_bwd"))
   assert fwd and bwd, f"no cuDNN forward/backward call in the program: {calls}"
-  errors = check_values(inputs, rcase, out, grads)
+  t0 = time.perf_counter()
+  errors = check_values(case, inputs, rcase, sinks, out, grads)
+  seconds["check"] = time.perf_counter() - t0
   record = os.environ.get("JAX_RING_TEST_RECORD")
   if record:
     with open(record, "a") as fh:
       fh.write(json.dumps(dict(
           case=str(case), ffi_calls=calls, errors=errors,
           tolerance=ref.TOLERANCES[jnp.dtype(case.shape.dtype)],
-          seconds=round(time.perf_counter() - start, 2))) + "\n")
+          seconds=round(time.perf_counter() - start, 2),
+          phases={k: round(v, 2) for k, v in seconds.items()})) + "\n")
 
 
 def test_lane_covers_the_matrix():
-  """The 2-GPU lane: every strategy x mask x layout x entry, each shape at
-  least once per strategy, at least 150 cases."""
-  two = cases(2)
-  assert len(two) >= 150, len(two)
-  assert len({str(c) for c in two}) == len(two)
+  """The 2- and 4-GPU lanes: every strategy x mask x layout x entry, each
+  shape at least once per strategy; EXTRA_MASKS and MLA at the largest cp;
+  at least 150 cases on 2 GPUs and 350 on 4."""
+  two, four = cases(2), cases(4)
+  assert len(two) >= 150 and len(four) >= 350, (len(two), len(four))
+  assert len({str(c) for c in four}) == len(four)
   for name, (kind, _) in STRATEGIES.items():
-    mine = [c for c in two if c.strategy == name]
-    if kind == "hybrid":
-      assert not mine  # needs 4 devices
-      assert {c.cp for c in cases(4) if c.strategy == name} == {4}
-      continue
-    assert {c.mask for c in mine} == set(MASKS), name
-    assert {c.shape.name for c in mine} == {"mha", "gqa", "mqa"}, name
-    assert {c.entry for c in mine} == (
-        {"jit"} if kind == "auto" else {"shard_map", "jit"}), name
+    for lane, cps in ((two, {2}), (four, {2, 4})):
+      mine = [c for c in lane if c.strategy == name]
+      if kind == "hybrid":
+        cps -= {2}  # needs 4 devices
+      assert {c.cp for c in mine} == cps, name
+      if not mine:
+        continue
+      top = [c for c in mine if c.cp == max(cps)]
+      assert {c.mask for c in top} == set(MASKS + EXTRA_MASKS), name
+      assert any(c.shape.hv for c in top), name
+      assert {c.shape.name for c in mine} == {"mha", "gqa", "mqa"}, name
+      assert {c.entry for c in mine} == (
+          {"jit"} if kind == "auto" else {"shard_map", "jit"}), name
   eight = cases(8)
   assert {c.cp for c in eight} == {2, 4, 8}
+  assert not any(c.mask in EXTRA_MASKS or c.shape.hv for c in eight
+                 if c.cp < 8)
   for c in eight:
     kind = STRATEGIES[c.strategy][0]
     heads = c.cp if kind == "ulysses" else 2 if kind == "hybrid" else 1
     assert c.shape.n % heads == 0, c  # Ulysses splits the heads
     assert 256 <= c.shape.t <= 2048 and c.shape.t * c.cp <= MAX_TOKENS, c
+
+
+def test_cases_of_one_problem_share_its_reference(tmp_path, monkeypatch):
+  """Every strategy and entry of a (cp, mask, layout) solves one problem:
+  its shape is theirs, and the reference is solved once for all of them
+  (the cache's file is what the others read)."""
+  by_problem = {}
+  for c in cases(4):
+    by_problem.setdefault((c.cp, c.mask, c.layout, layout_cp(c), c.shape.hv),
+                          set()).add(c.shape)
+  assert all(len(s) == 1 for s in by_problem.values()), by_problem
+  monkeypatch.setenv("JAX_RING_REF_CACHE", str(tmp_path))
+  a = CpCase("ring_gather_scan", "sinks", "striped", "jit", 2, CPU_SHAPES[0])
+  b = dataclasses.replace(a, strategy="ulysses", entry="shard_map")
+  inputs, rcase, _, _, sinks = problem(a, 0)
+  first = expected(a, inputs, rcase, sinks)
+  assert len(list(tmp_path.iterdir())) == 1 and "dsinks" in first
+  inputs, rcase, _, _, sinks = problem(b, 0)
+  again = expected(b, inputs, rcase, sinks)
+  assert len(list(tmp_path.iterdir())) == 1
+  for name in first:
+    np.testing.assert_array_equal(again[name], first[name])
 
 
 @pytest.mark.parametrize("case", [
@@ -434,6 +524,7 @@ def test_lane_covers_the_matrix():
            CPU_SHAPES[0]),
     CpCase("all_gather_chunked", "window", None, "jit", 4, CPU_SHAPES[0]),
     CpCase("hybrid", "soft_cap", "dual_chunk", "shard_map", 4, CPU_SHAPES[0]),
+    CpCase("ulysses", "sinks", "striped", "shard_map", 4, CPU_SHAPES[0]),
     pytest.param(CpCase("all_gather", "packed", "dual_chunk", "shard_map", 4,
                         CPU_SHAPES[0]), marks=pytest.mark.slow),
 ], ids=str)
@@ -442,10 +533,10 @@ def test_harness_on_cpu(case):
   FFI count) on simulated CPU devices with the pure-JAX blocks."""
   if len(jax.devices()) < case.cp:
     pytest.skip(f"needs {case.cp} devices")
-  inputs, rcase, out, grads, spy, calls = run_case(case, "xla")
+  inputs, rcase, sinks, out, grads, spy, calls, _ = run_case(case, "xla")
   assert spy.xla_blocks > 0 and not spy.cudnn_fallbacks, spy
   assert calls == {}, calls
-  check_values(inputs, rcase, out, grads)
+  check_values(case, inputs, rcase, sinks, out, grads)
 
 
 def test_spy_records_blocks_the_cudnn_backend_passes_on(monkeypatch):
@@ -457,8 +548,8 @@ def test_spy_records_blocks_the_cudnn_backend_passes_on(monkeypatch):
       "cudnn", cudnn.forward, cudnn.backward, lambda *_: None))
   case = CpCase("ring_neighbour_unrolled", "causal", "dual_chunk",
                 "shard_map", 2, CPU_SHAPES[0])
-  inputs, rcase, out, grads, spy, calls = run_case(case, "cudnn")
+  inputs, rcase, sinks, out, grads, spy, calls, _ = run_case(case, "cudnn")
   assert spy.xla_blocks == 0 and calls == {}, (spy, calls)
   assert spy.cudnn_fallbacks and all(
       "platform 'cpu'" in why for why in spy.cudnn_fallbacks), spy
-  check_values(inputs, rcase, out, grads)
+  check_values(case, inputs, rcase, sinks, out, grads)

@@ -1,5 +1,6 @@
 """Multi-process runs on localhost under ``jax.distributed``: 2 processes x 4
-CPU devices (gloo collectives), or 2 processes x 1 GPU (NCCL; ``-m gpu``).
+CPU devices (gloo collectives), or 2 processes x 1 or 2 GPUs (NCCL; ``-m
+gpu``).
 
 * Ring attention with the context axis spanning both processes, against the
   float64 reference.
@@ -56,19 +57,23 @@ def launch(command):
   return logs
 
 
-@pytest.mark.parametrize("platform", [
-    "cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_ring_across_two_processes_matches_reference(platform, tmp_path):
-  """cpu: 2 x 4 CPU devices, float32, pure-JAX blocks; gpu: 2 x 1 GPU,
-  bfloat16, cuDNN blocks (its FFI calls in both compiled programs)."""
-  if platform == "gpu" and _gpus() < NUM_PROCESSES:
-    pytest.skip(f"needs {NUM_PROCESSES} NVIDIA GPUs")
+@pytest.mark.parametrize("setup", [
+    "cpu", pytest.param("gpu", marks=pytest.mark.gpu),
+    pytest.param("gpu2", marks=pytest.mark.gpu)])
+def test_ring_across_two_processes_matches_reference(setup, tmp_path):
+  """cpu: 2 x 4 CPU devices, float32, pure-JAX blocks; gpu: 2 x 1 GPU and
+  gpu2: 2 x 2 GPUs, bfloat16, cuDNN blocks (its FFI calls in both compiled
+  programs)."""
+  platform = setup.rstrip("0123456789")
+  local = {"cpu": 4, "gpu": 1, "gpu2": 2}[setup]
+  if platform == "gpu" and _gpus() < NUM_PROCESSES * local:
+    pytest.skip(f"needs {NUM_PROCESSES * local} NVIDIA GPUs")
   out = tmp_path / "result.npz"
   launch(lambda i, port: [str(HERE / "multiprocess_worker.py"), str(i),
-                          str(NUM_PROCESSES), str(port), str(out), platform])
+                          str(NUM_PROCESSES), str(port), str(out), setup])
 
   r = np.load(out)
-  assert int(r["num_devices"]) == (8 if platform == "cpu" else 2)
+  assert int(r["num_devices"]) == NUM_PROCESSES * local
   q, k, v, do, ids = (r[n] for n in ("q", "k", "v", "do", "ids"))
   dtype = np.float32 if platform == "cpu" else jnp.bfloat16
   case = ref.Case(q.shape[-1]**-0.5, is_causal=True, q_segment_ids=ids,
