@@ -243,6 +243,13 @@ def main():
                  "schedule, for the longest-length search)")
   p.add_argument("--devices", type=int, nargs="+", default=None,
                  help="mesh sizes to run (default: 1 and all devices)")
+  p.add_argument("--runs", nargs="+", default=None, metavar="DEVICES:SEQ",
+                 help="throughput rows in this order, each a mesh size and a "
+                 "length (replaces --devices and --seq): e.g. weak scaling "
+                 "1:32768 2:65536 4:131072, strong 1:65536 2:65536 4:65536")
+  p.add_argument("--skip-analysis", action="store_true",
+                 help="no compile of XLA's memory analysis after a mesh's "
+                 "first row (one compile fewer a mesh)")
   p.add_argument("--cpu", action="store_true",
                  help="simulated CPU devices (plumbing check only)")
   p.add_argument("--profile", metavar="DIR", default=None,
@@ -306,24 +313,36 @@ def main():
 
   # Throughput first (both meshes), then the compile-only length search, so
   # that a run cut short keeps the most useful numbers (JSON after each).
-  for devices, mesh_argv in meshes.items():
-    run = runs[devices] = Run(common_argv + mesh_argv,
-                              jax.devices()[:devices], not a.no_packing)
+  if a.runs:
+    try:
+      plan = [tuple(int(x) for x in r.split(":")) for r in a.runs]
+    except ValueError:
+      p.error(f"--runs takes DEVICES:SEQ pairs; got {a.runs}")
+    meshes = {d: ["--mesh", f"data=1,context={d}"] for d, _ in plan}
+  else:
+    plan = [(d, seq) for d in meshes for seq in (
+        [] if a.skip_throughput else a.seq[:1] if d == 1 else a.seq)]
+  for devices, seq in plan:
+    if devices not in runs:
+      runs[devices] = Run(common_argv + meshes[devices],
+                          jax.devices()[:devices], not a.no_packing)
+    run = runs[devices]
     cfg = run.built["cfg"]
-    seqs = [] if a.skip_throughput else a.seq[:1] if devices == 1 else a.seq
-    for i, seq in enumerate(seqs):
-      before = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use")
-      r = run.throughput(seq, a.steps)
-      r.update(devices=devices, params=cfg.num_params(), bytes_in_use_before=
-               before, mfu=model_flops_per_token(cfg, seq) *
-               r["tokens_per_s"] / (devices * a.peak_tflops * 1e12))
-      if i == 0:  # the analysis against the allocator's measured peak
-        r["analysed_peak_bytes"] = run.compile_peak(seq)["peak"]
-      rows.append(r)
-      print(r, flush=True)
-      report()
-    if a.profile and seqs:
-      profiles.append(profile(run, seqs[0], 3, a.profile))
+    first = not any(r["devices"] == devices for r in rows)
+    before = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use")
+    t0 = time.perf_counter()
+    r = run.throughput(seq, a.steps)
+    r.update(devices=devices, params=cfg.num_params(), bytes_in_use_before=
+             before, mfu=model_flops_per_token(cfg, seq) *
+             r["tokens_per_s"] / (devices * a.peak_tflops * 1e12),
+             wall_s=time.perf_counter() - t0)
+    if first and not a.skip_analysis:  # against the allocator's peak
+      r["analysed_peak_bytes"] = run.compile_peak(seq)["peak"]
+    rows.append(r)
+    print(r, flush=True)
+    report()
+    if a.profile and first:
+      profiles.append(profile(run, seq, 3, a.profile))
       print({k: v for k, v in profiles[-1].items() if k != "top_kernels"},
             flush=True)
       report()

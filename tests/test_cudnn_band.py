@@ -304,9 +304,9 @@ def test_recording_notes_each_traced_call_with_its_graph_key(monkeypatch):
         q, kv, kv, None, BlockMask(q_segment_ids=ids), cfg))(q, kv)
   assert ffi.RECORD is None
   assert "u8[256]" in str(fwd)  # the workspace: one more result of the call
-  # A packed call is traced twice: alone, and in the loop over calls.
+  # A packed block is traced once: the body of its loop over calls.
   assert [(c["backward"], c["slots"]) for c in calls] == [
-      (False, 0), (True, 0), (False, cudnn.SLOTS), (False, cudnn.SLOTS)]
+      (False, 0), (True, 0), (False, cudnn.SLOTS)]
   assert calls[0] == dict(backward=False, q=(b, t, n, h), k=(b, t, k, h),
                           v=(b, t, k, h), dtype="bfloat16", scale=0.25,
                           row_start=0, col_start=0, right_bound=0,
@@ -340,7 +340,7 @@ def test_a_value_head_dim_unlike_the_keys_reaches_the_calls(monkeypatch):
       grads = jax.eval_shape(lambda: cudnn.backward(
           *args(mask), out, lse, out, None, cfg))
       assert [g.shape for g in grads[:3]] == [q.shape, kk.shape, v.shape]
-  assert [c["v"] for c in calls] == [v.shape] * 6  # packed: 2 + 2
+  assert [c["v"] for c in calls] == [v.shape] * 4  # packed: 1 + 1
   with pytest.raises(ValueError, match="stacked dK/dV need key and value of "
                      "one shape"):
     cudnn.backward_dkv(*args(BlockMask()), out, lse, out, None, cfg)

@@ -23,8 +23,11 @@ starts its queries at ``kv_start + shift``. That is exact when no
 document's first key lies before its first query's diagonal, which the
 striped layout guarantees. :func:`layout` checks that, and that each id is
 one run of queries and one range of keys, at run time; a batch that does
-not fit goes to the ``xla`` backend. One ``lax.switch`` picks among the
-``xla`` backend, one call and the loop of calls.
+not fit goes to the ``xla`` backend: one ``lax.cond`` picks it or the
+loop of calls. A row of at most SLOTS documents is the loop's one
+iteration: a second branch for it would put a second cuDNN call into
+every packed block of the compiled program, and the compile time of a
+ring over many blocks grows with those (4 GPUs, a 16-layer model).
 """
 
 from __future__ import annotations
@@ -242,11 +245,8 @@ def forward(q, k, v, mask, config, bnd: Band):
     return jax.lax.fori_loop(0, calls, call, init)
 
   fits, calls = layout(q_ids, kv_ids, shift)
-  return jax.lax.switch(_branch(fits, calls), [
-      lambda: xla.forward(q, k, v, None, mask, config),
-      lambda: call_forward(q, k, v, documents(q_ids, kv_ids, shift), config,
-                           inner),
-      loop])
+  return jax.lax.cond(fits, loop,
+                      lambda: xla.forward(q, k, v, None, mask, config))
 
 
 def backward(q, k, v, mask, out, lse, dout, config, bnd: Band):
@@ -260,20 +260,14 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd: Band):
     grads = call_backward(q, k, v, docs, out, lse, dout, config, inner)
     return tuple(a + x for a, x in zip(acc, grads))  # disjoint rows, keys
 
+  def loop():
+    init = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
+    init = vma.like(init, q, k, v, out, lse, dout, q_ids, kv_ids)
+    return jax.lax.fori_loop(0, calls, call, init)
+
   fits, calls = layout(q_ids, kv_ids, shift)
-  return jax.lax.switch(_branch(fits, calls), [
-      lambda: xla.backward(q, k, v, None, mask, out, lse, dout, None,
-                           config)[:3],
-      lambda: call_backward(q, k, v, documents(q_ids, kv_ids, shift), out,
-                            lse, dout, config, inner),
-      lambda: jax.lax.fori_loop(0, calls, call, vma.like(
-          (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)),
-          q, k, v, out, lse, dout, q_ids, kv_ids))])
-
-
-def _branch(fits, calls):
-  """0: the ``xla`` backend; 1: one call; 2: the loop of calls."""
-  return jnp.where(fits, jnp.where(calls > 1, 2, 1), 0)
+  return jax.lax.cond(fits, loop, lambda: xla.backward(
+      q, k, v, None, mask, out, lse, dout, None, config)[:3])
 
 
 def unsupported_ids(config, query, key, value, mask) -> str | None:
