@@ -15,6 +15,7 @@ included: ``test_compile_default_flags.py`` guards the compile they once
 stalled (see ``jax_ring/_src/__init__.py``).
 """
 
+import hashlib
 import importlib.util
 import os
 
@@ -49,25 +50,30 @@ def pytest_addoption(parser):
       "selected tests: a long lane split over jobs of limited time")
 
 
-def lane_shard(option: str | None, count: int) -> list[int]:
-  """The indices, among ``count`` selected tests, of ``--lane-shard I/N``'s
-  part: every N-th from the (I-1)-th, so that each part mixes the lane."""
+def lane_shard(option: str | None, ids: list[str]) -> set[int]:
+  """The indices, among the selected tests' ``ids``, of ``--lane-shard
+  I/N``'s part: every N-th in the order of the ids' hashes, so that parts
+  are of one size (within one test) and each mixes the lane (the lane's
+  neighbours differ in one option, such as the entry point)."""
   if option is None:
-    return list(range(count))
+    return set(range(len(ids)))
   try:
     i, n = (int(x) for x in option.split("/"))
   except ValueError:
     i = n = 0
   if not 1 <= i <= n:
     raise pytest.UsageError(f"--lane-shard takes I/N with 1 <= I <= N; got "
-                     f"{option!r}")
-  return list(range(i - 1, count, n))
+                            f"{option!r}")
+  order = sorted(range(len(ids)),
+                 key=lambda j: hashlib.sha1(ids[j].encode()).hexdigest())
+  return set(order[i - 1::n])
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: item.path.name not in SLOWEST_MODULES)
-  keep = set(lane_shard(config.getoption("--lane-shard"), len(items)))
+  keep = lane_shard(config.getoption("--lane-shard"),
+                    [item.nodeid for item in items])
   if len(keep) < len(items):
     config.hook.pytest_deselected(
         items=[x for i, x in enumerate(items) if i not in keep])

@@ -311,3 +311,19 @@ def test_fine_tuning_flops_count_each_documents_keys():
   keys = (1 + 2 + 3) + (1 + 2 + 3 + 4 + 5) + (1 + 2 + 2) + (1 + 2 + 2 + 2 + 2)
   want = 6 * cfg.num_params() + 12 * 2 * 4 * keys / 10
   assert finetune_models.flops_per_token(cfg, [3, 5], 10) == want
+
+
+def test_lane_shards_partition_the_selected_tests():
+  """``--lane-shard I/N`` (tests/conftest.py): the N parts together hold
+  each selected test once, differ in size by at most one, and mix
+  neighbouring ids; a bad I/N is a usage error."""
+  import conftest
+  ids = [f"case[{i}-{'jit' if i % 2 else 'shard_map'}]" for i in range(101)]
+  parts = [conftest.lane_shard(f"{i}/3", ids) for i in (1, 2, 3)]
+  assert sorted(j for p in parts for j in p) == list(range(101))
+  assert {len(p) for p in parts} <= {33, 34}
+  assert all(0 < sum(j % 2 for j in p) < len(p) for p in parts)
+  assert conftest.lane_shard(None, ids) == set(range(101))
+  for bad in ("0/2", "3/2", "two"):
+    with pytest.raises(pytest.UsageError, match="--lane-shard takes I/N"):
+      conftest.lane_shard(bad, ids)
