@@ -173,7 +173,8 @@ def main():
       else:
         cpc = jax_ring.ContextParallel(
             axis="cp", strategy=a.strategy, load_balance="dual_chunk",
-            loop=a.loop, kv_chunk_heads=a.kv_chunk_heads, **ring_kwargs(a))
+            loop=a.loop, kv_chunk_heads=a.kv_chunk_heads,
+            inputs="load_balanced", **ring_kwargs(a))
         ring = lambda q, k, v: jax_ring.dot_product_attention(
             q, k, v, is_causal=True, context_parallel=cpc)
       fns = {"fwd": (jit_variant(ring, variant), args[:3]),

@@ -56,7 +56,8 @@ def setup(name, cp, lb, **ring):
     mesh = Mesh(np.array(jax.devices()).reshape(r, u), ("ring", "ulysses"))
     spec, ring_size = P(None, ("ring", "ulysses")), r
     cpc = jax_ring.ContextParallel(axis=("ulysses", "ring"),
-                                   strategy="hybrid", load_balance=lb, **ring)
+                                   strategy="hybrid", load_balance=lb,
+                                   inputs="load_balanced", **ring)
   else:
     mesh = Mesh(np.array(jax.devices()), ("cp",))
     spec, ring_size = P(None, "cp"), cp
@@ -67,7 +68,8 @@ def setup(name, cp, lb, **ring):
     cpc = jax_ring.ContextParallel(
         axis="cp", strategy=grouped[1] if grouped else strategy,
         load_balance=lb, loop="scan" if scan else "unrolled",
-        kv_chunk_heads=int(grouped[2]) if grouped else None, **ring)
+        kv_chunk_heads=int(grouped[2]) if grouped else None,
+        inputs="load_balanced", **ring)
   to = lambda x: (jax_ring.reorder_for_load_balance(x, ring_size, layout=lb)
                   if lb else x)
   back = lambda x: (jax_ring.reorder_from_load_balance(x, ring_size, layout=lb)

@@ -342,7 +342,9 @@ def build(args, model_dir, shape: dict[str, int]):
   mesh = jax.make_mesh(tuple(shape.values()), tuple(shape),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   gpu = jax.default_backend() == "gpu"
-  cpc = (jax_ring.ContextParallel(axis="context", strategy=args.strategy)
+  # Batches are put in the layout once (prepare_lm_batch), not per layer.
+  cpc = (jax_ring.ContextParallel(axis="context", strategy=args.strategy,
+                                  inputs="load_balanced")
          if shape["context"] > 1 else None)
   rules = models.model_rules(data="data", context="context")
   fsdp = tuple(a for a in shape if shape[a] > 1)

@@ -138,7 +138,8 @@ def generate(args) -> list[str]:
                          ("data", "context"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     options = {} if args.context == 1 else dict(
-        context_parallel=jax_ring.ContextParallel(axis="context"),
+        context_parallel=jax_ring.ContextParallel(axis="context",
+                                                  inputs="load_balanced"),
         rules=models.model_rules(data=None))
     with jax.set_mesh(mesh):
       model = models.load_pretrained(model_dir, mesh=mesh, dtype=dtype,

@@ -266,7 +266,7 @@ def build(args, devices=None):
     cpc = jax_ring.ContextParallel(
         axis=("ulysses", "context") if hybrid else "context",
         strategy=args.strategy, load_balance=args.load_balance,
-        loop=args.loop)
+        loop=args.loop, inputs="load_balanced")  # prepare_lm_batch lays out
   if cpc is not None:  # the layout's split, named by its flag
     devices_cp = math.prod(shape[a] for a in seq_axes)
     parts = devices_cp * (2 if args.load_balance == "dual_chunk" else 1)

@@ -74,6 +74,7 @@ def main(process_id, num_processes, port, out_path, setup="cpu"):
           segment_ids=ids, loop="unrolled", implementation=implementation),
       mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)
   cpc = jax_ring.ContextParallel(axis="cp", load_balance="dual_chunk",
+                                 inputs="load_balanced",
                                  loop="scan")
   auto = lambda q, k, v, ids: jax_ring.dot_product_attention(
       q, k, v, is_causal=True, segment_ids=ids, context_parallel=cpc,

@@ -66,7 +66,7 @@ def test_explain_states_every_default_it_applies(seq, sends, monkeypatch):
   d = {k: v for k, (v, _) in choice.defaults.items()}
   assert d == dict(load_balance="dual_chunk", loop="unrolled", kv_sends=sends,
                    backward_kv="gather" if sends == "gather" else "ring",
-                   kv_chunk_heads=32, implementation=None)
+                   kv_chunk_heads=32, implementation=None, inputs="natural")
   assert f"kv_sends = {sends!r}" in str(choice)
   monkeypatch.setenv("NVTE_FUSED_RING_ATTENTION_USE_SCAN", "1")
   given = jax_ring.explain(
@@ -147,7 +147,8 @@ def _auto_on_4_devices(seed):
   back = lambda x: jax_ring.reorder_from_load_balance(x, cp)
   tok = NamedSharding(m, P(None, "cp"))
   args = [jax.device_put(to(x), tok) for x in (q, k, v, do)]
-  cpc = jax_ring.ContextParallel(axis="cp", strategy="auto", loop="scan")
+  cpc = jax_ring.ContextParallel(axis="cp", strategy="auto", loop="scan",
+                                 inputs="load_balanced")
   attn = lambda q, k, v: jax_ring.dot_product_attention(
       q, k, v, is_causal=True, context_parallel=cpc, implementation="xla")
 
@@ -170,26 +171,29 @@ def test_auto_through_the_automatic_path_matches_reference():
   _check_auto(inputs, fwd_bwd, args, back)
 
 
-@pytest.mark.parametrize("cpc, message", [
-    (jax_ring.ContextParallel(strategy="zigzag"),
+@pytest.mark.parametrize("kw, message", [
+    (dict(strategy="zigzag"),
      "context_parallel.strategy must be one of ('ring', 'all_gather', "
      "'ulysses', 'hybrid', 'auto'); got 'zigzag'"),
-    (jax_ring.ContextParallel(strategy="hybrid", axis="cp"),
+    (dict(strategy="hybrid", axis="cp"),
      "context_parallel.axis must be a pair (ulysses_axis, ring_axis) of "
      "distinct axis names for strategy 'hybrid'; got 'cp'"),
-    (jax_ring.ContextParallel(strategy="ring", axis=("a", "b")),
+    (dict(strategy="ring", axis=("a", "b")),
      "context_parallel.axis must be one axis name for strategy 'ring'; got "
      "('a', 'b')"),
-    (jax_ring.ContextParallel(strategy="all_gather", kv_chunk_heads=3),
+    (dict(strategy="all_gather", kv_chunk_heads=3),
      "kv_chunk_heads must be None or a positive int dividing the key/value "
      "heads (2); got 3"),
-    (jax_ring.ContextParallel(kv_sends="direct"),
+    (dict(kv_sends="direct"),
      "kv_sends must be None or one of ('neighbour', 'gather'); got 'direct'"),
 ])
-def test_context_parallel_errors(cpc, message):
+def test_context_parallel_errors(kw, message):
+  """Refused when the ContextParallel is made, or (what needs the shapes)
+  when it is called."""
   q = jnp.ones((B, S, 4, H))
   k = jnp.ones((B, S, 2, H))
   with pytest.raises(ValueError, match=re.escape(message)):
+    cpc = jax_ring.ContextParallel(**kw)
     jax_ring.dot_product_attention(q, k, k, context_parallel=cpc)
 
 

@@ -73,7 +73,8 @@ def _child():
 
   mesh = jax.make_mesh((2, 2, 2), ("data", "ulysses", "ring"),
                        axis_types=(AxisType.Auto,) * 3)
-  cpc = jax_ring.ContextParallel(axis=("ulysses", "ring"), strategy="hybrid")
+  cpc = jax_ring.ContextParallel(axis=("ulysses", "ring"), strategy="hybrid",
+                                 inputs="load_balanced")
   seq = ("ring", "ulysses")
   cfg = models.LlamaConfig(
       vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2,

@@ -185,7 +185,7 @@ def test_packed_batch_masks_prompts_and_restarts_positions(encoder):
   tokens, seg, targets = data.batch(0, DP * 2)
   mesh = jax.make_mesh((DP, CP), ("data", "context"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  cpc = jax_ring.ContextParallel(axis="context")
+  cpc = jax_ring.ContextParallel(axis="context", inputs="load_balanced")
   batch = jrf.prepare_lm_batch(tokens, seg, mesh=mesh, spec=P("data",
                                                               "context"),
                                context_parallel=cpc, targets=targets)

@@ -141,7 +141,8 @@ def cp_setup(strategy, load_balance="dual_chunk"):
     mesh = Mesh(devices.reshape(DP, CP), ("data", "context"))
     axis = seq = "context"
   cpc = jax_ring.ContextParallel(axis=axis, strategy=strategy,
-                                 load_balance=load_balance, loop="scan")
+                                 load_balance=load_balance, loop="scan",
+                                 inputs="load_balanced")
   return mesh, cpc, jrf.logical_rules(length=seq), P("data", seq)
 
 
@@ -235,7 +236,8 @@ def test_prepared_batch_is_one_permutation_sharded_on_the_mesh():
   tokens = rng.integers(0, 256, (B, S))
   ids = ref.random_segments(8, B, S, 3)
   natural = jrf.make_lm_batch(tokens, ids)
-  cpc = jax_ring.ContextParallel(axis="context", load_balance="dual_chunk")
+  cpc = jax_ring.ContextParallel(axis="context", load_balance="dual_chunk",
+                                 inputs="load_balanced")
   got = jrf.prepare_lm_batch(tokens, ids, mesh=mesh, spec=P("data", "context"),
                              context_parallel=cpc)
   for name in ("inputs", "positions", "segment_ids", "labels", "loss_mask"):

@@ -127,7 +127,8 @@ def test_context_parallel_equals_flax_attention(module):
 
   # kv_sends="neighbour", so that the ring shows in the program as
   # collective-permutes (which attention on a gathered sequence never has).
-  cpc = jax_ring.ContextParallel(axis="cp", kv_sends="neighbour")
+  cpc = jax_ring.ContextParallel(axis="cp", kv_sends="neighbour",
+                                 inputs="load_balanced")
   adapted, _ = MODULES[module](jrf.attention_fn(
       is_causal=True, context_parallel=cpc, implementation="xla"))
   tok = NamedSharding(mesh, P("data", "cp"))

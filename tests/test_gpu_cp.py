@@ -324,7 +324,8 @@ def attention_fn(case: CpCase, kw, implementation, mesh):
   call = dict(kw, load_balance=case.layout, implementation=implementation)
   if case.entry == "jit":
     cpc = jax_ring.ContextParallel(axis=axis, strategy=kind,
-                                   load_balance=case.layout, **options)
+                                   load_balance=case.layout,
+                                   inputs="load_balanced", **options)
     del call["load_balance"]
     f = lambda q, k, v, ids, sinks: jax_ring.dot_product_attention(
         q, k, v, segment_ids=ids, sinks=sinks, context_parallel=cpc, **call)

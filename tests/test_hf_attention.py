@@ -246,7 +246,7 @@ def test_context_parallel_under_jit_matches_transformers(name, strategy):
   place = lambda a: jax.device_put(jax_ring.reorder_for_load_balance(a, CP),
                                    NamedSharding(mesh, P("data", "cp")))
   f = value_and_grads(LAYERS[name], module, jax_ring.ContextParallel(
-      axis="cp", strategy=strategy))
+      axis="cp", strategy=strategy, inputs="load_balanced"))
   args = (params, *map(place, (x, cos, sin, ct)))
   with jax.set_mesh(mesh):
     compiled = f.lower(*args).compile()

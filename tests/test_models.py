@@ -148,7 +148,8 @@ def context_parallel_model(name, strategy, checkpoints):
   """(mesh, its ContextParallel, the model loaded onto data=2 x
   context=4, FSDP weights)."""
   mesh = mesh_2x4()
-  cpc = jax_ring.ContextParallel(axis="context", strategy=strategy)
+  cpc = jax_ring.ContextParallel(axis="context", strategy=strategy,
+                                 inputs="load_balanced")
   rules = models.model_rules()
   model = models.load_pretrained(
       checkpoints[name][0], mesh=mesh, implementation="xla",

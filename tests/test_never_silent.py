@@ -58,7 +58,7 @@ def test_automatic_path_eager_and_jit_on_auto_and_explicit_axes(kind):
   mesh = cp_mesh(kind)
   q, k, v = qkv(1)
   seg = jnp.asarray(ref.random_segments(2, B, T, 3))
-  cpc = jax_ring.ContextParallel(axis="cp")
+  cpc = jax_ring.ContextParallel(axis="cp", inputs="load_balanced")
   f = lambda q, k, v, seg: jax_ring.dot_product_attention(
       q, k, v, is_causal=True, segment_ids=seg, context_parallel=cpc)
   args = placed(mesh, q, k, v, seg)
@@ -89,7 +89,8 @@ def _eager_autodiff(mesh, strategy):
   q, k, v = qkv(7)
   do = jax.random.normal(jax.random.key(8), q.shape)
   seg = jnp.asarray(ref.random_segments(9, B, T, 3))
-  cpc = jax_ring.ContextParallel(axis="cp", strategy=strategy)
+  cpc = jax_ring.ContextParallel(axis="cp", strategy=strategy,
+                                 inputs="load_balanced")
   f = lambda q, k, v, seg: jax_ring.dot_product_attention(
       q, k, v, is_causal=True, segment_ids=seg, context_parallel=cpc)
   *args, seg_p, do_p = placed(mesh, q, k, v, seg, do)
@@ -111,7 +112,8 @@ def test_flax_attention_fn_eager_uses_the_layout():
   mesh = cp_mesh()
   q, k, v = qkv(3)
   fn = jax_ring.flax.attention_fn(
-      is_causal=True, context_parallel=jax_ring.ContextParallel(axis="cp"))
+      is_causal=True, context_parallel=jax_ring.ContextParallel(
+          axis="cp", inputs="load_balanced"))
   out = fn(*placed(mesh, q, k, v))
   expected, _ = ref.attention(q, k, v, ref.Case(H**-0.5, is_causal=True))
   ref.assert_close(natural(out, CP), expected, q.dtype)
@@ -128,7 +130,8 @@ def test_plain_arrays_under_set_mesh_and_jit(made):
   to = lambda *xs: [jax_ring.reorder_for_load_balance(x, CP) for x in xs]
   f = jax.jit(lambda q, k, v: jax_ring.dot_product_attention(
       q, k, v, is_causal=True,
-      context_parallel=jax_ring.ContextParallel(axis="cp")))
+      context_parallel=jax_ring.ContextParallel(axis="cp",
+                                                inputs="load_balanced")))
   args = to(q, k, v) if made == "outside" else None
   with jax.set_mesh(mesh):
     out = f(*(args or to(q, k, v)))
@@ -260,7 +263,8 @@ def test_shard_map_entry_points_refuse_t_not_equal_s(name):
 def test_auto_with_a_pair_of_axes_is_hybrid():
   mesh = cp_mesh(shape=(2, 2), names=("cp", "u"))
   q, k, v = qkv(10)
-  cpc = jax_ring.ContextParallel(axis=("u", "cp"), strategy="auto")
+  cpc = jax_ring.ContextParallel(axis=("u", "cp"), strategy="auto",
+                                 inputs="load_balanced")
   spec = P(None, ("cp", "u"))
   to = lambda x: jax_ring.reorder_for_load_balance(x, 2)
   args = [jax.device_put(to(x), NamedSharding(mesh, spec)) for x in (q, k, v)]
@@ -285,11 +289,13 @@ EXPLAIN_REFUSALS = {
             "divisible by key/value heads (3)"),
     "zero_kv_heads": (dict(key_shape=(1, 64, 0, 16)), "query heads, key/value"
                       " heads and head_dim must be positive"),
-    "strategy": (dict(context_parallel=jax_ring.ContextParallel(
-        strategy="fastest")), "context_parallel.strategy must be one of"),
-    "layout": (dict(context_parallel=jax_ring.ContextParallel(
-        strategy="auto", load_balance="zigzag")), "load_balance must be None, "
-               "'dual_chunk' or 'striped'; got 'zigzag'"),
+    # A ContextParallel's own choices are refused when it is made.
+    "strategy": (dict(context_parallel=dict(strategy="fastest")),
+                 "context_parallel.strategy must be one of"),
+    "layout": (dict(context_parallel=dict(strategy="auto",
+                                          load_balance="zigzag")),
+               "load_balance must be None, 'dual_chunk' or 'striped'; got "
+               "'zigzag'"),
     "window": (dict(local_window_size=-1), "local_window_size must be a "
                "non-negative int"),
     "dtype_bytes": (dict(dtype_bytes=3), "dtype_bytes must be 2"),
@@ -310,6 +316,9 @@ def test_explain_refuses_what_the_call_refuses(name):
   args = dict(query_shape=(1, 64, 8, 16), key_shape=(1, 64, 2, 16),
               cp_size=4) | kw
   with pytest.raises(ValueError, match="^" + re.escape(message)):
+    if isinstance(args.get("context_parallel"), dict):
+      args["context_parallel"] = jax_ring.ContextParallel(
+          **args["context_parallel"])
     jax_ring.explain(args.pop("query_shape"), args.pop("key_shape"), **args)
 
 
@@ -454,7 +463,8 @@ def test_non_finite_inputs_propagate_under_every_strategy(strategy):
   mesh = cp_mesh()
   q, k, v = _poisoned(18, "q_nan")
   k[1, 9, 0, 2] = np.nan
-  cpc = jax_ring.ContextParallel(axis="cp", strategy=strategy)
+  cpc = jax_ring.ContextParallel(axis="cp", strategy=strategy,
+                                 inputs="load_balanced")
   out = jax.jit(lambda q, k, v: jax_ring.dot_product_attention(
       q, k, v, is_causal=True, context_parallel=cpc))(*placed(mesh, q, k, v))
   theirs = np.asarray(jax.nn.dot_product_attention(q, k, v, is_causal=True))

@@ -163,7 +163,8 @@ def unrolled_ring_collectives(path, seed, kv_sends):
                    for x in (q, k, v, do))
     attn = lambda q, k, v: jax_ring.dot_product_attention(
         q, k, v, context_parallel=jax_ring.ContextParallel(
-            axis="cp", loop="unrolled", kv_sends=kv_sends), **kw)
+            axis="cp", loop="unrolled", kv_sends=kv_sends,
+            inputs="load_balanced"), **kw)
   g = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
   return (collectives(jax.jit(attn).lower(q, k, v).compile().as_text()),
           collectives(g.lower(q, k, v, do).compile().as_text()))
@@ -300,6 +301,14 @@ def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):
   assert jax_ring.ContextParallel().with_environment().loop == "scan"
   monkeypatch.setenv("NVTE_FUSED_RING_ATTENTION_USE_SCAN", "0")
   assert jax_ring.ContextParallel().with_environment().loop == "unrolled"
+  # Read as TransformerEngine reads it: an integer, non-zero is the scan.
+  monkeypatch.setenv("NVTE_FUSED_RING_ATTENTION_USE_SCAN", "2")
+  assert jax_ring.ContextParallel().with_environment().loop == "scan"
+  for text in ("true", "", "1.0"):
+    monkeypatch.setenv("NVTE_FUSED_RING_ATTENTION_USE_SCAN", text)
+    with pytest.raises(ValueError, match="^NVTE_FUSED_RING_ATTENTION_USE_SCAN "
+                       "must be an integer"):
+      jax_ring.ContextParallel().with_environment()
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -480,7 +489,8 @@ def test_automatic_path_under_jit_matches_reference(segments, dp, loop,
   seg = jax.device_put(re_(ids), tok) if segments else None
   ring_options = dict(kv_sends="neighbour") | ring_options
   cpc = jax_ring.ContextParallel(axis="cp", load_balance=load_balance,
-                                 loop=loop, **ring_options)
+                                 loop=loop, inputs="load_balanced",
+                                 **ring_options)
 
   extra = {}
   if window_and_padding:
@@ -561,7 +571,8 @@ def test_automatic_path_picks_the_backend_on_shard_shapes(monkeypatch):
   re_ = lambda x: jax_ring.reorder_for_load_balance(x, cp)
   tok = jax.sharding.NamedSharding(m, P(None, "cp"))
   args = [jax.device_put(re_(x), tok) for x in (q, k, v, do, ids)]
-  cpc = jax_ring.ContextParallel(axis="cp", load_balance="dual_chunk")
+  cpc = jax_ring.ContextParallel(axis="cp", load_balance="dual_chunk",
+                                 inputs="load_balanced")
 
   @jax.jit
   def go(q, k, v, do, seg):

@@ -189,7 +189,8 @@ def test_sinks_under_jit_with_context_parallel(strategy, hv):
     pytest.skip("needs 8 devices")
   m = jax.make_mesh((2, 4), ("data", "cp"),
                     axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  cpc = jax_ring.ContextParallel(axis="cp", strategy=strategy)
+  cpc = jax_ring.ContextParallel(axis="cp", strategy=strategy,
+                                 inputs="load_balanced")
   f = lambda q, k, v, s, ids: jax_ring.dot_product_attention(
       q, k, v, is_causal=True, segment_ids=ids, sinks=s,
       implementation="xla", context_parallel=cpc)

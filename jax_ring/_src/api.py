@@ -60,8 +60,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     context_parallel: a :class:`ContextParallel`: on the mesh in scope
       (``jax.set_mesh``, or q's ``NamedSharding``), split the sequence over
       its ``axis`` and run that strategy on each shard, eagerly or under
-      ``jax.jit`` (the same numbers). Inputs must be in its load-balance
-      layout. Needs T == S, except with ``strategy="ulysses"``. Serves every
+      ``jax.jit`` (the same numbers). Inputs in natural order by default
+      (``ContextParallel.inputs``). Needs T == S, except with
+      ``strategy="ulysses"``. Serves every
       option except ``bias``, ``mask`` and ``return_residual``.
 
   Returns:
@@ -160,11 +161,17 @@ def _context_parallel(query, key, value, tm: TokenMask, sinks,
       sinks = on(sinks, None)
     return q, k, v, tm, sinks
 
-  call = lambda *args: partition.attention(*placed(*args), config, cp)
+  to, back = _permutations(cp, mesh.shape[cp.ring_axis])
+
+  def call(q, k, v, tm, sinks):
+    out = partition.attention(*placed(to(q), to(k), to(v), _tokens(to, tm),
+                                      sinks), config, cp)
+    return back(out)
+
   explicit = layout.explicit_axes(mesh)
   if explicit:
-    call = _on_auto_axes(placed, config, cp, explicit, query, key, value,
-                         sinks)
+    call = _on_auto_axes(placed, (to, back), config, cp, explicit, query,
+                         key, value, sinks)
   # Always a jitted program: outside one (eagerly, and under an eager
   # jax.grad, jax.vjp or jax.checkpoint, whose tracers are no jit's),
   # custom_partitioning would run the unpartitioned body on the whole
@@ -172,14 +179,37 @@ def _context_parallel(query, key, value, tm: TokenMask, sinks,
   return jax.jit(call)(query, key, value, tm, sinks)
 
 
-def _on_auto_axes(placed, config, cp, explicit, query, key, value, sinks):
+def _permutations(cp: ContextParallel, cp_size: int):
+  """(into ``cp``'s load-balance layout for ``cp_size`` devices, back to
+  natural order), along axis 1 of any array: natural-order inputs
+  (``ContextParallel.inputs``) are permuted inside the call's program, its
+  gradient the inverse permutation. Identities when ``cp`` permutes
+  nothing."""
+  if not cp.permutes:
+    return (lambda x: x), (lambda x: x)
+  return (functools.partial(layout.reorder_for_load_balance, cp_size=cp_size,
+                            layout=cp.load_balance),
+          functools.partial(layout.reorder_from_load_balance,
+                            cp_size=cp_size, layout=cp.load_balance))
+
+
+def _tokens(f, tm: TokenMask) -> TokenMask:
+  """``f`` applied to the per-token fields (segment ids), not lengths."""
+  return TokenMask(**{n: x if x is None or n.endswith("lengths") else f(x)
+                      for n, x in vars(tm).items()})
+
+
+def _on_auto_axes(placed, permutations, config, cp, explicit, query, key,
+                  value, sinks):
   """``partition.attention`` for arrays on Explicit mesh axes. The
   partition rule runs on Auto axes, so the forward and the backward each
   run in ``auto_axes``, and what passes between them (the residuals) is on
   the caller's axes: one ``auto_axes`` around the whole custom VJP would
   hand the backward residuals typed on the Auto mesh, which jax refuses
   beside Explicit ones when the two are separate programs (an eager
-  ``jax.grad``, ``jax.vjp`` of a jitted call)."""
+  ``jax.grad``, ``jax.vjp`` of a jitted call). The ``permutations`` into
+  the layout and back run inside each, on Auto axes too."""
+  to, back = permutations
   auto = functools.partial(jax.sharding.auto_axes, axes=explicit)
   typed = lambda x: jax.typeof(x).sharding
   q_spec = typed(query).spec
@@ -189,8 +219,9 @@ def _on_auto_axes(placed, config, cp, explicit, query, key, value, sinks):
       () if sinks is None else (NamedSharding(typed(query).mesh, P()),))
 
   def forward(q, k, v, tm, sinks):
-    out, res = partition.forward(*placed(q, k, v, tm, sinks), config, cp)
-    return out, res[-1]  # out, lse
+    out, res = partition.forward(*placed(to(q), to(k), to(v),
+                                         _tokens(to, tm), sinks), config, cp)
+    return back(out), back(res[-1])  # out, lse
 
   @jax.custom_vjp
   def call(q, k, v, tm, sinks):
@@ -206,10 +237,12 @@ def _on_auto_axes(placed, config, cp, explicit, query, key, value, sinks):
     q, k, v, tm, sinks, out, lse = res
 
     def backward(q, k, v, tm, sinks, out, lse, dout):
-      q, k, v, tm, sinks = placed(q, k, v, tm, sinks)
+      q, k, v, tm, sinks = placed(to(q), to(k), to(v), _tokens(to, tm),
+                                  sinks)
       dq, dk, dv, _, dsinks = partition.backward(
-          config, cp, (q, k, v, tm, sinks, out, lse), dout)
-      return (dq, dk, dv) + (() if sinks is None else (dsinks,))
+          config, cp, (q, k, v, tm, sinks, to(out), to(lse)), to(dout))
+      return (back(dq), back(dk), back(dv)) + (
+          () if sinks is None else (dsinks,))
 
     grads = auto(backward, out_sharding=grads_sharding)(
         q, k, v, tm, sinks, out, lse, dout)

@@ -65,7 +65,7 @@ class Choice:
   defaults: dict = dataclasses.field(default_factory=dict)
 
   def __str__(self):
-    lines = [f"auto: forward {self.forward}, backward {self.backward}",
+    lines = [f"strategy: forward {self.forward}, backward {self.backward}",
              f"  why: {self.reason}"]
     lines += [f"  {k} = {v!r}: {why}" for k, (v, why) in
               self.defaults.items()]
@@ -73,7 +73,8 @@ class Choice:
 
 
 def defaults(*, batch, seq, kv_heads, head_dim, dtype_bytes, load_balance,
-             loop, kv_sends, kv_chunk_heads, value_head_dim=None) -> dict:
+             loop, kv_sends, kv_chunk_heads, value_head_dim=None,
+             inputs="natural") -> dict:
   """``{option: (value, why)}``: what a context-parallel call with these
   global shapes and ``ContextParallel`` fields (None = unset) runs with."""
   gathered = _kv_bytes(batch, seq, kv_heads, head_dim, value_head_dim,
@@ -87,7 +88,8 @@ def defaults(*, batch, seq, kv_heads, head_dim, dtype_bytes, load_balance,
       "load_balance": (load_balance, "as given (ContextParallel's default "
                        "'dual_chunk' balances causal work)"),
       "loop": (loop or env, "as given" if loop else
-               f"from {config.RING_LOOP_ENV} (unset or 0: unrolled)"),
+               f"from {config.RING_LOOP_ENV} (unset or 0: unrolled, "
+               "another integer: scan)"),
       "kv_sends": (kv_sends or ("gather" if fits else "neighbour"),
                    "as given" if kv_sends else f"ring: {size}"),
       "backward_kv": ("gather" if fits else "ring",
@@ -98,6 +100,12 @@ def defaults(*, batch, seq, kv_heads, head_dim, dtype_bytes, load_balance,
                          "once"),
       "implementation": (None, "per shard: cuDNN where it serves the "
                          "shard's dtype and mask, else the pure-JAX kernel"),
+      "inputs": (inputs, "natural order: q, k, v and the segment ids are "
+                 f"permuted into {load_balance!r} and the output back, "
+                 "inside the call (one all-to-all each)" if
+                 inputs == "natural" and load_balance else
+                 "in the layout already: nothing is permuted" if load_balance
+                 else "contiguous shards: nothing to permute"),
   }
 
 
@@ -164,7 +172,8 @@ def estimate(*, batch, seq, heads, kv_heads, head_dim, cp, is_causal=True,
   times_ms = {s: {p: by_pass[p][s] for p in PASSES} for s in by_pass[
       "forward"]}
   reason = "; ".join(why) + (f" (cp={cp}, S={seq}, N={heads}, K={kv_heads}, "
-                             f"causal={is_causal})")
+                             f"causal={is_causal}; times modelled from H200 "
+                             "measurements)")
   return Choice(picks["forward"], picks["backward"], times_ms, reason)
 
 
@@ -200,8 +209,13 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
   ``context_parallel`` (default ``ContextParallel(strategy="auto")``).
   Arguments are checked as the call checks them: what it would refuse,
   this refuses with the same ``ValueError``. ``print(explain(...))`` shows
-  it all."""
-  cpc = context_parallel or ContextParallel(strategy="auto")
+  it all. A strategy other than ``"auto"`` is what runs, for both passes;
+  the modelled times are still given. With a pair of sizes and no
+  ``context_parallel``: ``ContextParallel(axis=("ulysses", "ring"),
+  strategy="auto")``."""
+  pair = isinstance(cp_size, (tuple, list))
+  cpc = context_parallel or ContextParallel(
+      axis=("ulysses", "ring") if pair else "cp", strategy="auto")
   value_shape = key_shape if value_shape is None else value_shape
   sizes = validate.explain_args(query_shape, key_shape, cp_size, dtype_bytes,
                                 cpc, value_shape)
@@ -212,7 +226,7 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
       batch=b, seq=s, kv_heads=key_shape[2], head_dim=h,
       dtype_bytes=dtype_bytes, load_balance=cpc.load_balance, loop=cpc.loop,
       kv_sends=cpc.kv_sends, kv_chunk_heads=cpc.kv_chunk_heads,
-      value_head_dim=hv)
+      value_head_dim=hv, inputs=cpc.inputs)
   if cpc.is_hybrid:
     return Choice("hybrid", "hybrid", {}, f"a pair of axes {cpc.axis!r} "
                   f"(sizes {tuple(sizes.values())}): Ulysses inside a ring",
@@ -222,4 +236,9 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
                     window=window, dtype_bytes=dtype_bytes,
                     load_balance=cpc.load_balance, kv_seq=s,
                     value_head_dim=hv)
+  if cpc.strategy != "auto":  # what the user named runs
+    choice = dataclasses.replace(
+        choice, forward=cpc.strategy, backward=cpc.strategy,
+        reason=f"strategy {cpc.strategy!r} as given; auto would model: "
+        f"{choice.reason}")
   return dataclasses.replace(choice, defaults=defaults_)

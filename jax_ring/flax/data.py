@@ -163,8 +163,9 @@ def prepare_lm_batch(tokens, segment_ids=None, *, mesh: jax.sharding.Mesh,
     spec: the ``(B, S)`` sharding, e.g. ``P("data", "context")``, or
       ``P("data", ("ring", "ulysses"))`` for ``"hybrid"``.
     context_parallel: the ``jax_ring.ContextParallel`` the model's attention
-      uses: its ``load_balance`` and axis fix the layout. None: natural
-      order.
+      uses: with ``inputs="load_balanced"`` its ``load_balance`` and axis
+      fix the layout the batch is put in; otherwise (or None) the batch
+      stays in natural order.
     pad_id, targets: see :func:`make_lm_batch`.
 
   Returns:
@@ -172,7 +173,8 @@ def prepare_lm_batch(tokens, segment_ids=None, *, mesh: jax.sharding.Mesh,
     attention expects.
   """
   batch = make_lm_batch(tokens, segment_ids, pad_id=pad_id, targets=targets)
-  if context_parallel is not None:
+  if context_parallel is not None and (
+      context_parallel.inputs == "load_balanced"):
     batch = reorder_batch(batch, reorder_size(context_parallel, mesh),
                           context_parallel.load_balance)
   return shard_batch(batch, mesh, spec)

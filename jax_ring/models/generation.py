@@ -154,10 +154,11 @@ def _is_number(x) -> bool:
 
 
 def _layout(cfg: DecoderConfig, x, seq_axis=1):
-  """``x`` in the model's token layout (its load balance), natural order
-  without context parallelism."""
+  """``x`` in the model's token layout: its load balance where its
+  ``ContextParallel`` takes ``inputs="load_balanced"``, else natural order
+  (the attention permutes natural inputs itself)."""
   cp = cfg.context_parallel
-  if cp is None or cp.load_balance is None:
+  if cp is None or cp.load_balance is None or cp.inputs != "load_balanced":
     return x
   return reorder_for_load_balance(
       x, reorder_size(cp, jax.sharding.get_abstract_mesh()),

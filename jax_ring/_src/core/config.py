@@ -99,6 +99,9 @@ STRATEGY_NAMES: tuple[str, ...] = get_args(StrategyName)
 # GATHER_KV_MAX_BYTES, else "neighbour".
 KvSends = Literal["neighbour", "gather"]
 Loop = Literal["scan", "unrolled"]
+# How the caller's arrays order the sequence (ContextParallel.inputs).
+Inputs = Literal["natural", "load_balanced"]
+INPUTS: tuple[str, ...] = get_args(Inputs)
 KV_SENDS: tuple[str, ...] = get_args(KvSends)
 
 # The most K/V bytes (all devices' stacked K/V, as one device holds them
@@ -130,8 +133,7 @@ class ContextParallel:
       S % cp == 0, and matches pipelines that stripe; a little slower than
       dual-chunk: docs/decisions.md, "Layouts") or ``None`` (contiguous
       shards: right for non-causal attention, unbalanced for causal).
-      Inputs must be in that layout (``reorder_for_load_balance``; for
-      ``"hybrid"`` with cp_size = the ring axis size).
+      Whatever the layout, ``inputs`` says how the arrays are ordered.
     loop: the ring's ``"unrolled"`` or ``"scan"`` loop, as in
       ``ring_attention``; ``None`` reads
       ``NVTE_FUSED_RING_ATTENTION_USE_SCAN`` (default unrolled).
@@ -142,6 +144,20 @@ class ContextParallel:
     kv_sends: the ring's K/V sends, as in ``ring_attention``: ``None``
       (gather up to 2 GiB, else neighbour), ``"gather"`` or
       ``"neighbour"``.
+    inputs: ``"natural"`` (the default): the arrays hold the sequence in
+      its natural order, and the call permutes q, k, v and the segment ids
+      into the ``load_balance`` layout and the output back, inside its
+      compiled program (one all-to-all of each over the context axes;
+      ``jax_ring.explain`` lists them). ``"load_balanced"``: the arrays
+      are already in the layout (``jax_ring.reorder_for_load_balance``
+      with cp_size the axis size, for a pair of axes the ring axis size;
+      ``jax_ring.flax.prepare_lm_batch`` puts batches so), and nothing is
+      permuted: the fast path for a model whose every layer attends.
+      Contiguous shards (``load_balance=None``) are natural order either
+      way.
+
+  Every field is checked when the object is made: a choice that is not
+  one is a ``ValueError`` naming the choices.
   """
 
   axis: str | tuple[str, str] = "cp"
@@ -150,6 +166,16 @@ class ContextParallel:
   loop: Loop | None = None
   kv_chunk_heads: int | None = None
   kv_sends: KvSends | None = None
+  inputs: Inputs = "natural"
+
+  def __post_init__(self):
+    from jax_ring._src.core import validate  # validate imports this module
+    validate.cp_fields(self)
+
+  @property
+  def permutes(self) -> bool:
+    """Whether a call permutes natural-order inputs into the layout."""
+    return self.inputs == "natural" and self.load_balance is not None
 
   # -- the axes: a pair means hybrid (Ulysses inside a ring) ---------------
 
@@ -181,11 +207,19 @@ class ContextParallel:
 
   def with_environment(self) -> "ContextParallel":
     """``loop=None`` replaced by what ``NVTE_FUSED_RING_ATTENTION_USE_SCAN``
-    says (``"scan"`` if it is 1, else ``"unrolled"``): the one place that
-    reads it, at the edge of both entry points."""
+    says, read as TransformerEngine reads it (an integer: non-zero is
+    ``"scan"``, 0 or unset ``"unrolled"``; anything else is a
+    ``ValueError`` naming it): the one place that reads it, at the edge of
+    both entry points."""
     if self.loop is not None:
       return self
-    scan = os.environ.get(RING_LOOP_ENV, "0") == "1"
+    text = os.environ.get(RING_LOOP_ENV, "0")
+    try:
+      scan = int(text) != 0
+    except ValueError:
+      raise ValueError(f"{RING_LOOP_ENV} must be an integer, as "
+                       f"TransformerEngine reads it (0: the unrolled ring, "
+                       f"non-zero: the scan); got {text!r}") from None
     return dataclasses.replace(self, loop="scan" if scan else "unrolled")
 
 

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ring._src.core.config import (IMPLEMENTATIONS, KV_SENDS, LOAD_BALANCES,
+from jax_ring._src.core.config import (IMPLEMENTATIONS, INPUTS, KV_SENDS,
+                                       LOAD_BALANCES,
                                        STRATEGY_NAMES, ContextParallel)
 
 
@@ -279,8 +280,9 @@ def context_parallel(cp, query, key, *, bias, mask, return_residual):
   return mesh
 
 
-def cp_fields(cp, kv_heads: int) -> None:
-  """A ``ContextParallel`` whose fields are each a valid choice."""
+def cp_fields(cp, kv_heads: int | None = None) -> None:
+  """A ``ContextParallel`` whose fields are each a valid choice (and, given
+  the kv heads, a ``kv_chunk_heads`` that divides them)."""
   if not isinstance(cp, ContextParallel):
     raise ValueError(f"context_parallel must be a jax_ring.ContextParallel; "
                      f"got {cp!r}")
@@ -302,7 +304,11 @@ def cp_fields(cp, kv_heads: int) -> None:
     raise ValueError(f"context_parallel.axis must be one axis name for "
                      f"strategy {cp.strategy!r}; got {cp.axis!r}")
   ring_choices(cp.load_balance, cp.loop, cp.kv_sends)
-  kv_chunk_heads(cp.kv_chunk_heads, kv_heads)
+  if cp.inputs not in INPUTS:
+    raise ValueError(f"context_parallel.inputs must be one of {INPUTS}; got "
+                     f"{cp.inputs!r}")
+  if kv_heads is not None:  # when it is made, the heads are not known
+    kv_chunk_heads(cp.kv_chunk_heads, kv_heads)
 
 
 def explain_args(query_shape, key_shape, cp_size, dtype_bytes, cp,
@@ -368,14 +374,30 @@ def cp_shapes(cp, sizes, q_shape, k_shape, local_heads) -> None:
 def mesh_in_scope(x):
   """The mesh that a call on ``x`` runs on, as far as tracing can see it:
   the one of ``jax.set_mesh``, else the one ``x``'s sharding names (arrays
-  placed with a ``NamedSharding`` carry it in their type)."""
+  placed with a ``NamedSharding`` carry it in their type), else the mesh
+  of a ``with mesh:`` block (the older context manager that MaxText and
+  many Flax codebases use with ``jax.jit(in_shardings=...)``)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", mesh)
     if mesh.empty and not isinstance(x, jax.core.Tracer):
       mesh = getattr(getattr(x, "sharding", None), "mesh", mesh)
+  if mesh.empty:
+    mesh = _legacy_mesh() or mesh
   return mesh
+
+
+def _legacy_mesh():
+  """The concrete mesh of an enclosing ``with mesh:`` block, or None. jax
+  keeps it only in a private thread-local (the block is deprecated in
+  favour of ``jax.set_mesh``), so a jax without it reads as no block."""
+  try:
+    from jax._src import mesh as mesh_lib
+    physical = mesh_lib.thread_resources.env.physical_mesh
+  except (ImportError, AttributeError):
+    return None
+  return None if physical.empty else physical
 
 
 def mesh_axes(cp, query):

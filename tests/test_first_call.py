@@ -1,0 +1,167 @@
+"""``ContextParallel``'s default takes the sequence in natural order: every
+layout, strategy and mesh-axis type gives the float64 reference on natural
+inputs (the permutation into the layout and back is the call's own), and
+``inputs="load_balanced"`` takes arrays already in the layout, permuting
+nothing; options are checked when a ``ContextParallel`` is made."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_ring
+import reference as ref
+from helpers import collectives
+
+B, S, N, K, H = 2, 32, 4, 2, 16
+IDS = ref.random_segments(3, B, S, 4)
+
+
+def _mesh(shape, names, kind=jax.sharding.AxisType.Auto):
+  if len(jax.devices()) < int(np.prod(shape)):
+    pytest.skip("needs more devices")
+  return jax.make_mesh(shape, names, axis_types=(kind,) * len(names),
+                       devices=jax.devices()[:int(np.prod(shape))])
+
+
+def _check(cpc, mesh, spec, *, eager=False, packed=True, layout_in=None):
+  """Forward and gradients of a causal packed call against the float64
+  reference, inputs natural (or put in ``layout_in`` by the test)."""
+  q, k, v, do = ref.random_qkv(1, B, S, S, N, K, H)
+  ids = IDS if packed else None
+  case = ref.Case(H**-0.5, is_causal=True, q_segment_ids=ids,
+                  kv_segment_ids=ids)
+  want, _, g = ref.attention(q, k, v, case, dout=do)
+  to = (lambda x: x) if layout_in is None else (
+      lambda x: jax_ring.reorder_for_load_balance(x, layout_in[1],
+                                                  layout=layout_in[0]))
+  back = (lambda x: x) if layout_in is None else (
+      lambda x: jax_ring.reorder_from_load_balance(x, layout_in[1],
+                                                   layout=layout_in[0]))
+  put = lambda x: jax.device_put(to(jnp.asarray(x)), NamedSharding(mesh,
+                                                                    spec))
+  seg = None if ids is None else put(ids)
+
+  def f(q, k, v):
+    return jax_ring.dot_product_attention(q, k, v, is_causal=True,
+                                          segment_ids=seg,
+                                          context_parallel=cpc)
+  with jax.set_mesh(mesh):
+    args = [put(x) for x in (q, k, v)]
+    run = (lambda *a: jax.vjp(f, *a)) if eager else jax.jit(
+        lambda *a: jax.vjp(f, *a))
+    out, vjp = run(*args)
+    grads = vjp(put(do))
+  ref.assert_close(back(out), want, jnp.float32, "out")
+  for name, x in zip("qkv", grads):
+    ref.assert_close(back(x), g[name], jnp.float32, "d" + name)
+
+
+@pytest.mark.parametrize("strategy, layout", [
+    ("ring", "dual_chunk"), ("auto", "dual_chunk"), ("ring", "striped"),
+    ("ulysses", "dual_chunk"), ("all_gather", "dual_chunk")])
+def test_natural_inputs_are_exact_by_default(strategy, layout):
+  """The first call a user makes: natural order, the default options but
+  the strategy and layout, on 4 devices."""
+  cpc = jax_ring.ContextParallel(strategy=strategy, load_balance=layout)
+  _check(cpc, _mesh((4,), ("cp",)), P(None, "cp"))
+
+
+def test_default_with_hybrid_axes_and_eagerly_on_explicit_axes():
+  """A pair of axes (the ring axis's size is the layout's), and the default
+  ContextParallel eagerly on Explicit axes (jax.make_mesh's default)."""
+  cpc = jax_ring.ContextParallel(axis=("u", "r"), strategy="hybrid")
+  _check(cpc, _mesh((2, 2), ("r", "u")), P(None, ("r", "u")))
+  _check(jax_ring.ContextParallel(), _mesh(
+      (4,), ("cp",), jax.sharding.AxisType.Explicit), P(None, "cp"),
+         eager=True, packed=False)
+
+
+def test_load_balanced_inputs_permute_nothing():
+  """``inputs="load_balanced"``: arrays put in the layout by the caller are
+  exact, and the program holds the ring's sends only; natural inputs add
+  the permutation's collectives."""
+  mesh = _mesh((4,), ("cp",))
+  laid = jax_ring.ContextParallel(inputs="load_balanced", kv_sends="neighbour")
+  _check(laid, mesh, P(None, "cp"), layout_in=("dual_chunk", 4))
+  q = jax.device_put(jnp.ones((B, S, N, H)), NamedSharding(mesh, P(None,
+                                                                   "cp")))
+  counts = {}
+  for inputs in ("load_balanced", "natural"):
+    cpc = jax_ring.ContextParallel(inputs=inputs, kv_sends="neighbour")
+    with jax.set_mesh(mesh):
+      hlo = jax.jit(lambda q: jax_ring.dot_product_attention(
+          q, q, q, is_causal=True, context_parallel=cpc)).lower(
+              q).compile().as_text()
+    counts[inputs] = collectives(hlo)
+  moved = lambda c: sum(c[op] for op in ("all-to-all", "collective-permute",
+                                         "all-gather"))
+  assert moved(counts["natural"]) > moved(counts["load_balanced"]), counts
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(strategy="ulyses"), "context_parallel.strategy must be one of "
+     "('ring', 'all_gather', 'ulysses', 'hybrid', 'auto'); got 'ulyses'"),
+    (dict(strategy="zigzag"), "context_parallel.strategy must be one of"),
+    (dict(load_balance=True), "load_balance must be None, 'dual_chunk' or "
+     "'striped'; got True"),
+    (dict(load_balance="zig"), "load_balance must be None, 'dual_chunk' or "
+     "'striped'; got 'zig'"),
+    (dict(inputs="layout"), "context_parallel.inputs must be one of "
+     "('natural', 'load_balanced'); got 'layout'"),
+    (dict(loop="fast"), "loop must be None, 'scan' or 'unrolled'"),
+    (dict(axis=("a", "a"), strategy="hybrid"), "context_parallel.axis must "
+     "be one axis name or a pair (ulysses_axis, ring_axis) of distinct axis "
+     "names; got ('a', 'a')"),
+])
+def test_bad_options_are_refused_when_made(kw, message):
+  with pytest.raises(ValueError, match="^" + re.escape(message)):
+    jax_ring.ContextParallel(**kw)
+
+
+def test_explain_follows_the_named_strategy_and_takes_a_pair_of_sizes():
+  """A strategy other than auto is what explain reports for both passes;
+  the times are labelled as modelled; a (ulysses, ring) pair of sizes
+  needs no ContextParallel; the permutation of natural inputs is listed."""
+  shape = (1, 4096, 8, 64)
+  named = jax_ring.explain(shape, shape, cp_size=4, is_causal=True,
+                           context_parallel=jax_ring.ContextParallel(
+                               strategy="ulysses"))
+  assert (named.forward, named.backward) == ("ulysses", "ulysses")
+  assert "strategy 'ulysses' as given" in named.reason
+  assert "modelled from H200 measurements" in named.reason
+  assert named.defaults["inputs"][0] == "natural"
+  assert "permuted into 'dual_chunk'" in str(named)
+  pair = jax_ring.explain(shape, shape, cp_size=(2, 4), is_causal=True)
+  assert (pair.forward, pair.backward) == ("hybrid", "hybrid")
+  laid = jax_ring.explain(shape, shape, cp_size=4, context_parallel=(
+      jax_ring.ContextParallel(inputs="load_balanced")))
+  assert "nothing is permuted" in laid.defaults["inputs"][1]
+
+
+def test_maxtext_mesh_context_and_in_shardings():
+  """MaxText's habit: ``with mesh:`` (no ``jax.set_mesh``) and
+  ``jax.jit(in_shardings=...)``; and eagerly in the block on placed
+  arrays: exact on natural inputs."""
+  import warnings
+  mesh = _mesh((4,), ("cp",))
+  q, k, v, do = ref.random_qkv(2, B, S, S, N, K, H)
+  want, _, g = ref.attention(q, k, v, ref.Case(H**-0.5, is_causal=True),
+                             dout=do)
+  tok = NamedSharding(mesh, P(None, "cp"))
+  f = lambda q, k, v: jax_ring.dot_product_attention(
+      q, k, v, is_causal=True, context_parallel=jax_ring.ContextParallel())
+  grads = lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    with mesh:
+      out = jax.jit(f, in_shardings=(tok,) * 3)(q, k, v)
+      dq, dk, dv = jax.jit(grads, in_shardings=(tok,) * 4)(q, k, v, do)
+      eager = f(*(jax.device_put(x, tok) for x in (q, k, v)))
+  for got, wanted, name in ((out, want, "out"), (eager, want, "eager"),
+                            (dq, g["q"], "dq"), (dk, g["k"], "dk"),
+                            (dv, g["v"], "dv")):
+    ref.assert_close(got, wanted, jnp.float32, name)
