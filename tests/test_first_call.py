@@ -165,3 +165,22 @@ def test_maxtext_mesh_context_and_in_shardings():
                             (dq, g["q"], "dq"), (dk, g["k"], "dk"),
                             (dv, g["v"], "dv")):
     ref.assert_close(got, wanted, jnp.float32, name)
+
+
+@pytest.mark.parametrize("fn", [jax_ring.ring_attention,
+                                jax_ring.ulysses_attention,
+                                jax_ring.all_gather_attention],
+                         ids=lambda f: f.__name__)
+def test_a_tuple_axis_name_is_refused_by_name(fn):
+  """Inside shard_map, a one-axis entry point given a tuple of axes (which
+  once ran the ring over the last axis only, silently) names the
+  argument and points to hybrid_attention."""
+  mesh = _mesh((2, 4), ("data", "cp"))
+  q = jnp.ones((1, 64, 4, 16))
+  spec = P(None, ("data", "cp"))
+  f = jax.shard_map(lambda q: fn(q, q, q, axis_name=("data", "cp")),
+                    mesh=mesh, in_specs=spec, out_specs=spec)
+  with pytest.raises(ValueError, match=re.escape(
+      f"{fn.__name__}: axis_name must be one mesh axis name; got ('data', "
+      "'cp'). To split the sequence over two axes, use hybrid_attention")):
+    f(q)

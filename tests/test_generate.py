@@ -11,6 +11,7 @@ import re
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -185,14 +186,14 @@ def test_stop_tokens_end_a_row_and_are_kept(checkpoints):
 
 
 def test_a_tiny_temperature_is_greedy_and_options_are_named(checkpoints):
-  """Logits over a temperature of 1e-39 overflow float32 unless shifted
+  """Logits over a temperature of 2e-38 overflow float32 unless shifted
   first: the tokens must be the greedy ones. NumPy numbers are numbers;
   a seed, stop tokens or sampling of another kind are named."""
   path, want = checkpoints["qwen2"]
   generator = gen.Generator(models.load_pretrained(path))
   run = lambda **kw: generator.generate(PROMPTS, max_new_tokens=NEW, **kw)
-  assert run(sampling=gen.Sampling(np.float32(1e-39), top_k=np.int64(5)),
-             seed=np.int64(1)) == want
+  assert run(sampling=gen.Sampling(np.float32(2e-38), top_k=np.int64(5),
+                                   top_p=0.5), seed=np.int64(1)) == want
   for kw, error, message in (
       (dict(seed=2**32), ValueError, "seed must be an int in [0, 2**32); "
        "got 4294967296"),
@@ -213,10 +214,30 @@ def test_a_tiny_temperature_is_greedy_and_options_are_named(checkpoints):
     (dict(temperature=True), "temperature must be a finite number >= 0"),
     (dict(top_k=0), "top_k must be None or an int >= 1; got 0"),
     (dict(top_p=0.0), "top_p must be in (0, 1]; got 0.0"),
+    # Below float32's smallest normal number the division by it is 0 / 0.
+    (dict(temperature=1e-39, top_p=0.9), "temperature must be 0 (greedy) or "
+     "at least 1.175e-38"),
 ])
 def test_sampling_parameters_out_of_range_are_named(kw, message):
   with pytest.raises(ValueError, match="^" + re.escape(message)):
     gen.Sampling(**kw)
+
+
+def test_logits_holding_nan_draw_no_token(checkpoints):
+  """A row whose logits hold NaN has no distribution: the sampler marks it
+  (greedy, top-k and nucleus alike) and generate names the step and row,
+  where it used to return token 0."""
+  logits = jnp.asarray([[0.0, 1.0, 2.0], [0.5, jnp.nan, 0.1]])
+  for sampling in (gen.Sampling(), gen.Sampling(1.0, top_p=0.5),
+                   gen.Sampling(0.7, top_k=2)):
+    tokens = gen._sample(logits, jax.random.key(0), sampling)
+    assert tokens[1] == -1 and 0 <= tokens[0] <= 2, (sampling, tokens)
+  path, _ = checkpoints["qwen2"]
+  model = models.load_pretrained(path)
+  model.embed[...] = model.embed[...].at[27].set(jnp.nan)  # row 1's first
+  with pytest.raises(ValueError, match=re.escape(
+      "generate: step 0: the logits of row(s) [1] hold NaN")):
+    gen.generate(model, PROMPTS, max_new_tokens=2)
 
 
 def test_bad_prompts_steps_and_caches_are_named(checkpoints):

@@ -388,6 +388,23 @@ UNSUPPORTED = {
                        "part of the head dim is not implemented"),
     "null_eps": ("mistral", dict(rms_norm_eps=None),
                  "config.json: rms_norm_eps must be a number, not None"),
+    # A cap of 0 would make every logit 0 (final) or divide by zero.
+    "zero_final_cap": ("gemma2", dict(final_logit_softcapping=0),
+                       "config.json: final_logit_softcapping must be a "
+                       "positive number or null, not 0"),
+    "negative_cap": ("gemma2", dict(attn_logit_softcapping=-5.0),
+                     "config.json: attn_logit_softcapping must be a positive "
+                     "number or null, not -5.0"),
+    "zero_scalar": ("gemma2", dict(query_pre_attn_scalar=0),
+                    "config.json: query_pre_attn_scalar must be a positive "
+                    "number, not 0"),
+    "null_scalar": ("gemma3", dict(query_pre_attn_scalar=None),
+                    "config.json: query_pre_attn_scalar must be a positive "
+                    "number, not None"),
+    "zero_pattern": ("gemma3", dict(layer_types=None,
+                                    sliding_window_pattern=0),
+                     "config.json: sliding_window_pattern must be a positive "
+                     "integer, not 0"),
 }
 
 

@@ -97,6 +97,11 @@ class Sampling:
     t, k, p = self.temperature, self.top_k, self.top_p
     if not (_is_number(t) and math.isfinite(t) and t >= 0):
       raise ValueError(f"temperature must be a finite number >= 0; got {t!r}")
+    tiny = float(np.finfo(np.float32).tiny)
+    if 0 < t < tiny:  # logits / t would be 0 / 0 at the best token
+      raise ValueError(f"temperature must be 0 (greedy) or at least "
+                       f"{tiny:.4g}, float32's smallest normal number, by "
+                       f"which the logits are divided; got {t!r}")
     if k is not None and not (_is_int(k) and k >= 1):
       raise ValueError(f"top_k must be None or an int >= 1; got {k!r}")
     if not (_is_number(p) and 0 < p <= 1):
@@ -351,6 +356,12 @@ class Generator:
     for step in range(max_new_tokens):
       key, sub = jax.random.split(key)
       tokens = np.asarray(_sample(logits, sub, sampling))
+      bad = np.flatnonzero(tokens < 0)
+      if bad.size:
+        raise ValueError(
+            f"generate: step {step}: the logits of row(s) {bad.tolist()} "
+            f"hold NaN, so no token can be drawn (a NaN in the weights or "
+            f"the prompt's activations; the other rows were fine)")
       for row, token in enumerate(tokens):
         if not done[row]:
           out[row].append(int(token))
@@ -371,8 +382,12 @@ def generate(model: Decoder, prompts: Sequence[Sequence[int]], **options
 
 @functools.partial(jax.jit, static_argnames=("sampling",))
 def _sample(logits, key, sampling: Sampling):
-  """``(B,)`` int32 next tokens from ``logits (B, V)``."""
+  """``(B,)`` int32 next tokens from ``logits (B, V)``; -1 for a row whose
+  logits hold NaN (no distribution to draw from), which ``generate``
+  names."""
+  nan = jnp.isnan(logits).any(-1)
   if sampling.temperature == 0:
-    return jnp.argmax(logits, -1).astype(jnp.int32)
-  logits = sampling.filter(logits)
-  return jax.random.categorical(key, logits).astype(jnp.int32)
+    tokens = jnp.argmax(logits, -1)
+  else:
+    tokens = jax.random.categorical(key, sampling.filter(logits))
+  return jnp.where(nan, -1, tokens).astype(jnp.int32)

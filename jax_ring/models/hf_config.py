@@ -111,6 +111,20 @@ def _float(hf: dict, key: str, default: float) -> float:
   return float(value)
 
 
+def _positive(hf: dict, key: str, default, *, optional: bool = False):
+  """``hf[key]`` (``default`` where absent) as a positive finite float;
+  null is None where ``optional``; else a ValueError naming the key (0
+  would divide by zero or cap every logit to 0)."""
+  value = hf.get(key, default)
+  if value is None and optional:
+    return None
+  if (isinstance(value, bool) or not isinstance(value, (int, float)) or
+      not 0 < value < float("inf")):
+    allowed = "a positive number or null" if optional else "a positive number"
+    raise ValueError(f"config.json: {key} must be {allowed}, not {value!r}")
+  return float(value)
+
+
 def _family(hf: dict) -> tuple[str, Family]:
   kind = hf.get("model_type")
   if kind not in FAMILIES:
@@ -180,7 +194,7 @@ def _windows(hf: dict, kind: str, family: Family, layers: int
                       else "full_attention" for i in range(layers)]
   else:  # Gemma: alternating local and global layers
     # Only Gemma 3 reads the pattern; transformers' Gemma 2 alternates.
-    pattern = (hf.get("sliding_window_pattern",
+    pattern = (_count(hf, "sliding_window_pattern",
                       family.defaults["sliding_window_pattern"])
                if kind == "gemma3_text" else
                family.defaults["sliding_window_pattern"])
@@ -292,8 +306,8 @@ def fields_from_hf(hf: dict) -> dict[str, Any]:
   caps = {}
   for ours, key in (("logits_soft_cap", "attn_logit_softcapping"),
                     ("final_logits_soft_cap", "final_logit_softcapping")):
-    value = hf.get(key, d.get(key)) if gemma else None
-    caps[ours] = None if value is None else float(value)
+    caps[ours] = _positive(hf, key, d.get(key), optional=True) if gemma \
+        else None
   if kind == "gemma3_text" and caps["logits_soft_cap"] is not None:
     raise ValueError("config.json sets attn_logit_softcapping, which "
                      "transformers' Gemma 3 does not apply; set it to null")
@@ -310,8 +324,8 @@ def fields_from_hf(hf: dict) -> dict[str, Any]:
       tie_word_embeddings=bool(hf.get("tie_word_embeddings",
                                       d.get("tie_word_embeddings", False))),
       sliding_window=window, layer_types=types, **rope, **caps,
-      query_pre_attn_scalar=(float(hf.get("query_pre_attn_scalar",
-                                          d["query_pre_attn_scalar"]))
+      query_pre_attn_scalar=(_positive(hf, "query_pre_attn_scalar",
+                                       d["query_pre_attn_scalar"])
                              if gemma else None),
       hidden_act=_activation(hf, family), model_type=kind, **family.fixed)
 

@@ -187,6 +187,17 @@ def segment_ids(ids, q_shape, kv_shape):
   return q_ids, kv_ids
 
 
+def one_axis_name(function: str, axis_name) -> None:
+  """``axis_name`` of a one-axis ``shard_map`` entry point: one name. A
+  tuple is refused rather than read as one of its axes."""
+  if not isinstance(axis_name, str):
+    raise ValueError(
+        f"{function}: axis_name must be one mesh axis name; got "
+        f"{axis_name!r}. To split the sequence over two axes, use "
+        f"hybrid_attention(axis_name=(ulysses_axis, ring_axis)), or a mesh "
+        f"with one context axis")
+
+
 def mesh_axis(axis_name) -> int:
   """Size of ``axis_name``, which must be bound (inside shard_map)."""
   try:

@@ -213,6 +213,7 @@ def ulysses_attention(query, key, value, *, axis_name: str, is_causal=False,
   Returns:
     ``(B, T, N, H)`` in the input dtype: this device's rows of the output.
   """
+  validate.one_axis_name("ulysses_attention", axis_name)
   cpc = ContextParallel(axis=axis_name, strategy="ulysses",
                         load_balance=load_balance)
   return base.run(

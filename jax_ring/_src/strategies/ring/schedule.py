@@ -338,6 +338,7 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
   Returns:
     ``(B, T, N, H)`` in the input dtype: this device's rows of the output.
   """
+  validate.one_axis_name("ring_attention", axis_name)
   cpc = ContextParallel(axis=axis_name, strategy="ring",
                         load_balance=load_balance, loop=loop,
                         kv_sends=kv_sends)
