@@ -230,3 +230,22 @@ def test_bfloat16_cache_over_every_gpu_matches_reference():
   ref.assert_close(split, want, jnp.bfloat16, f"{gpus} GPUs")
   ref.assert_close(split, np.asarray(one, np.float32), jnp.bfloat16,
                    "against one GPU")
+
+
+def test_positions_past_int32_are_refused_on_the_device_too():
+  """With jax_enable_x64, int64 positions on the device (not only host
+  arrays) past int32 are named rather than wrapped (which gave zeros); a
+  traced int64 array under jit is refused by its dtype."""
+  q, k, v, _ = ref.random_qkv(12, B, T, C, N, K, H, hv=HV)
+  with jax.enable_x64(True):
+    far = jnp.asarray(Q_POS, jnp.int64) + 2**31
+    assert far.dtype == jnp.int64
+    with pytest.raises(ValueError, match=re.escape(
+        "query_positions must fit in int32; got 2147483668..2147483682")):
+      jax_ring.decode_attention(q, k, v, query_positions=far,
+                                key_positions=KV_POS)
+    with pytest.raises(ValueError, match=re.escape(
+        "query_positions must be int32 under jit")):
+      jax.jit(lambda p: jax_ring.decode_attention(
+          q, k, v, query_positions=p, key_positions=KV_POS))(
+              jnp.asarray(Q_POS, jnp.int64))

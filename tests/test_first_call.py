@@ -4,6 +4,7 @@ inputs (the permutation into the layout and back is the call's own), and
 ``inputs="load_balanced"`` takes arrays already in the layout, permuting
 nothing; options are checked when a ``ContextParallel`` is made."""
 
+import functools
 import re
 
 import jax
@@ -184,3 +185,94 @@ def test_a_tuple_axis_name_is_refused_by_name(fn):
       f"{fn.__name__}: axis_name must be one mesh axis name; got ('data', "
       "'cp'). To split the sequence over two axes, use hybrid_attention")):
     f(q)
+
+
+def _padded_ids():
+  """(B, S) ids: documents 1 and 2 then padding 0 at the end of row 0;
+  row 1 starts with padding and holds a document 0 nowhere else."""
+  ids = np.ones((B, S), np.int32)
+  ids[0, 13:25], ids[0, 25:] = 2, 0
+  ids[1, :6], ids[1, 6:20], ids[1, 20:] = 0, 3, 4
+  return ids
+
+
+def _padding_reference(q, k, v, do, ids, pad, sinks=None):
+  vis = None
+  if pad is not None:
+    vis = ((ids != pad)[:, None, :, None] & (ids != pad)[:, None, None, :])
+  case = ref.Case(H**-0.5, is_causal=True, q_segment_ids=ids,
+                  kv_segment_ids=ids, dense=vis)
+  return ref.attention(q, k, v, case, dout=do, sinks=sinks)
+
+
+@pytest.mark.parametrize("pad", [None, 0])
+def test_padding_segment_id_on_one_device(pad):
+  """``padding_segment_id=0`` (TransformerEngine's and MaxText's
+  convention): padding rows give 0, a finite zero gradient and the
+  logsumexp of a row that sees no key (its sink's logit, with sinks);
+  nobody sees padding keys. Default None: 0 is an ordinary document."""
+  q, k, v, do = ref.random_qkv(4, B, S, S, N, K, H)
+  ids = _padded_ids()
+  sinks = jnp.asarray([0.3, -0.2, 1.0, 0.5], jnp.float32)
+  dlse = jax.random.normal(jax.random.key(5), (B, S, N), jnp.float32)
+  want, want_lse, g = _padding_reference(q, k, v, do, ids, pad, sinks)
+  vis = None if pad is None else (
+      (ids != pad)[:, None, :, None] & (ids != pad)[:, None, None, :])
+  _, _, g2 = ref.attention(q, k, v, ref.Case(
+      H**-0.5, is_causal=True, q_segment_ids=ids, kv_segment_ids=ids,
+      dense=vis), dout=do, dlse=dlse, sinks=sinks)
+  f = lambda q, k, v, s: jax_ring.dot_product_attention(
+      q, k, v, is_causal=True, segment_ids=ids, sinks=s,
+      padding_segment_id=pad, return_residual=True)
+  (out, lse), vjp = jax.vjp(jax.jit(f), q, k, v, sinks)
+  grads = vjp((do, dlse))
+  ref.assert_close(out, want, jnp.float32, "out")
+  ref.assert_close(lse, want_lse, jnp.float32, "lse")
+  for name, x in zip(("q", "k", "v", "sinks"), grads):
+    assert np.isfinite(np.asarray(x)).all(), name
+    ref.assert_close(x, g2[name], jnp.float32, "d" + name)
+
+
+@pytest.mark.parametrize("entry", ["jit", "shard_map"])
+def test_padding_segment_id_across_devices(entry):
+  """The same convention under context parallelism (natural inputs) and
+  inside shard_map (the ring, dual-chunk shards)."""
+  mesh = _mesh((4,), ("cp",))
+  q, k, v, do = ref.random_qkv(6, B, S, S, N, K, H)
+  ids = _padded_ids()
+  want, _, g = _padding_reference(q, k, v, do, ids, 0)
+  tok = NamedSharding(mesh, P(None, "cp"))
+  if entry == "jit":
+    put = lambda x: jax.device_put(jnp.asarray(x), tok)
+    back = lambda x: x
+    seg = put(ids)
+    f = lambda q, k, v: jax_ring.dot_product_attention(
+        q, k, v, is_causal=True, segment_ids=seg, padding_segment_id=0,
+        context_parallel=jax_ring.ContextParallel())
+  else:
+    put = lambda x: jax.device_put(jax_ring.reorder_for_load_balance(
+        jnp.asarray(x), 4), tok)
+    back = lambda x: jax_ring.reorder_from_load_balance(x, 4)
+    seg = put(ids)
+    f = jax.shard_map(lambda q, k, v, s: jax_ring.ring_attention(
+        q, k, v, axis_name="cp", is_causal=True, load_balance="dual_chunk",
+        segment_ids=s, padding_segment_id=0), mesh=mesh,
+        in_specs=(P(None, "cp"),) * 4, out_specs=P(None, "cp"))
+    f = functools.partial(lambda f, q, k, v: f(q, k, v, seg), f)
+  with jax.set_mesh(mesh):
+    out, vjp = jax.jit(lambda *a: jax.vjp(f, *a))(*(put(x) for x in (q, k,
+                                                                       v)))
+    grads = vjp(put(do))
+  ref.assert_close(back(out), want, jnp.float32, "out")
+  for name, x in zip("qkv", grads):
+    ref.assert_close(back(x), g[name], jnp.float32, "d" + name)
+
+
+def test_padding_segment_id_is_checked():
+  q = jnp.ones((1, 8, 2, 8))
+  for kw, message in (
+      (dict(padding_segment_id=0), "padding_segment_id=0 needs segment_ids"),
+      (dict(padding_segment_id=1.5, segment_ids=jnp.zeros((1, 8), int)),
+       "padding_segment_id must be None or an int segment id; got 1.5")):
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+      jax_ring.dot_product_attention(q, q, q, **kw)

@@ -21,7 +21,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
                           key_value_seq_lengths=None, local_window_size=None,
                           segment_ids=None, logits_soft_cap=None,
                           implementation=None, return_residual=False,
-                          sinks=None,
+                          sinks=None, padding_segment_id=None,
                           context_parallel: ContextParallel | None = None):
   """Scaled dot-product attention, memory-efficient and differentiable.
 
@@ -57,6 +57,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     sinks: ``(N,)`` float, differentiable: per head, a logit that joins
       every row's softmax and has no value (gpt-oss), so a row's weights
       sum to less than one; under ``context_parallel`` too.
+    padding_segment_id: an id of ``segment_ids`` that marks padding
+      (TransformerEngine's and MaxText's convention is 0): its rows output 0
+      with zero gradient (and, with ``return_residual``, the logsumexp of a
+      row that sees no key), and no token sees its keys. Default None:
+      every id, 0 included, is an ordinary document.
     context_parallel: a :class:`ContextParallel`: on the mesh in scope
       (``jax.set_mesh``, or q's ``NamedSharding``), split the sequence over
       its ``axis`` and run that strategy on each shard, eagerly or under
@@ -81,14 +86,23 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
   bias, dense = _bias_and_mask(bias, mask, query.shape, key.shape)
   if sinks is not None:
     sinks = validate.sinks(sinks, query.shape[2])
+  validate.padding_segment_id(padding_segment_id, segment_ids)
   unbatch = (lambda x: x[0]) if q_rank == 3 else (lambda x: x)
   if context_parallel is not None:
     mesh = validate.context_parallel(
         context_parallel, query, key, bias=bias, mask=mask,
         return_residual=return_residual)
-    return unbatch(_context_parallel(query, key, value, tm, sinks, config,
-                                     context_parallel, mesh, implementation))
+    out = _context_parallel(query, key, value, tm, sinks, config,
+                            context_parallel, mesh, implementation)
+    return unbatch(base.drop_padding(out, tm.q_segment_ids,
+                                     padding_segment_id))
   out, lse = _one_device(query, key, value, bias, dense, tm, config, sinks)
+  if padding_segment_id is not None:  # as a row that sees no key
+    pad = tm.q_segment_ids == padding_segment_id
+    out = base.drop_padding(out, tm.q_segment_ids, padding_segment_id)
+    seen_none = (jnp.full(lse.shape, MASK_VALUE, jnp.float32) if sinks is None
+                 else jnp.broadcast_to(sinks.astype(jnp.float32), lse.shape))
+    lse = jnp.where(pad[:, :, None], seen_none, lse)
   out, lse = unbatch(out), unbatch(lse)
   return (out, lse) if return_residual else out
 

@@ -124,11 +124,21 @@ def decode_attention(query, key, value, *, query_positions, key_positions,
 
 
 def _positions(name, x, shape):
-  if not isinstance(x, jax.Array):  # host values: checked before the cast
+  """``x`` as int32 positions of ``shape``. Values past int32 are refused
+  before the cast, which would wrap them: host arrays and device arrays
+  alike; a traced 64-bit array (``jax_enable_x64`` under ``jit``) cannot
+  be read, so it is refused by its dtype."""
+  if not isinstance(x, jax.Array):
     x = np.asarray(x)
-    if (np.issubdtype(x.dtype, np.integer) and x.size and
-        (x.min() < -2**31 or x.max() >= 2**31)):
-      raise ValueError(f"{name} must fit in int32; got {x.min()}..{x.max()}")
+  wide = np.issubdtype(x.dtype, np.integer) and np.dtype(x.dtype).itemsize > 4
+  if wide and isinstance(x, jax.core.Tracer):
+    raise ValueError(f"{name} must be int32 under jit (a traced {x.dtype} "
+                     f"array cannot be checked to fit in int32); got "
+                     f"{x.dtype} {tuple(x.shape)}")
+  if wide and x.size:
+    low, high = int(x.min()), int(x.max())
+    if low < -2**31 or high >= 2**31:
+      raise ValueError(f"{name} must fit in int32; got {low}..{high}")
   x = jnp.asarray(x)
   if x.shape != tuple(shape) or not jnp.issubdtype(x.dtype, jnp.integer):
     raise ValueError(f"{name} must be an int array of shape {tuple(shape)}; "

@@ -187,6 +187,18 @@ def segment_ids(ids, q_shape, kv_shape):
   return q_ids, kv_ids
 
 
+def padding_segment_id(value, segment_ids) -> None:
+  """``padding_segment_id``: None, or an int id given with segment ids."""
+  if value is None:
+    return
+  if not _is_int(value):
+    raise ValueError(f"padding_segment_id must be None or an int segment "
+                     f"id; got {value!r}")
+  if segment_ids is None:
+    raise ValueError(f"padding_segment_id={value} needs segment_ids: it "
+                     f"names which of their ids marks padding")
+
+
 def one_axis_name(function: str, axis_name) -> None:
   """``axis_name`` of a one-axis ``shard_map`` entry point: one name. A
   tuple is refused rather than read as one of its axes."""

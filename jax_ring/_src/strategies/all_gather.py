@@ -260,6 +260,7 @@ def all_gather_attention(query, key, value, *, axis_name: str,
                          key_value_seq_lengths=None, local_window_size=None,
                          scale=None, logits_soft_cap=None,
                          implementation=None, sinks=None,
+                         padding_segment_id=None,
                          kv_chunk_heads: int | None = None):
   """Exact attention over a sequence sharded along ``axis_name``, by
   all-gathering K/V.
@@ -290,6 +291,10 @@ def all_gather_attention(query, key, value, *, axis_name: str,
     implementation: block backend, as in ``dot_product_attention``.
     sinks: ``(N,)`` float, one logit per local query head that joins
       every row's softmax with no value, as in ``dot_product_attention``.
+    padding_segment_id: an id of ``segment_ids`` that marks padding
+      (TransformerEngine's and MaxText's 0, say): its rows output 0 with
+      zero gradient, and no token sees its keys. Default None: every id,
+      0 included, is a document.
     kv_chunk_heads: gather and compute ``kv_chunk_heads`` kv heads at a time
       (with their query heads), bounding the full-sequence KV held per device
       to that many heads; must divide K. ``None``: all K at once.
@@ -306,4 +311,4 @@ def all_gather_attention(query, key, value, *, axis_name: str,
       lengths=(query_seq_lengths, key_value_seq_lengths),
       local_window_size=local_window_size, is_causal=is_causal, scale=scale,
       logits_soft_cap=logits_soft_cap, implementation=implementation,
-      sinks=sinks)
+      sinks=sinks, padding_segment_id=padding_segment_id)

@@ -53,9 +53,21 @@ class Strategy:
     return differentiable(self.forward, self.backward)
 
 
+def drop_padding(out, q_ids, padding_segment_id):
+  """``out (B, T, N, Hv)`` with the rows whose query id is
+  ``padding_segment_id`` set to 0 (and their gradient stopped there): the
+  padding convention of ``padding_segment_id``. Padding keys need nothing
+  more: a real token's id differs from theirs, so the segment mask already
+  hides them. ``None``: ``out`` as it is."""
+  if padding_segment_id is None:
+    return out
+  return jnp.where((q_ids == padding_segment_id)[:, :, None, None], 0, out)
+
+
 def run(strategy: Strategy, cpc: ContextParallel, query, key, value, *,
         segment_ids, lengths, local_window_size, is_causal, scale,
-        logits_soft_cap, implementation, sinks=None):
+        logits_soft_cap, implementation, sinks=None,
+        padding_segment_id=None):
   """The front of the ``shard_map`` entry points: ``strategy`` on local
   shards ``query (B, T, N, H)``, ``key``/``value (B, T, K, H)`` of a
   sequence split over ``cpc``'s axes, validated before anything runs.
@@ -73,8 +85,10 @@ def run(strategy: Strategy, cpc: ContextParallel, query, key, value, *,
   strategy.check(cpc, sizes, query.shape, key.shape)
   if sinks is not None:
     sinks = vma.like(validate.sinks(sinks, query.shape[2]), query, key, value)
-  return strategy.attention(query, key, value, tm, sinks, cfg,
-                            strategy.plan(cpc, sizes, "ring"))
+  validate.padding_segment_id(padding_segment_id, segment_ids)
+  out = strategy.attention(query, key, value, tm, sinks, cfg,
+                           strategy.plan(cpc, sizes, "ring"))
+  return drop_padding(out, tm.q_segment_ids, padding_segment_id)
 
 
 def prepare(query, key, value, *, segment_ids, lengths, local_window_size,

@@ -131,7 +131,8 @@ def hybrid_attention(query, key, value, *, axis_name: tuple[str, str],
                      is_causal=False, load_balance: LoadBalance | None = None,
                      segment_ids=None, query_seq_lengths=None,
                      key_value_seq_lengths=None, local_window_size=None,
-                     scale=None, logits_soft_cap=None, implementation=None, sinks=None,
+                     scale=None, logits_soft_cap=None, implementation=None,
+                     sinks=None, padding_segment_id=None,
                      loop: Loop | None = None,
                      kv_sends: KvSends | None = None):
   """Exact attention over a sequence sharded over a ulysses and a ring axis.
@@ -162,6 +163,10 @@ def hybrid_attention(query, key, value, *, axis_name: tuple[str, str],
     implementation: block backend, as in ``dot_product_attention``.
     sinks: ``(N,)`` float, one logit per local query head that joins
       every row's softmax with no value, as in ``dot_product_attention``.
+    padding_segment_id: an id of ``segment_ids`` that marks padding
+      (TransformerEngine's and MaxText's 0, say): its rows output 0 with
+      zero gradient, and no token sees its keys. Default None: every id,
+      0 included, is a document.
     loop: the ring's loop form, ``"scan"`` or ``"unrolled"``; default from
       ``NVTE_FUSED_RING_ATTENTION_USE_SCAN`` as in :func:`ring_attention`.
     kv_sends: the ring's K/V sends, as in :func:`ring_attention` (its size
@@ -178,4 +183,4 @@ def hybrid_attention(query, key, value, *, axis_name: tuple[str, str],
       lengths=(query_seq_lengths, key_value_seq_lengths),
       local_window_size=local_window_size, is_causal=is_causal, scale=scale,
       logits_soft_cap=logits_soft_cap, implementation=implementation,
-      sinks=sinks)
+      sinks=sinks, padding_segment_id=padding_segment_id)

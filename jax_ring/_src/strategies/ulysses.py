@@ -180,7 +180,8 @@ def ulysses_attention(query, key, value, *, axis_name: str, is_causal=False,
                       load_balance: LoadBalance | None = None,
                       segment_ids=None, query_seq_lengths=None,
                       key_value_seq_lengths=None, local_window_size=None,
-                      scale=None, logits_soft_cap=None, implementation=None, sinks=None):
+                      scale=None, logits_soft_cap=None, implementation=None,
+                      sinks=None, padding_segment_id=None):
   """Exact attention over a sequence sharded along ``axis_name``, by all-to-all.
 
   Call it inside ``shard_map`` on the local shards: ``query (B, T, N, H)``,
@@ -209,6 +210,10 @@ def ulysses_attention(query, key, value, *, axis_name: str, is_causal=False,
     implementation: block backend, as in ``dot_product_attention``.
     sinks: ``(N,)`` float, one logit per local query head that joins
       every row's softmax with no value, as in ``dot_product_attention``.
+    padding_segment_id: an id of ``segment_ids`` that marks padding
+      (TransformerEngine's and MaxText's 0, say): its rows output 0 with
+      zero gradient, and no token sees its keys. Default None: every id,
+      0 included, is a document.
 
   Returns:
     ``(B, T, N, H)`` in the input dtype: this device's rows of the output.
@@ -221,4 +226,4 @@ def ulysses_attention(query, key, value, *, axis_name: str, is_causal=False,
       lengths=(query_seq_lengths, key_value_seq_lengths),
       local_window_size=local_window_size, is_causal=is_causal, scale=scale,
       logits_soft_cap=logits_soft_cap, implementation=implementation,
-      sinks=sinks)
+      sinks=sinks, padding_segment_id=padding_segment_id)
