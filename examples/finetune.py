@@ -92,8 +92,8 @@ import pathlib
 import random
 import shutil
 
+import run_dir  # first: it names a missing dependency
 import checkpoints
-import run_dir
 import train_lm
 from sft_data import Encoder, SFTData, pack, pieces, read_records
 

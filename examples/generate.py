@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import pathlib
+import sys
 import tempfile
 
 import run_dir
@@ -122,6 +123,11 @@ def generate(args) -> list[str]:
       args.prompt or [DEFAULT_PROMPT])
   sampling = gen.Sampling(args.temperature, args.top_k, args.top_p)
   with tempfile.TemporaryDirectory() as tmp:
+    if not args.model:  # say what the text comes from before any is shown
+      print("no --model: a tiny Llama of random weights (untrained), so the "
+            "text below is noise; give --model a fine-tuned run's final/ "
+            "(examples/finetune.py) or a Hugging Face checkpoint",
+            file=sys.stderr, flush=True)
     model_dir = pathlib.Path(args.model or demo_model(pathlib.Path(tmp)))
     encoder = finetune.Encoder(model_dir)
     prompts = [encoder.prefix + encoder.tok.encode(

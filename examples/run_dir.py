@@ -22,11 +22,35 @@ The contract:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import pathlib
 import shutil
 import sys
 import tempfile
+
+
+def _missing(modules) -> list[str]:
+  """Which of ``modules`` this Python cannot import."""
+  out = []
+  for name in modules:
+    try:
+      found = importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+      found = False
+    if not found:
+      out.append(name)
+  return out
+
+
+# Every example imports this module first: a missing dependency is named
+# here, with the extra that installs it, not deep inside an import.
+MISSING = _missing(("flax", "optax", "orbax.checkpoint", "tokenizers",
+                    "safetensors", "tqdm"))
+if MISSING:
+  raise SystemExit(f"the examples need {', '.join(MISSING)}, which this "
+                   f"Python lacks: pip install -e \".[examples]\" (from the "
+                   f"repository root)")
 
 
 def number(kind, low, *, above: bool = False, high=None):

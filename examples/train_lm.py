@@ -7,7 +7,8 @@ of one file and the start of the next (``segment_ids``, positions restart).
 
   python examples/train_lm.py                  # CPU: 8 simulated devices,
                                                # data=2 x context=4, ring,
-                                               # dual_chunk, about 2 minutes
+                                               # dual_chunk; about 7
+                                               # minutes on 2 cores
   python examples/train_lm.py --run-dir runs/a # write to runs/a
   python examples/train_lm.py --run-dir runs/a --resume
                                                # continue from its last
@@ -42,8 +43,8 @@ import typing
 
 import numpy as np
 
+import run_dir  # first: it names a missing dependency
 import checkpoints
-import run_dir
 
 # What a run writes in its run directory (see run_dir.py).
 OUTPUTS = ("checkpoints", "losses.json", "loss_curve.png")
@@ -51,7 +52,8 @@ OUTPUTS = ("checkpoints", "losses.json", "loss_curve.png")
 # Model presets: the model's shape and the defaults that go with it.
 PRESETS = {
     # 0.85M params, the CPU default: loss 5.54 at step 1 (about ln 256 =
-    # 5.55, the uniform guess) -> ~2.5 nats/byte in ~2 min.
+    # 5.55, the uniform guess) -> ~2.5 nats/byte in 80 steps (about 7
+    # minutes on 2 cores).
     "tiny": dict(model=dict(embed_dim=128, num_layers=4, num_heads=4,
                             num_kv_heads=2, head_dim=32, mlp_dim=384),
                  seq=2048, batch_per_data=1, lr=3e-3, steps=80),

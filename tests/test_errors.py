@@ -116,7 +116,8 @@ def test_cudnn_unavailable_is_a_clear_error():
                  "implementation='xla')")
   else:
     message = ("implementation='cudnn' is not available in this install: the "
-               "jax_ring cudnn extension is not built or not loaded")
+               "cuDNN extension (jax_ring._cudnn) is not built; build it on a "
+               "machine with CUDA and cuDNN with JAX_RING_CUDNN=ON")
   with pytest.raises(ValueError, match="^" + re.escape(message)):
     call(implementation="cudnn")
 

@@ -47,6 +47,9 @@ class Backend:
 
 # name -> backend, in registration order (the last is preferred).
 BACKENDS: dict[str, Backend] = {}
+# Backends this install has but cannot load, and why (a request for one is
+# refused with the reason): filled by the backend modules.
+UNAVAILABLE: dict[str, str] = {}
 
 
 def register(backend: Backend) -> None:
@@ -77,9 +80,11 @@ def resolve(requested, config: AttentionConfig, query, key, value, bias,
         return backend.name
     return FALLBACK
   if requested not in BACKENDS:
+    why = UNAVAILABLE.get(requested, f"the jax_ring {requested} extension "
+                          "is not built or not loaded")
     raise ValueError(
-        f"implementation={requested!r} is not available in this install: the "
-        f"jax_ring {requested} extension is not built or not loaded")
+        f"implementation={requested!r} is not available in this install: "
+        f"{why}")
   reason = BACKENDS[requested].unsupported(config, query, key, value, bias,
                                            mask)
   if reason is not None:

@@ -185,3 +185,5 @@ if LOAD_ERROR is None:
   registry.register(registry.Backend("cudnn", forward, backward, unsupported,
                                      platform="cuda",
                                      backward_dkv=backward_dkv))
+else:
+  registry.UNAVAILABLE["cudnn"] = LOAD_ERROR

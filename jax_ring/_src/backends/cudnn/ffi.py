@@ -18,12 +18,21 @@ from jaxlib import xla_client
 from jax_ring._src.backends.cudnn.band import Band
 
 
+# How to build it, named wherever its absence is reported.
+BUILD_HINT = ("build it on a machine with CUDA and cuDNN with JAX_RING_CUDNN=ON "
+              "pip install --no-build-isolation -e . (README, Install)")
+
 try:
   from jax_ring import _cudnn
   LOAD_ERROR = None
 except ImportError as e:  # not built: a CPU install, or a failed build
   _cudnn = None
-  LOAD_ERROR = str(e)
+  # Python's message for a missing module inside a package being imported
+  # speaks of a circular import; say what it means.
+  LOAD_ERROR = (f"the cuDNN extension (jax_ring._cudnn) is not built; "
+                f"{BUILD_HINT}" if "_cudnn" in str(e) and (
+                    "cannot import name" in str(e) or "No module" in str(e))
+                else f"the cuDNN extension did not load: {e}")
 
 
 def attrs(config, bnd: Band, padding: bool, slots: int = 0):
