@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import platform
 import time
 
 import jax
@@ -107,7 +106,7 @@ def time_fn(fn, *args, repeats=5, min_batch_s=0.05, long_call_s=0.5):
 def environment():
   dev = jax.devices()[0]
   env = dict(device=dev.device_kind, platform=dev.platform,
-             device_count=jax.device_count(), host=platform.node(),
+             device_count=jax.device_count(),
              jax=jax.__version__, jax_ring=jax_ring.__version__,
              pgle=bool(jax.config.jax_enable_pgle))
   try:

@@ -377,8 +377,18 @@ def test_striped_bands_match_global_positions(n):
 def test_errors():
   q = jnp.ones((1, 6, 2, 8))
   with pytest.raises(ValueError, match=re.escape(
-      "axis_name 'cp' is not a mesh axis bound here")):
+      "axis_name 'cp' is not a mesh axis bound here (no mesh axis is bound "
+      "here)")):
     jax_ring.ring_attention(q, q, q, axis_name="cp")
+  other = jax.shard_map(lambda x: jax_ring.ring_attention(
+      x, x, x, axis_name="cp"), mesh=jax.make_mesh(
+          (2,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
+          devices=jax.devices()[:2]), in_specs=P(None, "seq"),
+      out_specs=P(None, "seq"))
+  with pytest.raises(ValueError, match=re.escape(  # names the mesh's axes
+      "axis_name 'cp' is not a mesh axis bound here (the mesh here has axes "
+      "('seq',))")):
+    other(jnp.ones((1, 8, 2, 8)))
   spec = P(None, "cp")
   f = jax.shard_map(lambda x: jax_ring.ring_attention(
       x, x, x, axis_name="cp", load_balance="dual_chunk"),

@@ -215,9 +215,13 @@ def mesh_axis(axis_name) -> int:
   try:
     return int(jax.lax.axis_size(axis_name))
   except NameError:
+    bound = tuple(jax.sharding.get_abstract_mesh().axis_names)
+    where = (f"the mesh here has axes {bound}" if bound else
+             "no mesh axis is bound here")
     raise ValueError(
-        f"axis_name {axis_name!r} is not a mesh axis bound here: call "
-        "this strategy inside shard_map over a mesh with that axis") from None
+        f"axis_name {axis_name!r} is not a mesh axis bound here ({where}): "
+        "call this strategy inside shard_map over a mesh with that "
+        "axis") from None
 
 
 def ulysses_heads(num_heads: int, axis_name: str, cp_size: int) -> None:
