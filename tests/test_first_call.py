@@ -276,3 +276,33 @@ def test_padding_segment_id_is_checked():
        "padding_segment_id must be None or an int segment id; got 1.5")):
     with pytest.raises(ValueError, match="^" + re.escape(message)):
       jax_ring.dot_product_attention(q, q, q, **kw)
+
+
+def test_plain_arrays_under_set_mesh_with_explicit_axes():
+  """``jax.make_mesh``'s default axes (Explicit) and arrays placed nowhere:
+  ``dot_product_attention`` (eager, jit, gradient) and ``decode_attention``
+  with host positions, as on one device."""
+  mesh = _mesh((4,), ("cp",), jax.sharding.AxisType.Explicit)
+  q, k, v, do = ref.random_qkv(7, B, S, S, N, K, H)
+  want, _, g = ref.attention(q, k, v, ref.Case(
+      H**-0.5, is_causal=True, q_segment_ids=IDS, kv_segment_ids=IDS),
+                             dout=do)
+  f = lambda q, k, v: jax_ring.dot_product_attention(
+      q, k, v, is_causal=True, segment_ids=IDS,
+      context_parallel=jax_ring.ContextParallel())
+  kv_pos = np.arange(S, dtype=np.int32)[None].repeat(B, 0)
+  q_pos = np.full((B, 1), S, np.int32)
+  with jax.set_mesh(mesh):
+    eager, jitted = f(q, k, v), jax.jit(f)(q, k, v)
+    grads = jax.vjp(f, q, k, v)[1](do)
+    cache = jax.device_put(k, NamedSharding(mesh, P(None, "cp")))
+    split = jax_ring.decode_attention(
+        q[:, :1], cache, v, query_positions=q_pos, key_positions=kv_pos,
+        context_parallel=jax_ring.ContextParallel())
+  for got, name in ((eager, "eager"), (jitted, "jit")):
+    ref.assert_close(got, want, jnp.float32, name)
+  for name, x in zip("qkv", grads):
+    ref.assert_close(x, g[name], jnp.float32, "d" + name)
+  vis = np.ones((B, 1, 1, S), bool)
+  ref.assert_close(split, ref.attention(q[:, :1], k, v, ref.Case(
+      H**-0.5, dense=vis))[0], jnp.float32, "decode")

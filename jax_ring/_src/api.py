@@ -184,6 +184,12 @@ def _context_parallel(query, key, value, tm: TokenMask, sinks,
 
   explicit = layout.explicit_axes(mesh)
   if explicit:
+    # Arrays whose type names no mesh (plain arrays under jax.set_mesh)
+    # are put on it, replicated: the custom VJP's shardings are theirs.
+    on = lambda x: x if x is None or not jax.typeof(x).sharding.mesh.empty \
+        else jax.sharding.reshard(x, NamedSharding(mesh, P()))
+    query, key, value, sinks = map(on, (query, key, value, sinks))
+    tm = TokenMask(**{f: on(x) for f, x in vars(tm).items()})
     call = _on_auto_axes(placed, (to, back), config, cp, explicit, query,
                          key, value, sinks)
   # Always a jitted program: outside one (eagerly, and under an eager

@@ -220,8 +220,14 @@ def _context_parallel(local, q, k, v, q_pos, kv_pos, sinks, cp, seq_axis):
   if size == 1:  # nothing to merge; XLA refuses a reduction over it
     return _attend(local, q, k, v, q_pos, kv_pos, sinks, None)
   cache, whole = P(*(None,) * seq_axis, axes), P()
+  specs = (whole, cache, cache, whole, P(None, axes), whole)
+  args = (q, k, v, q_pos, kv_pos, sinks)
+  if jax.sharding.AxisType.Explicit in tuple(mesh.axis_types):
+    # On Explicit axes shard_map takes arrays typed as its specs say: put
+    # each there (host arrays such as the positions included).
+    args = tuple(x if x is None else jax.sharding.reshard(
+        x, jax.sharding.NamedSharding(mesh, s)) for x, s in zip(args, specs))
   f = jax.shard_map(
       functools.partial(_attend, local, axis_name=axes), mesh=mesh,
-      in_specs=(whole, cache, cache, whole, P(None, axes), whole),
-      out_specs=whole, axis_names=set(cp.axes))
-  return f(q, k, v, q_pos, kv_pos, sinks)
+      in_specs=specs, out_specs=whole, axis_names=set(cp.axes))
+  return f(*args)
