@@ -230,7 +230,7 @@ def test_logits_holding_nan_draw_no_token(checkpoints):
   logits = jnp.asarray([[0.0, 1.0, 2.0], [0.5, jnp.nan, 0.1]])
   for sampling in (gen.Sampling(), gen.Sampling(1.0, top_p=0.5),
                    gen.Sampling(0.7, top_k=2)):
-    tokens = gen._sample(logits, jax.random.key(0), sampling)
+    tokens = sampling.draw(logits, jax.random.key(0))
     assert tokens[1] == -1 and 0 <= tokens[0] <= 2, (sampling, tokens)
   path, _ = checkpoints["qwen2"]
   model = models.load_pretrained(path)

@@ -35,9 +35,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
   Args:
     query: ``(B, T, N, H)`` or ``(T, N, H)``.
     key: ``(B, S, K, H)`` or ``(S, K, H)``. K/V are never repeated for GQA.
-    value: ``(B, S, K, Hv)`` or ``(S, K, Hv)``: as ``key``, but its head
-      dim Hv may differ from H (multi-head latent attention); the output
-      takes it.
+    value: ``(B, S, K, Hv)`` or ``(S, K, Hv)``: Hv may differ from H
+      (multi-head latent attention); the output takes it.
     bias: additive, broadcastable to ``(B, N, T, S)``; differentiable.
     mask: boolean, broadcastable to ``(B, N, T, S)``; True = attend.
     scale: logit multiplier; default ``1 / sqrt(H)``.
@@ -55,20 +54,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
       blockwise) or ``"cudnn"``.
     return_residual: also return the logsumexp ``(B, T, N)`` float32.
     sinks: ``(N,)`` float, differentiable: per head, a logit that joins
-      every row's softmax and has no value (gpt-oss), so a row's weights
-      sum to less than one; under ``context_parallel`` too.
-    padding_segment_id: an id of ``segment_ids`` that marks padding
-      (TransformerEngine's and MaxText's convention is 0): its rows output 0
-      with zero gradient (and, with ``return_residual``, the logsumexp of a
-      row that sees no key), and no token sees its keys. Default None:
-      every id, 0 included, is an ordinary document.
+      every row's softmax with no value (gpt-oss).
+    padding_segment_id: an id of ``segment_ids`` marking padding (0 in
+      TransformerEngine and MaxText): its rows are rows that see no key,
+      and no token sees its keys. None (default): 0 is a document too.
     context_parallel: a :class:`ContextParallel`: on the mesh in scope
       (``jax.set_mesh``, or q's ``NamedSharding``), split the sequence over
       its ``axis`` and run that strategy on each shard, eagerly or under
-      ``jax.jit`` (the same numbers). Inputs in natural order by default
-      (``ContextParallel.inputs``). Needs T == S, except with
-      ``strategy="ulysses"``. Serves every
-      option except ``bias``, ``mask`` and ``return_residual``.
+      ``jax.jit`` (the same numbers), natural order in and out by default
+      (``ContextParallel.inputs``). Needs T == S, except with ``"ulysses"``.
+      Serves every option except ``bias``, ``mask`` and ``return_residual``.
 
   Returns:
     ``(B, T, N, Hv)`` in the input dtype (and the logsumexp if asked). Rows
@@ -96,15 +91,24 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
                             context_parallel, mesh, implementation)
     return unbatch(base.drop_padding(out, tm.q_segment_ids,
                                      padding_segment_id))
-  out, lse = _one_device(query, key, value, bias, dense, tm, config, sinks)
-  if padding_segment_id is not None:  # as a row that sees no key
-    pad = tm.q_segment_ids == padding_segment_id
-    out = base.drop_padding(out, tm.q_segment_ids, padding_segment_id)
-    seen_none = (jnp.full(lse.shape, MASK_VALUE, jnp.float32) if sinks is None
-                 else jnp.broadcast_to(sinks.astype(jnp.float32), lse.shape))
-    lse = jnp.where(pad[:, :, None], seen_none, lse)
+  out, lse = _padding_rows(*_one_device(query, key, value, bias, dense, tm,
+                                        config, sinks), tm, sinks,
+                           padding_segment_id)
   out, lse = unbatch(out), unbatch(lse)
   return (out, lse) if return_residual else out
+
+
+def _padding_rows(out, lse, tm: TokenMask, sinks, padding_segment_id):
+  """``(out, lse)`` with the rows of ``padding_segment_id`` as rows that
+  see no key: 0, and the logsumexp of none (MASK_VALUE, or the head's
+  sink)."""
+  if padding_segment_id is None:
+    return out, lse
+  pad = tm.q_segment_ids == padding_segment_id
+  none = (jnp.full(lse.shape, MASK_VALUE, jnp.float32) if sinks is None
+          else jnp.broadcast_to(sinks.astype(jnp.float32), lse.shape))
+  return (base.drop_padding(out, tm.q_segment_ids, padding_segment_id),
+          jnp.where(pad[:, :, None], none, lse))
 
 
 def _bias_and_mask(bias, mask, q_shape, k_shape):

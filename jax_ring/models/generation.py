@@ -132,6 +132,18 @@ class Sampling:
       logits = jnp.where(keep, logits, -jnp.inf)
     return logits
 
+  def draw(self, logits, key):
+    """``(B,)`` int32 next tokens from ``logits (B, V)``: the argmax at
+    temperature 0, else a draw from :meth:`filter`'s logits; -1 for a row
+    whose logits hold NaN (there is no distribution to draw from), which
+    ``generate`` names."""
+    nan = jnp.isnan(logits).any(-1)
+    if self.temperature == 0:
+      tokens = jnp.argmax(logits, -1)
+    else:
+      tokens = jax.random.categorical(key, self.filter(logits))
+    return jnp.where(nan, -1, tokens).astype(jnp.int32)
+
 
 def _devices(cfg: DecoderConfig) -> int:
   """D: how many pieces the sequence is split into, on the mesh in scope
@@ -382,12 +394,5 @@ def generate(model: Decoder, prompts: Sequence[Sequence[int]], **options
 
 @functools.partial(jax.jit, static_argnames=("sampling",))
 def _sample(logits, key, sampling: Sampling):
-  """``(B,)`` int32 next tokens from ``logits (B, V)``; -1 for a row whose
-  logits hold NaN (no distribution to draw from), which ``generate``
-  names."""
-  nan = jnp.isnan(logits).any(-1)
-  if sampling.temperature == 0:
-    tokens = jnp.argmax(logits, -1)
-  else:
-    tokens = jax.random.categorical(key, sampling.filter(logits))
-  return jnp.where(nan, -1, tokens).astype(jnp.int32)
+  """:meth:`Sampling.draw`, jitted."""
+  return sampling.draw(logits, key)
