@@ -249,3 +249,23 @@ def test_positions_past_int32_are_refused_on_the_device_too():
       jax.jit(lambda p: jax_ring.decode_attention(
           q, k, v, query_positions=p, key_positions=KV_POS))(
               jnp.asarray(Q_POS, jnp.int64))
+
+
+def test_gradient_through_a_split_cache_equals_one_device():
+  """``jax.grad`` of ``decode_attention`` with the cache over 4 devices
+  (the merge's max is a shift that cancels: its gradient is stopped), for
+  q, k, v and the sinks, against one device."""
+  kw, _ = CASES["window_cap_sinks"]
+  q, k, v, _ = ref.random_qkv(13, B, T, C, N, K, H, hv=HV)
+  m = jax.make_mesh((4,), ("cp",), devices=jax.devices()[:4],
+                    axis_types=(jax.sharding.AxisType.Auto,))
+  cpc = jax_ring.ContextParallel(axis="cp")
+  loss = lambda cp: lambda q, k, v, s: (jax_ring.decode_attention(
+      q, k, v, query_positions=Q_POS, key_positions=KV_POS, sinks=s,
+      context_parallel=cp, **{a: b for a, b in kw.items() if a != "sinks"})
+                                       ** 2).sum()
+  want = jax.grad(loss(None), argnums=(0, 1, 2, 3))(q, k, v, SINKS)
+  with jax.set_mesh(m):
+    got = jax.jit(jax.grad(loss(cpc), argnums=(0, 1, 2, 3)))(q, k, v, SINKS)
+  for name, a, b in zip(("q", "k", "v", "sinks"), got, want):
+    ref.assert_close(a, b, jnp.float32, "d" + name)

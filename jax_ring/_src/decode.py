@@ -191,7 +191,9 @@ def _attend(local, q, k, v, q_pos, kv_pos, sinks, axis_name):
   if axis_name is not None:
     for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):
       validate.mesh_axis(name)
-    top = lax.pmax(m, axis_name)
+    # The merged result does not depend on the shift ``top`` (it cancels),
+    # so its gradient is stopped: exact, and pmax needs no derivative.
+    top = lax.pmax(lax.stop_gradient(m), axis_name)
     alpha = jnp.exp(m - top)
     o, l = lax.psum((o * alpha[..., None], l * alpha), axis_name)
     m = top
