@@ -51,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--top-k", type=run_dir.POSITIVE, default=None)
   p.add_argument("--top-p", type=run_dir.number(float, 0.0, above=True,
                                                  high=1.0), default=1.0)
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=run_dir.number(int, 0, high=2**32 - 1),
+                 default=0)
   p.add_argument("--context", type=run_dir.POSITIVE, default=1,
                  help="devices the KV cache's sequence is split over (a "
                  "data x context mesh takes the rest; it must divide the "
@@ -70,21 +71,26 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def read_prompts(path) -> list[str]:
-  """The ``prompt`` of each JSON line (blank lines skipped); a line that
-  is not such an object is an error naming ``file:line``."""
+  """The ``prompt`` of each JSON line (blank lines skipped; a leading
+  byte-order mark too, as finetune.py reads data); a line that is not such
+  an object, or bytes that are not UTF-8, are an error naming the file."""
   out = []
-  with open(path, encoding="utf-8") as f:
-    for i, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise SystemExit(f"{path}:{i}: not JSON ({e.msg})") from None
-      if not (isinstance(record, dict) and isinstance(record.get("prompt"),
-                                                      str)):
-        raise SystemExit(f'{path}:{i}: expected {{"prompt": "..."}}')
-      out.append(record["prompt"])
+  try:
+    lines = pathlib.Path(path).read_text(encoding="utf-8-sig").splitlines()
+  except UnicodeDecodeError as e:
+    raise SystemExit(f"{path}: not UTF-8 text (byte {e.start}: "
+                     f"{e.reason})") from None
+  for i, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise SystemExit(f"{path}:{i}: not JSON ({e.msg})") from None
+    if not (isinstance(record, dict) and isinstance(record.get("prompt"),
+                                                    str)):
+      raise SystemExit(f'{path}:{i}: expected {{"prompt": "..."}}')
+    out.append(record["prompt"])
   if not out:
     raise SystemExit(f"{path}: no prompts")
   return out

@@ -63,6 +63,8 @@ def number(kind, low, *, above: bool = False, high=None):
       value = kind(text)
     except ValueError:
       raise argparse.ArgumentTypeError(f"not {kind.__name__}: {text!r}")
+    if value != value or value in (float("inf"), float("-inf")):
+      raise argparse.ArgumentTypeError(f"must be a finite number; got {text}")
     if (value <= low if above else value < low) or (
         high is not None and value > high):
       bound = (f"> {low}" if above else f">= {low}") + (

@@ -116,9 +116,17 @@ class Encoder:
     path = model_dir / "tokenizer.json"
     if not path.exists():
       raise SystemExit(f"{model_dir} has no tokenizer.json")
-    self.path, self.tok = path, Tokenizer.from_file(str(path))
+    try:
+      self.path, self.tok = path, Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises plain Exception
+      raise SystemExit(f"{path}: not a tokenizer the tokenizers library "
+                       f"reads ({str(e)[:200]})") from None
     self.config = model_dir / "config.json"
-    hf = json.loads(self.config.read_text())
+    try:
+      hf = json.loads(self.config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # absent, not UTF-8, not JSON
+      raise SystemExit(f"{self.config}: not a readable JSON file "
+                       f"({str(e)[:200]})") from None
     self.vocab_size = hf.get("vocab_size")
     # The tokens the tokenizer's own post-processor adds before a text.
     plain = self.tok.encode("a", add_special_tokens=False).ids

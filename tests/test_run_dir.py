@@ -210,6 +210,12 @@ def test_a_run_never_writes_over_what_it_reads(tmp_path):
     (generate, ["--context", "0"], "argument --context: must be >= 1"),
     (generate, ["--model", "/no/dir"], "--model /no/dir: no config.json "
      "there"),
+    (generate, ["--temperature", "nan"], "argument --temperature: must be a "
+     "finite number; got nan"),
+    (generate, ["--temperature", "inf"], "argument --temperature: must be a "
+     "finite number; got inf"),
+    (generate, ["--seed", "-5"], "argument --seed: must be >= 0 and <= "
+     "4294967295; got -5"),
 ])
 def test_flags_out_of_range_are_the_flags_errors(script, flags, message,
                                                  capsys):
@@ -218,6 +224,19 @@ def test_flags_out_of_range_are_the_flags_errors(script, flags, message,
   with pytest.raises(SystemExit) as e:
     script.parse_args(flags)
   assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_prompts_files_read_as_the_data_files_are(tmp_path):
+  """A leading byte-order mark is read past (as finetune.py reads its
+  data); bytes that are not UTF-8 are named with the file."""
+  good = tmp_path / "p.jsonl"
+  good.write_bytes(b'\xef\xbb\xbf{"prompt": "owl"}\n\n{"prompt": "sun"}\n')
+  assert generate.read_prompts(good) == ["owl", "sun"]
+  bad = tmp_path / "bad.jsonl"
+  bad.write_bytes(b'{"prompt": "\xff"}\n')
+  with pytest.raises(SystemExit, match=re.escape(
+      f"{bad}: not UTF-8 text (byte 12: invalid start byte)")):
+    generate.read_prompts(bad)
 
 
 def test_a_mesh_axis_given_twice_is_named():
@@ -239,3 +258,15 @@ def test_a_resume_writes_nothing_before_its_checks(tmp_path):
                                         "--resume", "--quiet"]))
   assert contents(tmp_path) == before
   assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.jsonl"]
+
+
+def test_unreadable_tokenizer_or_config_is_named(tmp_path):
+  """A model directory whose tokenizer.json or config.json cannot be read
+  is an error naming the file, not a traceback."""
+  import sft_data
+  (tmp_path / "tokenizer.json").write_text("{not json")
+  (tmp_path / "config.json").write_text("{}")
+  with pytest.raises(SystemExit, match=re.escape(
+      f"{tmp_path / 'tokenizer.json'}: not a tokenizer the tokenizers "
+      "library reads")):
+    sft_data.Encoder(tmp_path)
