@@ -7,8 +7,9 @@
 #   bash benchmarks/gpu_tests.sh [WORKERS]    # pytest-xdist processes, 4
 # LANE_SECONDS bounds pytest (default 0: no bound), for jobs with a time limit;
 # TESTS narrows it to some test files (default: tests).
-# LANE_SHARD=i/n runs the i-th of n interleaved parts of the selected tests
-# (one job each where a job's time is limited); the part's files are named
+# LANE_SHARD=i/n runs the i-th of n parts of the selected tests (every n-th
+# in the order of their ids' hashes, so each part mixes the lane; one job a
+# part where a job's time is limited); the part's files are named
 # gpu_tests_part<i>of<n>.xml and gpu_cases_part<i>of<n>.jsonl, and
 # benchmarks/gpu_tests.py merges the parts (its docstring says how). The
 # 4-GPU lane, as it was run:
