@@ -290,3 +290,20 @@ def test_odd_head_dim_error():
       "head_dim must be even for RoPE; got 15")):
     jrf.AttentionLayerConfig(embed_dim=8, num_heads=2, num_kv_heads=1,
                              head_dim=15)
+
+
+@pytest.mark.parametrize("x_shape, positions, message", [
+    ((2, 10, 16), np.zeros((2, 10), np.int32), "x must be (B, S, "
+     "embed_dim=32); got (2, 10, 16)"),
+    ((2, 10, 32), np.zeros((2, 9), np.int32), "positions must be an int "
+     "array of x's (B, S) = (2, 10); got int32 (2, 9)"),
+    ((2, 10, 32), np.zeros((2, 10), np.float32), "positions must be an int "
+     "array of x's (B, S) = (2, 10); got float32 (2, 10)"),
+])
+def test_the_layers_inputs_are_named(x_shape, positions, message):
+  layer = jrf.Attention(jrf.AttentionLayerConfig(
+      embed_dim=32, num_heads=4, num_kv_heads=2, head_dim=8),
+      rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=re.escape(
+      "jax_ring.flax.Attention: " + message)):
+    layer(jnp.ones(x_shape), positions)

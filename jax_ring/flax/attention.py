@@ -390,8 +390,10 @@ class Attention(nnx.Module):
 
   def project(self, x, positions):
     """``x (B, S, E)`` -> q ``(B, S, N, H)``, k, v ``(B, S, K, H)``, with
-    bias, q/k norms and RoPE."""
+    bias, q/k norms and RoPE. A ``ValueError`` names an ``x`` or
+    ``positions`` of another shape or kind."""
     cfg = self.config
+    _check_inputs(x, positions, cfg.embed_dim)
     dt = cfg.dtype
     x = constrain(x.astype(dt), (BATCH, LENGTH, EMBED), cfg.rules)
     q = jnp.einsum("bse,enh->bsnh", x, self.wq[...].astype(dt))
@@ -443,3 +445,16 @@ class Attention(nnx.Module):
     cfg = self.config
     y = jnp.einsum("bsnh,nhe->bse", out, self.wo[...].astype(cfg.dtype))
     return constrain(y, (BATCH, LENGTH, EMBED), cfg.rules)
+
+
+def _check_inputs(x, positions, embed_dim: int) -> None:
+  """``x (B, S, embed_dim)`` float and ``positions (B, S)`` int."""
+  shape = tuple(jnp.shape(x))
+  if len(shape) != 3 or shape[2] != embed_dim:
+    raise ValueError(f"jax_ring.flax.Attention: x must be (B, S, "
+                     f"embed_dim={embed_dim}); got {shape}")
+  p_shape, p_dtype = tuple(jnp.shape(positions)), jnp.result_type(positions)
+  if p_shape != shape[:2] or not jnp.issubdtype(p_dtype, jnp.integer):
+    raise ValueError(f"jax_ring.flax.Attention: positions must be an int "
+                     f"array of x's (B, S) = {shape[:2]}; got {p_dtype} "
+                     f"{p_shape}")
