@@ -12,7 +12,8 @@ them. Nothing is ever downloaded.
                                          # context=4; makes a tiny random
                                          # Llama, its tokenizer and a toy
                                          # dataset in the run directory;
-                                         # under a minute
+                                         # about a minute on 2 cores, then
+                                         # its answer before and after
   python examples/finetune.py --run-dir runs/sft --resume
                                          # continue from the last checkpoint
   python examples/finetune.py --model /path/to/Llama-3.2-1B --data my.jsonl \\
@@ -98,7 +99,10 @@ import train_lm
 from sft_data import Encoder, SFTData, pack, pieces, read_records
 
 # The defaults of the demo (no --model) and of a real checkpoint.
-DEMO = dict(seq=512, batch_per_data=2, steps=150, lr=3e-3, examples=2000)
+# 600 steps: the tiny model then reverses a prompt's words (150 did not).
+DEMO = dict(seq=512, batch_per_data=2, steps=600, lr=3e-3, examples=2000)
+# The demo's sample prompt, greedy before and after training.
+DEMO_PROMPT = "Reverse the words: owl sun lamp\n"
 MODEL = dict(seq=4096, batch_per_data=1, steps=None, lr=2e-5)  # steps: 1 epoch
 # Files next to the weights that travel to final/ unchanged.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json",
@@ -428,10 +432,22 @@ def train(args) -> dict:
                 # the demo's own flags (a resumed demo keeps its files)
                 demo_model=None if args.model else args.demo_model,
                 examples=None if args.model or args.data else args.examples)
+  prompt = DEMO_PROMPT if not (args.model or args.data) else next(
+      (r["prompt"] for r in read_records(data_path)[0] if "prompt" in r),
+      None)
+  show = prompt is not None and not args.quiet and jax.process_index() == 0
+  if show:  # the weights before the loop, which donates them
+    before = sample(nnx.merge(built["graphdef"], built["state"]["params"]),
+                    mesh, encoder, prompt)
   result = train_lm.train_loop(
       args, mesh=mesh, state=built["state"], train_step=built["train_step"],
       record=record, batch_at=batch_at,
       tokens_per_step=batch * args.seq, banner=banner)
+  if show:
+    after = sample(nnx.merge(built["graphdef"], result["state"]["params"]),
+                   mesh, encoder, prompt)
+    print(f"sample (greedy): {prompt!r}\n  before training: {before!r}\n"
+          f"  after training:  {after!r}")
   final = None
   if len(result["losses"]) == args.steps:  # not when stopped early
     final = run / "final"
@@ -439,6 +455,22 @@ def train(args) -> dict:
                model_dir, final, args.save_dtype)
   return dict(result, data=data, model_dir=model_dir, final=final,
               graphdef=built["graphdef"])
+
+
+def sample(model, mesh, encoder, prompt: str, max_new_tokens: int = 24
+           ) -> str:
+  """``model``'s greedy continuation of ``prompt`` (tokenized as the data
+  is, up to EOS), as text."""
+  import jax
+
+  from jax_ring.models import generation
+  ids = encoder.prefix + encoder.tok.encode(prompt,
+                                            add_special_tokens=False).ids
+  with jax.set_mesh(mesh):
+    new, = generation.generate(
+        model, [ids], max_new_tokens=max_new_tokens,
+        stop_tokens=[] if encoder.eos is None else [encoder.eos])
+  return encoder.tok.decode(new, skip_special_tokens=True)
 
 
 def save_final(model, model_dir: pathlib.Path, final: pathlib.Path,

@@ -91,6 +91,33 @@ def test_default_run_trains_and_saves_a_checkpoint_transformers_reads(whole):
       tok.eos_token_id)
 
 
+def test_sample_is_the_models_greedy_continuation(whole):
+  """``finetune.sample``, which the run prints before and after training
+  (not under --quiet): the generator's greedy text, up to EOS."""
+  from jax_ring.models import generation
+  final = whole["final"]
+  encoder = finetune.Encoder(final)
+  model = models.load_pretrained(final)
+  mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  text = finetune.sample(model, mesh, encoder, finetune.DEMO_PROMPT, 6)
+  ids = encoder.prefix + encoder.tok.encode(
+      finetune.DEMO_PROMPT, add_special_tokens=False).ids
+  new, = generation.generate(model, [ids], max_new_tokens=6,
+                             stop_tokens=[encoder.eos])
+  assert text == encoder.tok.decode(new, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_the_default_demo_learns_its_task(tmp_path, capsys):
+  """The default demo (600 steps, about a minute on 2 cores) reverses the
+  sample prompt's words after training, and prints it."""
+  needs_devices()
+  finetune.main(["--run-dir", str(tmp_path)])
+  out = capsys.readouterr().out
+  assert "after training:  'Reversed: lamp sun owl'" in out, out[-2000:]
+
+
 def test_resume_continues_the_uninterrupted_run(whole, tmp_path):
   first = run(tmp_path, "--stop-after", "4")  # saved after 3 and 4
   resumed = run(tmp_path, "--resume")
