@@ -435,7 +435,8 @@ def train(args) -> dict:
   prompt = DEMO_PROMPT if not (args.model or args.data) else next(
       (r["prompt"] for r in read_records(data_path)[0] if "prompt" in r),
       None)
-  show = prompt is not None and not args.quiet and jax.process_index() == 0
+  # Every process samples (the programs span them all); one prints.
+  show = prompt is not None and not args.quiet
   if show:  # the weights before the loop, which donates them
     before = sample(nnx.merge(built["graphdef"], built["state"]["params"]),
                     mesh, encoder, prompt)
@@ -446,8 +447,9 @@ def train(args) -> dict:
   if show:
     after = sample(nnx.merge(built["graphdef"], result["state"]["params"]),
                    mesh, encoder, prompt)
-    print(f"sample (greedy): {prompt!r}\n  before training: {before!r}\n"
-          f"  after training:  {after!r}")
+    if jax.process_index() == 0:
+      print(f"sample (greedy): {prompt!r}\n  before training: {before!r}"
+            f"\n  after training:  {after!r}")
   final = None
   if len(result["losses"]) == args.steps:  # not when stopped early
     final = run / "final"
