@@ -8,12 +8,12 @@ versions, and the context-parallel cases' errors and cuDNN calls, as
 ``--junit`` is pytest's ``--junitxml`` report; ``--record`` the lines that
 ``tests/test_gpu_cp.py`` appends under ``JAX_RING_TEST_RECORD``. A lane run
 in parts (``LANE_SHARD=i/n``, one machine) is merged by giving each part's
-files and seconds, in the same order, and the environment one part
-recorded (``--env``, written beside its report), so that the summary can be
-written on another machine:
+files and seconds, in the same order; each part's record also holds the
+machine's environment (one ``{"environment": ...}`` line, appended here),
+so that the summary can be written on another machine:
 
   python benchmarks/gpu_tests.py --junit p1.xml p2.xml \\
-      --record p1.jsonl p2.jsonl --seconds 300 280 --env gpu_env.json
+      --record p1.jsonl p2.jsonl --seconds 300 280
 """
 
 from __future__ import annotations
@@ -122,31 +122,28 @@ def main(argv=None):
   p.add_argument("--record", type=pathlib.Path, nargs="*", default=[])
   p.add_argument("--seconds", type=float, nargs="+", required=True)
   p.add_argument("--command", default="python -m pytest tests -m gpu")
-  p.add_argument("--env", type=pathlib.Path,
-                 help="the environment a part recorded (default: this "
-                 "machine's, also written as gpu_env.json beside the summary)")
   p.add_argument("--out", type=pathlib.Path, default=common.RESULTS)
   args = p.parse_args(argv)
   if len(args.seconds) != len(args.junit):
     p.error(f"--seconds needs one value per --junit report; got "
             f"{len(args.seconds)} for {len(args.junit)}")
-  records = []
-  for path in args.record:
-    if path.exists():
-      records += [json.loads(line) for line in path.read_text().split("\n")
-                  if line]
-  if args.env:
-    env = json.loads(args.env.read_text())
+  lines = [json.loads(line) for path in args.record if path.exists()
+           for line in path.read_text().split("\n") if line]
+  records = [r for r in lines if "environment" not in r]
+  recorded = [r["environment"] for r in lines if "environment" in r]
+  if recorded:  # the machine the parts ran on (merged elsewhere)
+    env = recorded[0]
   else:
     env = dict(common.environment(), date=time.strftime("%Y-%m-%d"))
+    if args.record:  # kept with the cases, for a merge on another machine
+      with open(args.record[0], "a") as f:
+        f.write(json.dumps(dict(environment=env)) + "\n")
   results = [r for path in args.junit for r in outcomes(path)]
   text = summary(results, records, args.seconds, env, args.command)
   kind = common.device_kind(env["device"], env["platform"])
   path = args.out / f"gpu_tests_{env['device_count']}x{kind}.txt"
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(text)
-  if not args.env:
-    (args.out / "gpu_env.json").write_text(json.dumps(env))
   print(text + f"wrote {path}")
   return path
 

@@ -251,15 +251,17 @@ def test_gpu_lane_summary_counts_outcomes_errors_and_calls(tmp_path):
   assert "bfloat16 (tolerance 0.03): out 3.00e-03 (0.10), dq 6.00e-03" in text
   assert "forward 3-3, backward 2-2" in text
   assert f"{ids[1]}]: AssertionError: dk: max error 5e-3" in text
-  # Parts of one lane, merged elsewhere with the environment a part wrote.
-  env = json.loads((tmp_path / "gpu_env.json").read_text())
-  (tmp_path / "env.json").write_text(json.dumps(dict(
-      env, device="NVIDIA H100 80GB HBM3", platform="gpu", device_count=4,
-      date="2026-01-02")))
+  # Parts of one lane, merged elsewhere with the environment a part's
+  # record holds (the first run appended this machine's).
+  env = json.loads(record.read_text().splitlines()[-1])["environment"]
+  part = tmp_path / "part.jsonl"
+  part.write_text(record.read_text().splitlines()[0] + "\n" + json.dumps(
+      dict(environment=dict(env, device="NVIDIA H100 80GB HBM3",
+                            platform="gpu", device_count=4,
+                            date="2026-01-02"))) + "\n")
   path = gpu_tests.main([
-      "--junit", str(junit), str(junit), "--record", str(record),
-      "--seconds", "12", "30", "--env", str(tmp_path / "env.json"),
-      "--out", str(tmp_path)])
+      "--junit", str(junit), str(junit), "--record", str(part),
+      "--seconds", "12", "30", "--out", str(tmp_path)])
   text = path.read_text()
   assert path.name == "gpu_tests_4xH100.txt" and "date: 2026-01-02" in text
   assert "totals: 4 passed, 2 failed, 0 error, 2 skipped" in text
