@@ -398,7 +398,12 @@ def train(args) -> dict:
   model_dir, data_path = ((pathlib.Path(args.model), args.data)
                           if args.model else make_demo(run, args))
   encoder = Encoder(model_dir)
-  data = SFTData(encoder(*read_records(data_path)), args.seq, args.seed)
+  records, where = read_records(data_path)
+  data = SFTData(encoder(records, where), args.seq, args.seed)
+  # The sample printed before and after training: the first prompt.
+  prompt = DEMO_PROMPT if not (args.model or args.data) else next(
+      (r["prompt"] for r in records if "prompt" in r), None)
+  del records, where
   if args.steps is None:  # one epoch
     args.steps = max(1, len(data.rows(0)) // batch)
   built = build(args, model_dir, shape)
@@ -432,9 +437,6 @@ def train(args) -> dict:
                 # the demo's own flags (a resumed demo keeps its files)
                 demo_model=None if args.model else args.demo_model,
                 examples=None if args.model or args.data else args.examples)
-  prompt = DEMO_PROMPT if not (args.model or args.data) else next(
-      (r["prompt"] for r in read_records(data_path)[0] if "prompt" in r),
-      None)
   # Every process samples (the programs span them all); one prints.
   show = prompt is not None and not args.quiet
   if show:  # the weights before the loop, which donates them

@@ -291,7 +291,7 @@ def context_parallel(cp, query, key, *, bias, mask, return_residual):
   """What the automatic context-parallel path serves, on the mesh in scope
   (returned): every check that the partition rule would make, made here
   at trace time, so that it surfaces as a ``ValueError``."""
-  cp_fields(cp, key.shape[2])
+  cp_given(cp, key.shape[2])
   unsupported = [name for name, value in (("bias", bias), ("mask", mask))
                  if value is not None]
   if return_residual:
@@ -307,12 +307,18 @@ def context_parallel(cp, query, key, *, bias, mask, return_residual):
   return mesh
 
 
-def cp_fields(cp, kv_heads: int | None = None) -> None:
-  """A ``ContextParallel`` whose fields are each a valid choice (and, given
-  the kv heads, a ``kv_chunk_heads`` that divides them)."""
+def cp_given(cp, kv_heads: int) -> None:
+  """At a call: ``cp`` is a ``ContextParallel`` (whose fields were checked
+  when it was made, :func:`cp_fields`) and its ``kv_chunk_heads`` divides
+  the call's kv heads."""
   if not isinstance(cp, ContextParallel):
     raise ValueError(f"context_parallel must be a jax_ring.ContextParallel; "
                      f"got {cp!r}")
+  kv_chunk_heads(cp.kv_chunk_heads, kv_heads)
+
+
+def cp_fields(cp) -> None:
+  """When a ``ContextParallel`` is made: each field a valid choice."""
   if cp.strategy not in STRATEGY_NAMES:
     raise ValueError(f"context_parallel.strategy must be one of "
                      f"{STRATEGY_NAMES}; got {cp.strategy!r}")
@@ -334,8 +340,6 @@ def cp_fields(cp, kv_heads: int | None = None) -> None:
   if cp.inputs not in INPUTS:
     raise ValueError(f"context_parallel.inputs must be one of {INPUTS}; got "
                      f"{cp.inputs!r}")
-  if kv_heads is not None:  # when it is made, the heads are not known
-    kv_chunk_heads(cp.kv_chunk_heads, kv_heads)
 
 
 def explain_args(query_shape, key_shape, cp_size, dtype_bytes, cp,
@@ -357,7 +361,7 @@ def explain_args(query_shape, key_shape, cp_size, dtype_bytes, cp,
   if dtype_bytes not in (2, 4) or isinstance(dtype_bytes, bool):
     raise ValueError(f"dtype_bytes must be 2 (bfloat16, float16) or 4 "
                      f"(float32); got {dtype_bytes!r}")
-  cp_fields(cp, key_shape[2])
+  cp_given(cp, key_shape[2])
   axes = cp.axes
   sizes = cp_size if isinstance(cp_size, (tuple, list)) else (cp_size,)
   if len(sizes) != len(axes) or not all(_is_int(c) and c > 0 for c in sizes):
