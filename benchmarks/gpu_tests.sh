@@ -14,7 +14,7 @@
 # benchmarks/gpu_tests.py merges the parts (its docstring says how). The
 # 4-GPU lane, as it was run:
 #   TESTS="tests/test_gpu_cp.py tests/test_multiprocess.py tests/test_decode.py
-#     tests/test_generate.py" LANE_SHARD=1/2 bash benchmarks/gpu_tests.sh 16
+#     tests/test_generate.py" LANE_SHARD=1/2 bash benchmarks/gpu_tests.sh 24
 #   (then LANE_SHARD=2/2 on the same machine)
 # The workers share the GPUs (no preallocation); each compiles on the host
 # and solves float64 references there (each problem once a machine: they
@@ -25,6 +25,14 @@ set -uo pipefail
 workers=${1:-4}
 threads=$(( $(nproc) / workers > 0 ? $(nproc) / workers : 1 ))
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+# Every worker holds a CUDA context, an allocator pool and NCCL's buffers on
+# every GPU. Capped so that many workers fit one GPU's memory (the lane's
+# arrays are small): the pool at 0.6/WORKERS of the GPU, NCCL at 2 channels
+# of 1 MiB buffers (its defaults take hundreds of MB a communicator).
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(
+  python3 -c "print(round(min(0.75, 0.6 / $workers), 4))")}
+export NCCL_BUFFSIZE=${NCCL_BUFFSIZE:-1048576}
+export NCCL_MAX_NCHANNELS=${NCCL_MAX_NCHANNELS:-2}
 export OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads
 export MKL_NUM_THREADS=$threads
 export JAX_RING_REF_CACHE=${JAX_RING_REF_CACHE:-$PWD/.lane_cache/reference}

@@ -41,6 +41,7 @@ to search for the longest length; throughput is measured with the default.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import shlex
@@ -250,6 +251,10 @@ def main():
   p.add_argument("--skip-analysis", action="store_true",
                  help="no compile of XLA's memory analysis after a mesh's "
                  "first row (one compile fewer a mesh)")
+  p.add_argument("--append", action="store_true",
+                 help="keep the rows and profiles this mode already holds in "
+                 "the results file (one machine's run split over several "
+                 "commands); the new rows follow them")
   p.add_argument("--cpu", action="store_true",
                  help="simulated CPU devices (plumbing check only)")
   p.add_argument("--profile", metavar="DIR", default=None,
@@ -265,13 +270,17 @@ def main():
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 4)
   sys.path.insert(0, str(ROOT / "benchmarks"))
-  from common import write
+  from common import environment, results_path, write
 
   n = jax.device_count()
   common_argv = (["--preset", a.preset, "--quiet", "--strategy", a.strategy]
                  + shlex.split(a.example_args))
   meshes = {d: ["--mesh", f"data=1,context={d}"] for d in a.devices or (1, n)}
   rows, longest_rows, runs, profiles = [], [], {}, []
+  kept = {}
+  if a.append and results_path("lm_training", environment()).exists():
+    kept = json.loads(results_path("lm_training", environment()).read_text(
+        ))["runs"].get(a.mode, {})
 
   def report():
     cfg = next(iter(runs.values())).built["cfg"]
@@ -280,12 +289,14 @@ def main():
                  mfu="model FLOPs/token (6P + 6 L S Hq D) x tokens/s / "
                  "(devices x peak)", longest=longest_rows,
                  memory_fraction=os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
-                 example_args=a.example_args, profile=profiles,
+                 example_args=a.example_args,
+                 profile=kept.get("profile", []) + profiles,
+                 commands=kept.get("commands", []) + [shlex.join(sys.argv)],
                  xla_flags=os.environ.get("XLA_FLAGS", ""))
     if len(longest_rows) == 2 and longest_rows[0]["longest_seq"]:
       extra["longest_ratio"] = (longest_rows[1]["longest_seq"] /
                                 longest_rows[0]["longest_seq"])
-    write("lm_training", rows,
+    write("lm_training", kept.get("rows", []) + rows,
           ["devices", "seq", "step_s", "tokens_per_s", "mfu", "loss"],
           extra=extra, mode=a.mode)
     return extra
