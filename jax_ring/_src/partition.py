@@ -178,6 +178,25 @@ def _functions(present: tuple[str, ...]):
   return fwd, bwd
 
 
+def _folding(fn):
+  """``fn`` (arrays whose dim 0 is the batch B -> a tuple of such arrays)
+  with a batching rule: under ``jax.vmap`` the mapped axis folds into B, so
+  V mapped calls are one call of V x B rows (the partitioned functions have
+  no batching rule of their own). Operands the map leaves out are
+  broadcast along it. Nested maps fold one after another."""
+  folded = jax.custom_batching.custom_vmap(fn)
+
+  @folded.def_vmap
+  def rule(axis_size, in_batched, *args):
+    args = [a if mapped else jax.numpy.broadcast_to(a, (axis_size,) + a.shape)
+            for a, mapped in zip(args, in_batched)]
+    outs = folded(*(a.reshape((-1,) + a.shape[2:]) for a in args))
+    outs = tuple(o.reshape((axis_size, -1) + o.shape[1:]) for o in outs)
+    return outs, (True,) * len(outs)
+
+  return folded
+
+
 def _concrete(mesh, scope, arg_shapes):
   """The mesh a partition rule runs on: XLA's, or, where XLA passes an
   empty one, ``scope`` (the abstract mesh in scope at trace time) on the
@@ -207,7 +226,8 @@ def forward(q, k, v, tm, sinks, cfg, cpc):
   """``(out, residuals)``; the residuals' last entry is the global lse."""
   present, ops = _pack(tm)
   fwd, _ = _functions(present)
-  out, lse = fwd(cfg, cpc, jax.sharding.get_abstract_mesh(), q, k, v, *ops)
+  scope = jax.sharding.get_abstract_mesh()
+  out, lse = _folding(functools.partial(fwd, cfg, cpc, scope))(q, k, v, *ops)
   if sinks is not None:
     out, lse = kernel.fold_sinks(out, lse, sinks)
   return out, (q, k, v, tm, sinks, out, lse)
@@ -220,7 +240,9 @@ def backward(cfg, cpc, res, dout):
   present, ops = _pack(tm)
   _, bwd = _functions(present)
   dout = dout.astype(q.dtype)
-  dq, dk, dv = bwd(cfg, cpc, jax.sharding.get_abstract_mesh(), q, k, v, out, lse, dout, *ops)
+  scope = jax.sharding.get_abstract_mesh()
+  dq, dk, dv = _folding(functools.partial(bwd, cfg, cpc, scope))(
+      q, k, v, out, lse, dout, *ops)
   dsinks = None if sinks is None else kernel.sinks_grad(
       sinks, out, lse, dout, None).astype(sinks.dtype)
   return dq, dk, dv, jax.tree.map(lambda _: None, tm), dsinks
