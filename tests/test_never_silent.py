@@ -185,7 +185,8 @@ def test_shard_map_entry_points_run_eagerly():
 # --- mesh-dependent refusals: ValueError eagerly and under jit -------------
 
 def _cp_call(strategy="ring", load_balance="dual_chunk", axis="cp", t=T,
-             s=T, n=N, k=K, mesh_shape=(CP,), names=("cp",)):
+             s=T, n=N, k=K, mesh_shape=(CP,), names=("cp",),
+             inputs="natural"):
   """The call, its arguments (placed where the shapes allow) and mesh."""
   mesh = cp_mesh(shape=mesh_shape, names=names)
   q, kk, v = qkv(8, t=t, s=s, n=n, k=k)
@@ -194,7 +195,7 @@ def _cp_call(strategy="ring", load_balance="dual_chunk", axis="cp", t=T,
     q, kk, v = (jax.device_put(x, NamedSharding(mesh, spec))
                 for x in (q, kk, v))
   cpc = jax_ring.ContextParallel(axis=axis, strategy=strategy,
-                                 load_balance=load_balance)
+                                 load_balance=load_balance, inputs=inputs)
   return lambda q, k, v: jax_ring.dot_product_attention(
       q, k, v, is_causal=True, context_parallel=cpc), (q, kk, v), mesh
 
@@ -215,14 +216,18 @@ CP_REFUSALS = {
     "all_gather_striped": (dict(strategy="all_gather", load_balance="striped"),
                            "strategy 'all_gather' does not support "
                            "load_balance='striped'"),
-    "dual_chunk_length": (dict(t=12, s=12), "load_balance='dual_chunk' needs "
+    # Arrays in a layout must divide (natural ones are padded).
+    "dual_chunk_length": (dict(t=12, s=12, inputs="load_balanced"),
+                          "load_balance='dual_chunk' needs "
                           "the global sequence length (12) divisible by 2 * "
                           "cp_size = 8"),
-    "dual_chunk_key_length": (dict(strategy="ulysses", t=16, s=12),
+    "dual_chunk_key_length": (dict(strategy="ulysses", t=16, s=12,
+                                   inputs="load_balanced"),
                               "load_balance='dual_chunk' needs the global "
                               "sequence length (12) divisible by 2 * cp_size "
                               "= 8; the local key length is 3"),
-    "length_not_divisible": (dict(t=10, s=10, load_balance=None),
+    "length_not_divisible": (dict(t=10, s=10, load_balance="striped",
+                                  inputs="load_balanced"),
                              "context_parallel: the sequence length of query "
                              "(2, 10, 4, 8) must be divisible by the 'cp' "
                              "axis size 4"),
@@ -282,7 +287,8 @@ EXPLAIN_REFUSALS = {
     "cp_zero": (dict(cp_size=0), "cp_size must be a positive int; got 0"),
     "cp_negative": (dict(cp_size=-2), "cp_size must be a positive int; got -2"),
     "cp_bool": (dict(cp_size=True), "cp_size must be a positive int; got True"),
-    "not_divisible": (dict(cp_size=3), "context_parallel: the sequence "
+    "not_divisible": (dict(cp_size=3, context_parallel=dict(
+        inputs="load_balanced")), "context_parallel: the sequence "
                       "length of query (1, 64, 8, 16) must be divisible by "
                       "the 'cp' axis size 3"),
     "gqa": (dict(key_shape=(1, 64, 3, 16)), "query heads (8) must be "

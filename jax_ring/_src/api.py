@@ -62,7 +62,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
       (``jax.set_mesh``, or q's ``NamedSharding``), split the sequence over
       its ``axis`` and run that strategy on each shard, eagerly or under
       ``jax.jit`` (the same numbers), natural order in and out by default
-      (``ContextParallel.inputs``). Needs T == S, except with ``"ulysses"``.
+      (``ContextParallel.inputs``), T and S of any length (padded inside
+      the call). Needs T == S, except with ``"ulysses"``.
       Serves every option except ``bias``, ``mask`` and ``return_residual``.
 
   Returns:
@@ -84,13 +85,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
   validate.padding_segment_id(padding_segment_id, segment_ids)
   unbatch = (lambda x: x[0]) if q_rank == 3 else (lambda x: x)
   if context_parallel is not None:
-    mesh = validate.context_parallel(
+    mesh, lengths = validate.context_parallel(
         context_parallel, query, key, bias=bias, mask=mask,
         return_residual=return_residual)
     out = _context_parallel(query, key, value, tm, sinks, config,
-                            context_parallel, mesh, implementation)
-    return unbatch(base.drop_padding(out, tm.q_segment_ids,
-                                     padding_segment_id))
+                            context_parallel, mesh, implementation, lengths)
+    return unbatch(base.drop_padding(out, tm.q_segment_ids, padding_segment_id))
   out, lse = _padding_rows(*_one_device(query, key, value, bias, dense, tm,
                                         config, sinks), tm, sinks,
                            padding_segment_id)
@@ -144,11 +144,38 @@ def _one_device(query, key, value, bias, dense, tm: TokenMask,
   return kernel.attention(query, key, value, bias, block_mask, config, sinks)
 
 
+def _padded(query, key, value, tm: TokenMask, t: int, s: int):
+  """``(query, key, value, tm)`` at sequence lengths ``t >= T`` and
+  ``s >= S`` (:func:`validate.padded_lengths`): zeros appended, segment ids
+  extended by each row's last id, and keys past S masked by ``kv_lengths``
+  (natural positions), so that the first T rows of the output, and every
+  real token's gradient, are the unpadded call's (a padded query row is
+  cut from the output: its cotangent is zero, so it adds to no
+  gradient)."""
+  pad_t, pad_s = t - query.shape[1], s - key.shape[1]
+  if not pad_t and not pad_s:
+    return query, key, value, tm
+  grow = lambda x, n: jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))
+  ids = lambda x, n: None if x is None else jnp.pad(x, [(0, 0), (0, n)],
+                                                    mode="edge")
+  kv_lengths = tm.kv_lengths
+  if pad_s:
+    real = key.shape[1]
+    kv_lengths = (jnp.full(key.shape[:1], real, jnp.int32) if kv_lengths is
+                  None else jnp.minimum(kv_lengths, real))
+  return (grow(query, pad_t), grow(key, pad_s), grow(value, pad_s),
+          TokenMask(q_segment_ids=ids(tm.q_segment_ids, pad_t),
+                    kv_segment_ids=ids(tm.kv_segment_ids, pad_s),
+                    q_lengths=tm.q_lengths, kv_lengths=kv_lengths))
+
+
 def _context_parallel(query, key, value, tm: TokenMask, sinks,
                       config: AttentionConfig, cp: ContextParallel, mesh,
-                      implementation):
+                      implementation, lengths):
   """``partition.attention`` of global arrays on ``mesh`` (validated), the
-  same eagerly and under ``jax.jit``, on Auto and Explicit mesh axes."""
+  same eagerly and under ``jax.jit``, on Auto and Explicit mesh axes, at
+  the padded sequence ``lengths`` (:func:`_padded`); the output has T
+  rows."""
   cp = cp.with_environment()
   # The backend is resolved on each shard (partition.py): its limits are
   # per call. A request is checked here, on a one-token block, so that
@@ -161,6 +188,8 @@ def _context_parallel(query, key, value, tm: TokenMask, sinks,
   config = config.replace(implementation=implementation)
   if 0 in query.shape[:2] + key.shape[1:2]:  # as on one device
     return jnp.zeros(_out_shape(query, value), query.dtype)
+  rows = query.shape[1]
+  query, key, value, tm = _padded(query, key, value, tm, *lengths)
 
   # The sequence goes to the context axes (hybrid: ring-major) whatever the
   # arrays' placement: the partition rule needs a mesh with those axes.
@@ -200,7 +229,7 @@ def _context_parallel(query, key, value, tm: TokenMask, sinks,
   # jax.grad, jax.vjp or jax.checkpoint, whose tracers are no jit's),
   # custom_partitioning would run the unpartitioned body on the whole
   # arrays, which knows nothing of the load-balance layout.
-  return jax.jit(call)(query, key, value, tm, sinks)
+  return jax.jit(call)(query, key, value, tm, sinks)[:, :rows]
 
 
 def _permutations(cp: ContextParallel, cp_size: int):

@@ -35,8 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jax_ring._src.core import config, validate
 from jax_ring._src.core.config import ContextParallel
+from jax_ring._src.strategies import layout
 
 
 # The model's constants: kernel throughput (TFLOP/s as a function of the
@@ -199,7 +202,7 @@ def resolve(cpc: ContextParallel, mesh, q_shape, local_heads, kv_heads=None,
 def explain(query_shape, key_shape, *, cp_size, is_causal=False,
             local_window_size=None, dtype_bytes=2,
             context_parallel: ContextParallel | None = None,
-            value_shape=None) -> Choice:
+            value_shape=None, segment_ids=None) -> Choice:
   """What ``ContextParallel(strategy="auto")`` picks, for the forward and
   for the backward pass, for global shapes ``query (B, T, N, H)``,
   ``key (B, S, K, H)`` and ``value (B, S, K, Hv)`` (default: key's) on
@@ -212,7 +215,9 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
   it all. A strategy other than ``"auto"`` is what runs, for both passes;
   the modelled times are still given. With a pair of sizes and no
   ``context_parallel``: ``ContextParallel(axis=("ulysses", "ring"),
-  strategy="auto")``."""
+  strategy="auto")``. ``segment_ids`` (B, T), host ints of packed rows in natural order:
+  the causal work's balance over the devices in each layout the strategy
+  takes (``balance``; the most-loaded device over the mean)."""
   pair = isinstance(cp_size, (tuple, list))
   cpc = context_parallel or ContextParallel(
       axis=("ulysses", "ring") if pair else "cp", strategy="auto")
@@ -222,19 +227,33 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
   b, t, n, h = query_shape
   s, hv = key_shape[1], value_shape[3]
   window = validate.window(local_window_size, t, s)
+  run_t, run_s = validate.padded_lengths(cpc, sizes, t, s)
   defaults_ = defaults(
       batch=b, seq=s, kv_heads=key_shape[2], head_dim=h,
       dtype_bytes=dtype_bytes, load_balance=cpc.load_balance, loop=cpc.loop,
       kv_sends=cpc.kv_sends, kv_chunk_heads=cpc.kv_chunk_heads,
       value_head_dim=hv, inputs=cpc.inputs)
+  if (run_t, run_s) != (t, s):
+    defaults_["padding"] = (
+        {"query": run_t - t, "key": run_s - s},
+        f"tokens appended to each row: lengths (T, S) = ({t}, {s}) run as "
+        f"({run_t}, {run_s}), multiples of "
+        f"{validate.sequence_unit(cpc, sizes)} (the context devices"
+        f"{', and twice the ring' if cpc.load_balance == 'dual_chunk' else ''}"
+        f"); the padding is masked, cut from the "
+        f"output and adds to no gradient; attention work "
+        f"+{100 * (run_t * run_s / max(t * s, 1) - 1):.1f}%")
+  if segment_ids is not None:
+    defaults_["balance"] = _balance(segment_ids, query_shape, cpc, sizes,
+                                    run_t)
   if cpc.is_hybrid:
     return Choice("hybrid", "hybrid", {}, f"a pair of axes {cpc.axis!r} "
                   f"(sizes {tuple(sizes.values())}): Ulysses inside a ring",
                   defaults_)
-  choice = estimate(batch=b, seq=t, heads=n, kv_heads=key_shape[2],
+  choice = estimate(batch=b, seq=run_t, heads=n, kv_heads=key_shape[2],
                     head_dim=h, cp=sizes[cpc.axis], is_causal=is_causal,
                     window=window, dtype_bytes=dtype_bytes,
-                    load_balance=cpc.load_balance, kv_seq=s,
+                    load_balance=cpc.load_balance, kv_seq=run_s,
                     value_head_dim=hv)
   if cpc.strategy != "auto":  # what the user named runs
     choice = dataclasses.replace(
@@ -242,3 +261,26 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
         reason=f"strategy {cpc.strategy!r} as given; auto would model: "
         f"{choice.reason}")
   return dataclasses.replace(choice, defaults=defaults_)
+
+
+def _balance(segment_ids, query_shape, cpc, sizes, run_t):
+  """explain's ``balance`` entry: ``({layout: most-loaded device's causal
+  work over the mean}, why)`` for rows ``segment_ids``, padded as the call
+  pads them (the last document extended)."""
+  ids = np.asarray(segment_ids)
+  if ids.shape != tuple(query_shape[:2]) or ids.dtype.kind not in "iu":
+    raise ValueError(f"segment_ids must be (B, T) = {tuple(query_shape[:2])}"
+                     f" host ints; got {ids.dtype} of shape {ids.shape}")
+  if ids.size == 0:
+    return {}, "no tokens"
+  ids = np.pad(ids, [(0, 0), (0, run_t - ids.shape[1])], mode="edge")
+  ring = sizes[cpc.ring_axis] if cpc.is_hybrid else sizes[cpc.axis]
+  layouts = ("dual_chunk", None) if cpc.strategy == "all_gather" else (
+      "dual_chunk", "striped", None)
+  found = {name or "contiguous": round(layout.causal_work_balance(
+      ids, ring, name), 3) for name in layouts}
+  return found, (f"the most-loaded of {ring} ring devices' causal work "
+                 "over the mean for these rows (1.0 is even; each step "
+                 "waits for the most loaded; Ulysses splits heads and is "
+                 "even in any layout)")
+

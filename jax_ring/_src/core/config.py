@@ -154,7 +154,11 @@ class ContextParallel:
       ``jax_ring.flax.prepare_lm_batch`` puts batches so), and nothing is
       permuted: the fast path for a model whose every layer attends.
       Contiguous shards (``load_balance=None``) are natural order either
-      way.
+      way. Natural-order (and contiguous) sequences of any length are
+      served: the call appends masked padding up to a multiple of the
+      context devices (twice the ring's for dual-chunk), cut from the
+      output (``explain`` reports it); arrays already in a layout must
+      divide.
 
   Every field is checked when the object is made: a choice that is not
   one is a ``ValueError`` naming the choices.

@@ -303,8 +303,32 @@ def context_parallel(cp, query, key, *, bias, mask, return_residual):
         f"{tuple(query.shape)}, key {tuple(key.shape)}")
   mesh = mesh_axes(cp, query)
   sizes = {a: mesh.shape[a] for a in mesh.axis_names}
-  cp_shapes(cp, sizes, query.shape, key.shape, query.shape[2])
-  return mesh
+  lengths = padded_lengths(cp, sizes, query.shape[1], key.shape[1])
+  cp_shapes(cp, sizes, query.shape, key.shape, query.shape[2], lengths)
+  return mesh, lengths
+
+
+def sequence_unit(cp, sizes) -> int:
+  """What a sequence length must divide by under ``cp`` on a mesh of axis
+  ``sizes``: every context device's share equal and, for the dual-chunk
+  layout, two equal chunks per ring device."""
+  total = math.prod(sizes[a] for a in cp.axes)
+  ring = sizes[cp.ring_axis] if cp.is_hybrid else total
+  return math.lcm(total, 2 * ring) if cp.load_balance == "dual_chunk" else (
+      total)
+
+
+def padded_lengths(cp, sizes, t: int, s: int) -> tuple[int, int]:
+  """The query and key lengths a call runs at: T and S rounded up to
+  :func:`sequence_unit` where the library lays the sequence out itself
+  (natural-order inputs, or contiguous shards), the padding masked; as
+  given otherwise (inputs already in a layout must divide: cp_shapes
+  says so)."""
+  if cp.inputs != "natural" and cp.load_balance is not None:
+    return t, s
+  unit = sequence_unit(cp, sizes)
+  up = lambda n: n if n == 0 else -(-n // unit) * unit
+  return up(t), up(s)
 
 
 def cp_given(cp, kv_heads: int) -> None:
@@ -369,25 +393,31 @@ def explain_args(query_shape, key_shape, cp_size, dtype_bytes, cp,
             f"{cp.axis!r}" if len(axes) == 2 else "a positive int")
     raise ValueError(f"cp_size must be {want}; got {cp_size!r}")
   sizes = dict(zip(axes, map(int, sizes)))
-  cp_shapes(cp, sizes, query_shape, key_shape, query_shape[2])
+  lengths = padded_lengths(cp, sizes, query_shape[1], key_shape[1])
+  cp_shapes(cp, sizes, query_shape, key_shape, query_shape[2], lengths)
   return sizes
 
 
-def cp_shapes(cp, sizes, q_shape, k_shape, local_heads) -> None:
+def cp_shapes(cp, sizes, q_shape, k_shape, local_heads,
+              lengths=None) -> None:
   """Global shapes ``q_shape``/``k_shape`` against ``cp`` (a
   ``ContextParallel``) on a mesh of axis ``sizes``: divisibility, layout,
-  Ulysses' heads, self-attention. ``auto`` is held to what its candidates
-  share (a pair of axes: hybrid's checks)."""
+  Ulysses' heads, self-attention. ``lengths``: the (query, key) lengths the
+  call runs at once padded (:func:`padded_lengths`; default the shapes').
+  ``auto`` is held to what its candidates share (a pair of axes: hybrid's
+  checks)."""
   strategy = cp.strategy
   if strategy == "auto" and cp.is_hybrid:
     strategy = "hybrid"
   total = math.prod(sizes[a] for a in cp.axes)
-  for name, shape in (("query", q_shape), ("key", k_shape)):
-    if shape[1] % total:
+  t, s = lengths or (q_shape[1], k_shape[1])
+  for name, shape, n in (("query", q_shape, t), ("key", k_shape, s)):
+    if n % total:
       raise ValueError(
           f"context_parallel: the sequence length of {name} "
           f"{tuple(shape)} must be divisible by the {cp.axis!r} axis size "
-          f"{total}")
+          f"{total} (inputs='load_balanced': the arrays are in the layout "
+          f"already; natural-order inputs are padded)")
   strategy_layout(strategy, cp.load_balance)
   if strategy == "auto" and q_shape[1] != k_shape[1]:
     strategy = "ulysses"  # its one candidate for T != S
@@ -395,10 +425,9 @@ def cp_shapes(cp, sizes, q_shape, k_shape, local_heads) -> None:
   if strategy in ("ulysses", "hybrid"):
     ulysses_heads(local_heads, cp.ulysses_axis, sizes[cp.ulysses_axis])
   ring_cp = sizes[cp.ring_axis] if strategy == "hybrid" else total
-  ring_options(cp.load_balance, cp.loop, q_shape[1] // ring_cp, ring_cp,
-               cp.kv_sends)
-  if k_shape[1] != q_shape[1]:  # Ulysses: the keys take the layout too
-    ring_options(cp.load_balance, cp.loop, k_shape[1] // ring_cp, ring_cp,
+  ring_options(cp.load_balance, cp.loop, t // ring_cp, ring_cp, cp.kv_sends)
+  if s != t:  # Ulysses: the keys take the layout too
+    ring_options(cp.load_balance, cp.loop, s // ring_cp, ring_cp,
                  cp.kv_sends, name="key")
 
 

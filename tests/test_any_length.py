@@ -1,0 +1,113 @@
+"""Sequences of any length under context parallelism: natural-order (and
+contiguous) inputs whose length no layout divides are padded inside the
+call, the padding masked and cut, so every strategy on 8 devices gives
+the float64 reference, output and gradients, for any number of documents
+a row; ``explain`` reports the padding; arrays already in a layout must
+still divide (tests/test_never_silent.py)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ring
+import reference as ref
+
+B, N, K, H = 2, 8, 2, 16
+S = 45  # divides by no device count but 1 (nor by 2 x cp)
+
+
+def _mesh(shape, names, kind=jax.sharding.AxisType.Auto):
+  if len(jax.devices()) < int(np.prod(shape)):
+    pytest.skip("needs more devices")
+  return jax.make_mesh(shape, names, axis_types=(kind,) * len(names),
+                       devices=jax.devices()[:int(np.prod(shape))])
+
+
+def _check(cpc, mesh, *, t=S, s=S, docs=5, seed=0, eager=False, **kw):
+  """Forward and gradients of a call on plain natural-order arrays (under
+  ``jax.set_mesh``) against the float64 reference. ``docs``: documents a
+  row (None: no segment ids); ``kw``: more of the call's options, in the
+  reference's terms too (``local_window_size``, ``is_causal``,
+  ``key_value_seq_lengths``, ``sinks``)."""
+  q, k, v, do = ref.random_qkv(seed, B, t, s, N, K, H)
+  ids = None if docs is None else ref.random_segments(seed, B, t, docs)
+  if docs == t:  # every token a document of its own
+    ids = np.broadcast_to(np.arange(t, dtype=np.int32), (B, t))
+  causal = kw.pop("is_causal", True)
+  lengths = kw.get("key_value_seq_lengths")
+  window = kw.get("local_window_size")
+  case = ref.Case(H**-0.5, is_causal=causal, q_segment_ids=ids,
+                  kv_segment_ids=ids, kv_lengths=lengths,
+                  window=None if window is None else tuple(window))
+  want, _, g = ref.attention(q, k, v, case, dout=do, sinks=kw.get("sinks"))
+
+  def f(q, k, v, *sinks):
+    return jax_ring.dot_product_attention(
+        q, k, v, is_causal=causal, segment_ids=None if ids is None else
+        jnp.asarray(ids), context_parallel=cpc,
+        **(kw | ({"sinks": sinks[0]} if sinks else {})))
+
+  args = (q, k, v) + ((kw["sinks"],) if "sinks" in kw else ())
+  with jax.set_mesh(mesh):
+    vjp = lambda *a: jax.vjp(f, *a)
+    out, back = (vjp if eager else jax.jit(vjp))(*args)
+    grads = back(do)
+  ref.assert_close(out, want, jnp.float32, "out")
+  for name, x in zip(("q", "k", "v", "sinks"), grads):
+    ref.assert_close(x, g[name], jnp.float32, "d" + name)
+
+
+@pytest.mark.parametrize("strategy, options, shape", [
+    ("ring", {}, (8,)),
+    ("ring", dict(load_balance="striped", loop="scan"), (8,)),
+    ("all_gather", {}, (8,)),
+    ("ulysses", {}, (8,)),
+    ("hybrid", {}, (2, 4)),
+    ("auto", dict(load_balance=None), (8,)),
+], ids=["ring", "ring-striped-scan", "all_gather", "ulysses", "hybrid",
+        "auto-contiguous"])
+def test_every_strategy_at_a_length_no_layout_divides(strategy, options,
+                                                      shape):
+  names = ("u", "r") if len(shape) == 2 else ("cp",)
+  axis = names if len(shape) == 2 else "cp"
+  cpc = jax_ring.ContextParallel(axis=axis, strategy=strategy, **options)
+  _check(cpc, _mesh(shape, names), docs=17)
+
+
+@pytest.mark.parametrize("docs, t", [(1, 45), (45, 45), (200, 203)],
+                         ids=["one", "every-token", "200"])
+def test_documents_a_row_at_odd_lengths(docs, t):
+  _check(jax_ring.ContextParallel(), _mesh((8,), ("cp",)), t=t, s=t,
+         docs=docs, seed=1)
+
+
+def test_windows_sinks_and_key_lengths_at_an_odd_length():
+  """A two-sided window (the padded keys would be inside it), sinks and
+  the caller's own key lengths, on 4 devices, no causal mask."""
+  _check(jax_ring.ContextParallel(), _mesh((4,), ("cp",)), docs=None,
+         seed=2, is_causal=False, local_window_size=(6, 5),
+         key_value_seq_lengths=jnp.asarray([41, 45], jnp.int32),
+         sinks=jnp.asarray(np.linspace(-1, 1, N), jnp.float32))
+
+
+def test_ulysses_query_and_key_lengths_padded_apart_on_explicit_axes():
+  """T != S, each padded to its own multiple; eagerly, on Explicit axes
+  (jax.make_mesh's default)."""
+  cpc = jax_ring.ContextParallel(strategy="ulysses")
+  _check(cpc, _mesh((4,), ("cp",), jax.sharding.AxisType.Explicit), t=13,
+         s=22, docs=None, seed=3, eager=True)
+
+
+def test_explain_reports_the_padding():
+  choice = jax_ring.explain((1, 1001, 32, 128), (1, 1001, 8, 128),
+                            cp_size=4, is_causal=True)
+  added, why = choice.defaults["padding"]
+  assert added == {"query": 7, "key": 7}
+  assert re.search(r"\(1001, 1001\) run as \(1008, 1008\), multiples of 8 ",
+                   why), why
+  assert "padding" not in jax_ring.explain((1, 1008, 32, 128),
+                                           (1, 1008, 8, 128),
+                                           cp_size=4).defaults
