@@ -21,12 +21,15 @@ default table X and the others X_sinks, X_mla):
              shape (a cell says "not accepted" where it raises, and the
              row keeps its message).
 
-``packed``   packed documents (segment ids, causal) of ``--doc-tokens``
-             tokens each in a row of ``--packed-seq``, N=16 K=8 D=128
-             (Qwen3-1.7B's heads): jax_ring's cuDNN backend (one call per
-             SLOTS documents) against its pure-JAX kernel, and the same
-             row as one causal document as the yardstick. FLOPs are the
-             documents' own (a query sees its document's earlier keys).
+``packed``   a row of ``--packed-seq`` tokens packed with
+             ``--packed-docs`` equal documents (segment ids, causal), and
+             one row of lognormal lengths (median 300 tokens, capped at
+             8,192), N=16 K=8 D=128 (Qwen3-1.7B's heads): jax_ring's
+             packed call against the same equal documents as a dense
+             batch of equal rows (one call), and the row as one causal
+             document. FLOPs are the documents' own (a query sees its
+             document's earlier keys). ``--plot RESULTS_JSON`` draws the
+             table as a PNG beside the file.
 
 FLOPs: 2*S^2*N*(H + Hv) forward and 2*S^2*N*(4H + 3Hv) forward+backward
 (the backward recomputes the logits: 2.5x the forward when H = Hv), halved
@@ -177,34 +180,94 @@ def mla_table(a):
                "jax.nn accepts them")
 
 
-def packed_table(a):
+def packed_rows(seq, docs, seed=0):
+  """The packed table's rows: ``(mix, (1, seq) int32 ids, lengths)`` for
+  each count in ``docs`` of equal documents (``equal``), then one row of
+  lognormal lengths (median 300 tokens, sigma 1, capped at 8,192; the
+  last document cut to fit)."""
   import numpy as np
+  for n in docs:
+    if seq % n == 0:
+      lengths = np.full(n, seq // n)
+      yield "equal", np.repeat(np.arange(n, dtype=np.int32), lengths)[None], (
+          lengths)
+  rng, lengths = np.random.default_rng(seed), []
+  while sum(lengths) < seq:
+    lengths.append(int(min(8192, max(1, rng.lognormal(np.log(300), 1.0)))))
+  lengths[-1] -= sum(lengths) - seq
+  lengths = np.array(lengths)
+  yield "lognormal", np.repeat(np.arange(len(lengths), dtype=np.int32),
+                               lengths)[None], lengths
+
+
+def packed_table(a):
   from jax_ring._src.backends.cudnn.packed import SLOTS
   rows, s, n, kh, d = [], a.packed_seq, 16, 8, 128
   q, k, v, do = qkv(s, s, n, kh, d)
+  impl = None if a.implementation == "cudnn" else "xla"
   dense = {}  # the yardstick: the row as one causal document
   timed(dense, "one_document", lambda q, k, v: jax_ring.dot_product_attention(
-      q, k, v, is_causal=True), (q, k, v), do, flops(s, n, d, d, True))
-  for length in a.doc_tokens:
-    docs = -(-s // length)
-    ids = jnp.asarray(np.arange(s, dtype=np.int32)[None] // length)
-    sizes = np.bincount(np.asarray(ids[0]))
-    work = float((sizes * (sizes + 1) / 2).sum()) / (s * s / 2)
+      q, k, v, is_causal=True, implementation=impl), (q, k, v), do,
+        flops(s, n, d, d, True))
+  for mix, ids, lengths in packed_rows(s, a.packed_docs):
+    work = float((lengths * (lengths + 1) / 2).sum()) / (s * s / 2)
     fl = tuple(f * work for f in flops(s, n, d, d, True))
-    row = dict(seq=s, heads=n, kv_heads=kh, doc_tokens=length,
-               documents=docs, cudnn_calls=-(-docs // SLOTS))
-    for name, impl in (("cudnn", None), ("xla", "xla")):
-      fn = lambda q, k, v, impl=impl: jax_ring.dot_product_attention(
-          q, k, v, is_causal=True, segment_ids=ids, implementation=impl)
-      timed(row, name, fn, (q, k, v), do, fl)
+    row = dict(seq=s, heads=n, kv_heads=kh, mix=mix, documents=len(lengths),
+               longest=int(lengths.max()), work=work,
+               cudnn_calls=-(-len(lengths) // SLOTS))
+    seg = jnp.asarray(ids)
+    timed(row, "packed", lambda q, k, v: jax_ring.dot_product_attention(
+        q, k, v, is_causal=True, segment_ids=seg, implementation=impl),
+          (q, k, v), do, fl)
+    if mix == "equal":  # the same documents as a batch of equal rows
+      batch = lambda x: x.reshape((len(lengths), -1) + x.shape[2:])
+      timed(row, "batch", lambda q, k, v: jax_ring.dot_product_attention(
+          q, k, v, is_causal=True, implementation=impl),
+            tuple(map(batch, (q, k, v))), batch(do), fl)
+      ratio(row, "packed", "batch", "packed_over_batch")
     row.update(dense)
-    ratio(row, "xla", "cudnn", "xla_over_cudnn")
     rows.append(row)
     print(row, flush=True)
-  return rows, ["doc_tokens", "documents", "cudnn_calls", "cudnn_fwd_ms",
-                "xla_fwd_ms", "cudnn_fwdbwd_ms", "xla_fwdbwd_ms",
-                "fwdbwd_xla_over_cudnn", "one_document_fwdbwd_ms"], dict(
-      xla_over_cudnn="pure-JAX kernel time / cuDNN time (>1: cuDNN faster)")
+  return rows, ["mix", "documents", "longest", "cudnn_calls",
+                "packed_fwdbwd_ms", "batch_fwdbwd_ms",
+                "fwdbwd_packed_over_batch", "packed_fwdbwd_tflops",
+                "one_document_fwdbwd_ms"], dict(
+      packed_over_batch="packed row time / the same documents as a dense "
+      "batch of equal rows, one call (target <= 1.25)",
+      work="the documents' causal work over the whole row's", mixes=
+      "equal: documents of seq / documents tokens; lognormal: median 300, "
+      "sigma 1, cap 8192, seed 0")
+
+
+def plot_packed(path, mode="packed"):
+  """The packed ``mode`` of a results file as a PNG beside it:
+  forward+backward ms against documents a row, packed and as a dense
+  batch."""
+  import json
+  import pathlib
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  path = pathlib.Path(path)
+  run = json.loads(path.read_text())["runs"][mode]
+  rows = [r for r in run["rows"] if r.get("mix") == "equal"]
+  docs = [r["documents"] for r in rows]
+  fig, ax = plt.subplots(figsize=(6, 4))
+  ax.plot(docs, [r["packed_fwdbwd_ms"] for r in rows], "o-",
+          label="packed row")
+  ax.plot(docs, [r["batch_fwdbwd_ms"] for r in rows], "s--",
+          label="same documents as a dense batch")
+  for r in run["rows"]:
+    if r.get("mix") == "lognormal":
+      ax.plot([r["documents"]], [r["packed_fwdbwd_ms"]], "^",
+              label="lognormal mix, packed")
+  ax.set(xscale="log", yscale="log", xlabel="documents in a row of "
+         f"{rows[0]['seq']} tokens", ylabel="forward+backward ms",
+         title=f"{run['device']}, N=16 K=8 D=128, bf16, causal")
+  ax.legend()
+  out = path.with_name(f"{path.stem}_{mode}.png")
+  fig.savefig(out, dpi=120, bbox_inches="tight")
+  print(f"wrote {out}")
 
 
 def main():
@@ -219,13 +282,19 @@ def main():
                  default=[4096, 8192, 16384, 32768])
   p.add_argument("--mla-heads", type=int, default=32)
   p.add_argument("--packed-seq", type=int, default=32768)
-  p.add_argument("--doc-tokens", type=int, nargs="+",
-                 default=[3000, 300, 30])
+  p.add_argument("--packed-docs", type=int, nargs="+",
+                 default=[1, 8, 64, 256, 1024, 4096])
+  p.add_argument("--plot", metavar="RESULTS_JSON", default=None,
+                 help="only draw that file's packed table as a PNG beside "
+                 "it (needs matplotlib)")
   p.add_argument("--implementation", default="cudnn", choices=("cudnn",
                                                                "xla"),
                  help="what both libraries are asked for (xla: a CPU dry "
                  "run)")
   a = p.parse_args()
+  if a.plot:
+    return plot_packed(a.plot, "packed" if a.mode == "default" else
+                       f"{a.mode}_packed")
   builders = dict(default=default_table, sinks=sinks_table, mla=mla_table,
                   packed=packed_table)
   for table in a.tables:

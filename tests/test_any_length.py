@@ -5,6 +5,7 @@ the float64 reference, output and gradients, for any number of documents
 a row; ``explain`` reports the padding; arrays already in a layout must
 still divide (tests/test_never_silent.py)."""
 
+import dataclasses
 import re
 
 import jax
@@ -14,6 +15,7 @@ import pytest
 
 import jax_ring
 import reference as ref
+from jax_ring._src.core import registry
 
 B, N, K, H = 2, 8, 2, 16
 S = 45  # divides by no device count but 1 (nor by 2 x cp)
@@ -91,6 +93,24 @@ def test_windows_sinks_and_key_lengths_at_an_odd_length():
          seed=2, is_causal=False, local_window_size=(6, 5),
          key_value_seq_lengths=jnp.asarray([41, 45], jnp.int32),
          sinks=jnp.asarray(np.linspace(-1, 1, N), jnp.float32))
+
+
+def test_packed_rows_hide_the_padding_by_an_id_of_its_own(monkeypatch):
+  """No causal mask to hide padded keys, and segment ids: the padding is a
+  document of its own, not a key length (cuDNN's packed path takes no
+  lengths beside segment ids): every block's mask has no lengths."""
+  seen = []
+  xla = registry.BACKENDS["xla"]
+
+  def spied(*args):
+    seen.append((args[4].q_lengths, args[4].kv_lengths))
+    return xla.forward(*args)
+
+  monkeypatch.setitem(registry.BACKENDS, "xla",
+                      dataclasses.replace(xla, forward=spied))
+  _check(jax_ring.ContextParallel(), _mesh((4,), ("cp",)), docs=17, seed=4,
+         is_causal=False)
+  assert seen and all(x is None and y is None for x, y in seen), seen
 
 
 def test_ulysses_query_and_key_lengths_padded_apart_on_explicit_axes():

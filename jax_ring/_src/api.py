@@ -144,28 +144,40 @@ def _one_device(query, key, value, bias, dense, tm: TokenMask,
   return kernel.attention(query, key, value, bias, block_mask, config, sinks)
 
 
-def _padded(query, key, value, tm: TokenMask, t: int, s: int):
+def _padded(query, key, value, tm: TokenMask, config: AttentionConfig,
+            t: int, s: int):
   """``(query, key, value, tm)`` at sequence lengths ``t >= T`` and
-  ``s >= S`` (:func:`validate.padded_lengths`): zeros appended, segment ids
-  extended by each row's last id, and keys past S masked by ``kv_lengths``
-  (natural positions), so that the first T rows of the output, and every
-  real token's gradient, are the unpadded call's (a padded query row is
-  cut from the output: its cotangent is zero, so it adds to no
-  gradient)."""
+  ``s >= S`` (:func:`validate.padded_lengths`), zeros appended, such that
+  the first T rows of the output, and every real token's gradient, are
+  the unpadded call's. A padded query row is cut from the output: its
+  cotangent is zero, so it adds to no gradient. Padded keys are hidden
+  from the real queries: by the causal mask where it does (T <= S), else
+  by a segment id of their own (segment ids given: the packed cuDNN path
+  takes no lengths beside them) or by ``kv_lengths`` (natural
+  positions)."""
   pad_t, pad_s = t - query.shape[1], s - key.shape[1]
   if not pad_t and not pad_s:
     return query, key, value, tm
   grow = lambda x, n: jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))
-  ids = lambda x, n: None if x is None else jnp.pad(x, [(0, 0), (0, n)],
-                                                    mode="edge")
+  hide = pad_s and not (config.is_causal and query.shape[1] <= key.shape[1])
+  ids = [x for x in (tm.q_segment_ids, tm.kv_segment_ids) if x is not None]
+  if hide and ids:  # an id no real token has, in any case but all ids used
+    top = max(jnp.max(x) for x in ids)
+    fresh = jnp.where(top < jnp.iinfo(ids[0].dtype).max, top + 1,
+                      min(jnp.min(x) for x in ids) - 1).astype(ids[0].dtype)
+    pad_ids = lambda x, n: None if x is None else jnp.concatenate(
+        [x, jnp.broadcast_to(fresh, (x.shape[0], n))], 1)
+  else:  # the padding extends each row's last document
+    pad_ids = lambda x, n: None if x is None else jnp.pad(
+        x, [(0, 0), (0, n)], mode="edge")
   kv_lengths = tm.kv_lengths
-  if pad_s:
+  if hide and not ids:
     real = key.shape[1]
     kv_lengths = (jnp.full(key.shape[:1], real, jnp.int32) if kv_lengths is
                   None else jnp.minimum(kv_lengths, real))
   return (grow(query, pad_t), grow(key, pad_s), grow(value, pad_s),
-          TokenMask(q_segment_ids=ids(tm.q_segment_ids, pad_t),
-                    kv_segment_ids=ids(tm.kv_segment_ids, pad_s),
+          TokenMask(q_segment_ids=pad_ids(tm.q_segment_ids, pad_t),
+                    kv_segment_ids=pad_ids(tm.kv_segment_ids, pad_s),
                     q_lengths=tm.q_lengths, kv_lengths=kv_lengths))
 
 
@@ -189,7 +201,7 @@ def _context_parallel(query, key, value, tm: TokenMask, sinks,
   if 0 in query.shape[:2] + key.shape[1:2]:  # as on one device
     return jnp.zeros(_out_shape(query, value), query.dtype)
   rows = query.shape[1]
-  query, key, value, tm = _padded(query, key, value, tm, *lengths)
+  query, key, value, tm = _padded(query, key, value, tm, config, *lengths)
 
   # The sequence goes to the context axes (hybrid: ring-major) whatever the
   # arrays' placement: the partition rule needs a mesh with those axes.
