@@ -1,14 +1,16 @@
-"""examples/finetune.py on one GPU with the demo's random weights in the
-shapes of released checkpoints: tokens/s, model FLOPs utilisation and peak
-memory at 32k tokens.
+"""examples/finetune.py with the demo's random weights in the shapes of
+released checkpoints: tokens/s, model FLOPs utilisation and peak memory,
+at 32k tokens on one GPU or longer split over ``--context`` GPUs.
 
   python benchmarks/finetune_models.py [--models llama3.2-1b gemma3-1b
                                        qwen3-1.7b] [--seq 32768] [--steps 8]
+  python benchmarks/finetune_models.py --context 4 --seq 131072 --mode cp4
 
 Each model runs in a process of its own, which adds its row to the
 results file (its peak memory is then its own; the parent never touches a
-GPU): ``finetune.py --demo-model M --seq S --context 1 --batch 1 --steps N
---vocab-chunk 8192`` (the demo's data and tokenizer, the weights random in
+GPU): ``finetune.py --demo-model M --seq S --context C --batch 1 --steps N
+--vocab-chunk 8192`` (C: ``--context``, default 1; more flags with
+``--example-args``) (the demo's data and tokenizer, the weights random in
 the released config.json's shapes, bfloat16, cuDNN), on examples of
 ``--doc-words`` demo words each (about ten documents per 32k row: one
 cuDNN call serves up to 16 a row; a row of more, such as the demo's own
@@ -23,14 +25,14 @@ Each row records:
   dispatch_s      how long each step call took to return, the compiling
                   one aside (about a step's time where the host does not
                   run ahead of the device);
-  mfu             model FLOPs / (step time x peak): per token 6 P (P: the
+  mfu             model FLOPs / (step time x C x peak): per token 6 P (P: the
                   parameters in matrix products; a tied table counts once,
                   as the output layer) plus, per layer, 12 Hq D times the
                   keys a query sees on average in the rows trained on (its
                   own document's earlier tokens, within W on a sliding
                   layer); peak ``--peak-tflops``, the H100/H200 SXM
                   datasheet's dense bf16 989 TFLOP/s;
-  peak_gb         the allocator's ``peak_bytes_in_use``.
+  peak_gb         the allocator's ``peak_bytes_in_use`` on the first GPU.
 
 Writes benchmarks/results/finetune_models_<count>x<gpu>.json.
 """
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -84,7 +87,7 @@ def long_records(path: str, words: int, count: int) -> str:
 
 
 def one(model: str, seq: int, steps: int, peak_tflops: float,
-        doc_words: int) -> dict:
+        doc_words: int, context: int = 1, extra: str = "") -> dict:
   """Run the example once, in this process; the result row."""
   import finetune
   import jax
@@ -94,9 +97,10 @@ def one(model: str, seq: int, steps: int, peak_tflops: float,
                                    (steps + 2) * seq // doc_words)
             ] if doc_words else ["--examples", str(max(2000, steps * seq // 12))]
     args = finetune.parse_args([
-        "--demo-model", model, "--seq", str(seq), "--context", "1",
+        "--demo-model", model, "--seq", str(seq), "--context", str(context),
         "--batch", "1", "--steps", str(steps), "--vocab-chunk", "8192",
-        "--lr", "1e-4", "--run-dir", run, "--quiet", *data])
+        "--lr", "1e-4", "--run-dir", run, "--quiet", *data,
+        *shlex.split(extra)])
     dispatch = []  # seconds each train_step call took to return
     loop = finetune.train_lm.train_loop
 
@@ -119,7 +123,8 @@ def one(model: str, seq: int, steps: int, peak_tflops: float,
   per_token = flops_per_token(cfg, lengths, segments.size)
   tokens_per_s = result["tokens_per_s"]
   stats = jax.devices()[0].memory_stats() or {}
-  return dict(model=model, seq=seq, steps=steps, params=cfg.num_params(),
+  return dict(model=model, seq=seq, context=context, steps=steps,
+              params=cfg.num_params(),
               tokens_per_s=tokens_per_s,
               step_intervals_s=result["step_intervals_s"],
               dispatch_s=dispatch[1:],
@@ -127,7 +132,7 @@ def one(model: str, seq: int, steps: int, peak_tflops: float,
               mean_document=float(lengths.mean()),
               fill=float((segments > 0).mean()),
               step_s=seq / tokens_per_s,
-              mfu=tokens_per_s * per_token / (peak_tflops * 1e12),
+              mfu=tokens_per_s * per_token / (context * peak_tflops * 1e12),
               flops_per_token=per_token,
               peak_gb=stats.get("peak_bytes_in_use", 0) / 1e9,
               final_loss=float(result["losses"][-1]))
@@ -143,11 +148,17 @@ def main():
   p.add_argument("--doc-words", type=int, default=1500,
                  help="words per example of the data (0: the demo's own "
                  "short examples, hundreds per row)")
+  p.add_argument("--context", type=int, default=1,
+                 help="GPUs the sequence is split over (context parallel)")
+  p.add_argument("--example-args", default="",
+                 help="more flags for examples/finetune.py, e.g. "
+                 "--example-args='--remat attention'")
   p.add_argument("--mode", default="default")
   p.add_argument("--one", default=None, help=argparse.SUPPRESS)
   a = p.parse_args()
   if a.one:  # the child: run, then add its row to the results file
-    record([one(a.one, a.seq, a.steps, a.peak_tflops, a.doc_words)
+    record([one(a.one, a.seq, a.steps, a.peak_tflops, a.doc_words,
+                a.context, a.example_args)
             | dict(doc_words=a.doc_words)], a)
     return
   failed = []
@@ -155,7 +166,8 @@ def main():
     done = subprocess.run(
         [sys.executable, __file__, "--one", model, "--seq", str(a.seq),
          "--steps", str(a.steps), "--peak-tflops", str(a.peak_tflops),
-         "--doc-words", str(a.doc_words), "--mode", a.mode])
+         "--doc-words", str(a.doc_words), "--mode", a.mode,
+         "--context", str(a.context), "--example-args=" + a.example_args])
     if done.returncode:
       failed.append(model)
   if failed:
@@ -174,10 +186,11 @@ def record(rows, a):
     rows = sorted([r for r in old if r["model"] not in ran] + rows,
                   key=lambda r: MODELS.index(r["model"]))
   write("finetune_models", rows,
-        ["model", "seq", "params", "tokens_per_s", "step_s", "mfu",
+        ["model", "seq", "context", "params", "tokens_per_s", "step_s", "mfu",
          "peak_gb", "final_loss"],
-        extra=dict(command="finetune.py --demo-model M --seq S --context 1 "
-                   "--batch 1 --steps N --vocab-chunk 8192",
+        extra=dict(command=f"finetune.py --demo-model M --seq S --context "
+                   f"{a.context} --batch 1 --steps N --vocab-chunk 8192 "
+                   f"{a.example_args}".strip(),
                    peak_tflops=a.peak_tflops),
         mode=a.mode)
 
