@@ -30,6 +30,7 @@ import os
 import pathlib
 import sys
 import tempfile
+import time
 
 import run_dir
 
@@ -167,15 +168,18 @@ def generate(args) -> list[str]:
 
 class Stream:
   """Prints the generated text: one prompt's token by token, several
-  prompts' at the end."""
+  prompts' at the end; then, on stderr, the time to the first token
+  (prefill, compiles included) and the median decode step."""
 
   def __init__(self, encoder, prompts, texts):
     self.encoder, self.texts = encoder, texts
     self.ids = [[] for _ in prompts]
     self.done = [False] * len(prompts)
     self.shown = ""
+    self.times = [time.perf_counter()]  # the start, then each step's tokens
 
   def __call__(self, step, tokens):
+    self.times.append(time.perf_counter())
     for row, token in enumerate(tokens):
       if self.done[row]:
         continue
@@ -194,9 +198,16 @@ class Stream:
   def finish(self, out):
     if len(out) == 1:
       print()
-      return
-    for row, text in enumerate(self.texts):
-      print(f"--- {row}: {text!r}\n{self.text(row)}")
+    else:
+      for row, text in enumerate(self.texts):
+        print(f"--- {row}: {text!r}\n{self.text(row)}")
+    import numpy as np
+    # The second step's interval holds the decode step's compile.
+    steps = np.diff(self.times[2:])
+    print(f"first token after {self.times[1] - self.times[0]:.2f} s (prefill, "
+          f"compiles included)" + (f"; {steps.size} more decode steps, "
+          f"{np.median(steps) * 1e3:.1f} ms a step (median)" if steps.size
+          else ""), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -298,8 +298,11 @@ def test_the_example_streams_what_generate_returns(tmp_path, capsys):
   args = example.parse_args(["--model", str(model_dir), "--context", "4",
                              "--max-new-tokens", "6", prompt])
   text, = example.generate(args)
-  printed = capsys.readouterr().out
-  assert printed == prompt + text + "\n"
+  printed = capsys.readouterr()
+  assert printed.out == prompt + text + "\n"
+  assert re.search(r"first token after \d+\.\d\d s \(prefill, compiles "
+                   r"included\); 4 more decode steps, \d+\.\d ms a step "
+                   r"\(median\)", printed.err), printed.err
   encoder = finetune.Encoder(model_dir)
   ids = encoder.prefix + encoder.tok.encode(prompt,
                                             add_special_tokens=False).ids
