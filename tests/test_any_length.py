@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_ring
 import reference as ref
@@ -28,9 +29,11 @@ def _mesh(shape, names, kind=jax.sharding.AxisType.Auto):
                        devices=jax.devices()[:int(np.prod(shape))])
 
 
-def _check(cpc, mesh, *, t=S, s=S, docs=5, seed=0, eager=False, **kw):
-  """Forward and gradients of a call on plain natural-order arrays (under
-  ``jax.set_mesh``) against the float64 reference. ``docs``: documents a
+def _check(cpc, mesh, *, t=S, s=S, docs=5, seed=0, eager=False, spec=None,
+           **kw):
+  """Forward and gradients of a call on natural-order arrays (plain under
+  ``jax.set_mesh``, or placed by ``spec`` along the sequence) against the
+  float64 reference. ``docs``: documents a
   row (None: no segment ids); ``kw``: more of the call's options, in the
   reference's terms too (``local_window_size``, ``is_causal``,
   ``key_value_seq_lengths``, ``sinks``)."""
@@ -46,13 +49,18 @@ def _check(cpc, mesh, *, t=S, s=S, docs=5, seed=0, eager=False, **kw):
                   window=None if window is None else tuple(window))
   want, _, g = ref.attention(q, k, v, case, dout=do, sinks=kw.get("sinks"))
 
+  put = (lambda x: jnp.asarray(x)) if spec is None else (
+      lambda x: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec)))
+
   def f(q, k, v, *sinks):
     return jax_ring.dot_product_attention(
         q, k, v, is_causal=causal, segment_ids=None if ids is None else
-        jnp.asarray(ids), context_parallel=cpc,
+        put(ids), context_parallel=cpc,
         **(kw | ({"sinks": sinks[0]} if sinks else {})))
 
-  args = (q, k, v) + ((kw["sinks"],) if "sinks" in kw else ())
+  args = tuple(map(put, (q, k, v))) + ((kw["sinks"],) if "sinks" in kw
+                                       else ())
+  do = put(do)
   with jax.set_mesh(mesh):
     vjp = lambda *a: jax.vjp(f, *a)
     out, back = (vjp if eager else jax.jit(vjp))(*args)
@@ -119,6 +127,15 @@ def test_ulysses_query_and_key_lengths_padded_apart_on_explicit_axes():
   cpc = jax_ring.ContextParallel(strategy="ulysses")
   _check(cpc, _mesh((4,), ("cp",), jax.sharding.AxisType.Explicit), t=13,
          s=22, docs=None, seed=3, eager=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_packed_rows_sharded_on_explicit_axes(causal):
+  """Arrays and segment ids placed along the sequence (12 tokens: 4
+  devices divide it, dual-chunk's 8 do not), eagerly on Explicit axes."""
+  _check(jax_ring.ContextParallel(), _mesh(
+      (4,), ("cp",), jax.sharding.AxisType.Explicit), t=12, s=12, docs=3,
+         seed=5, eager=True, spec=P(None, "cp"), is_causal=causal)
 
 
 def test_explain_reports_the_padding():

@@ -151,27 +151,26 @@ def _padded(query, key, value, tm: TokenMask, config: AttentionConfig,
   the first T rows of the output, and every real token's gradient, are
   the unpadded call's. A padded query row is cut from the output: its
   cotangent is zero, so it adds to no gradient. Padded keys are hidden
-  from the real queries: by the causal mask where it does (T <= S), else
-  by a segment id of their own (segment ids given: the packed cuDNN path
-  takes no lengths beside them) or by ``kv_lengths`` (natural
-  positions)."""
+  from the real queries by a segment id of their own where the call has
+  segment ids (cuDNN's packed path takes no lengths beside them), else by
+  the causal mask where it does so (T <= S), else by ``kv_lengths``
+  (natural positions). Only constant pads and reductions: they serve
+  arrays sharded along the sequence on Explicit mesh axes too."""
   pad_t, pad_s = t - query.shape[1], s - key.shape[1]
   if not pad_t and not pad_s:
     return query, key, value, tm
-  grow = lambda x, n: jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))
-  hide = pad_s and not (config.is_causal and query.shape[1] <= key.shape[1])
+  grow = lambda x, n, fill=0: jnp.pad(
+      x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
   ids = [x for x in (tm.q_segment_ids, tm.kv_segment_ids) if x is not None]
-  if hide and ids:  # an id no real token has, in any case but all ids used
+  pad_ids = lambda x, n: x
+  if ids:  # an id no real token has (unless the ids span the whole dtype)
     top = max(jnp.max(x) for x in ids)
     fresh = jnp.where(top < jnp.iinfo(ids[0].dtype).max, top + 1,
                       min(jnp.min(x) for x in ids) - 1).astype(ids[0].dtype)
-    pad_ids = lambda x, n: None if x is None else jnp.concatenate(
-        [x, jnp.broadcast_to(fresh, (x.shape[0], n))], 1)
-  else:  # the padding extends each row's last document
-    pad_ids = lambda x, n: None if x is None else jnp.pad(
-        x, [(0, 0), (0, n)], mode="edge")
+    pad_ids = lambda x, n: None if x is None else grow(x, n, fresh)
   kv_lengths = tm.kv_lengths
-  if hide and not ids:
+  if pad_s and not ids and not (config.is_causal and
+                                query.shape[1] <= key.shape[1]):
     real = key.shape[1]
     kv_lengths = (jnp.full(key.shape[:1], real, jnp.int32) if kv_lengths is
                   None else jnp.minimum(kv_lengths, real))

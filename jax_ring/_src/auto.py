@@ -215,9 +215,10 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
   it all. A strategy other than ``"auto"`` is what runs, for both passes;
   the modelled times are still given. With a pair of sizes and no
   ``context_parallel``: ``ContextParallel(axis=("ulysses", "ring"),
-  strategy="auto")``. ``segment_ids`` (B, T), host ints of packed rows in natural order:
-  the causal work's balance over the devices in each layout the strategy
-  takes (``balance``; the most-loaded device over the mean)."""
+  strategy="auto")``. ``segment_ids`` (B, T), host ints of packed rows in
+  natural order: the causal work's balance over the devices in each layout
+  the strategy takes (``balance``; the most-loaded device over the
+  mean)."""
   pair = isinstance(cp_size, (tuple, list))
   cpc = context_parallel or ContextParallel(
       axis=("ulysses", "ring") if pair else "cp", strategy="auto")
@@ -266,14 +267,15 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
 def _balance(segment_ids, query_shape, cpc, sizes, run_t):
   """explain's ``balance`` entry: ``({layout: most-loaded device's causal
   work over the mean}, why)`` for rows ``segment_ids``, padded as the call
-  pads them (the last document extended)."""
+  pads them (a document of its own)."""
   ids = np.asarray(segment_ids)
   if ids.shape != tuple(query_shape[:2]) or ids.dtype.kind not in "iu":
     raise ValueError(f"segment_ids must be (B, T) = {tuple(query_shape[:2])}"
                      f" host ints; got {ids.dtype} of shape {ids.shape}")
   if ids.size == 0:
     return {}, "no tokens"
-  ids = np.pad(ids, [(0, 0), (0, run_t - ids.shape[1])], mode="edge")
+  ids = np.pad(ids, [(0, 0), (0, run_t - ids.shape[1])],
+               constant_values=ids.max() + 1)
   ring = sizes[cpc.ring_axis] if cpc.is_hybrid else sizes[cpc.axis]
   layouts = ("dual_chunk", None) if cpc.strategy == "all_gather" else (
       "dual_chunk", "striped", None)
@@ -283,4 +285,3 @@ def _balance(segment_ids, query_shape, cpc, sizes, run_t):
                  "over the mean for these rows (1.0 is even; each step "
                  "waits for the most loaded; Ulysses splits heads and is "
                  "even in any layout)")
-
