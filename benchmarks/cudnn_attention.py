@@ -251,6 +251,9 @@ def plot_packed(path, mode="packed"):
   path = pathlib.Path(path)
   run = json.loads(path.read_text())["runs"][mode]
   rows = [r for r in run["rows"] if r.get("mix") == "equal"]
+  if not rows:
+    raise SystemExit(f"{path} ({mode}) holds no rows of equal documents "
+                     "of this form of the table (`mix`): rerun it")
   docs = [r["documents"] for r in rows]
   fig, ax = plt.subplots(figsize=(6, 4))
   ax.plot(docs, [r["packed_fwdbwd_ms"] for r in rows], "o-",

@@ -30,10 +30,10 @@ def _mesh(shape, names, kind=jax.sharding.AxisType.Auto):
 
 
 def _check(cpc, mesh, *, t=S, s=S, docs=5, seed=0, eager=False, spec=None,
-           **kw):
+           pair=False, **kw):
   """Forward and gradients of a call on natural-order arrays (plain under
   ``jax.set_mesh``, or placed by ``spec`` along the sequence) against the
-  float64 reference. ``docs``: documents a
+  float64 reference; ``pair``: the ids as a (query, key) pair. ``docs``: documents a
   row (None: no segment ids); ``kw``: more of the call's options, in the
   reference's terms too (``local_window_size``, ``is_causal``,
   ``key_value_seq_lengths``, ``sinks``)."""
@@ -53,9 +53,9 @@ def _check(cpc, mesh, *, t=S, s=S, docs=5, seed=0, eager=False, spec=None,
       lambda x: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec)))
 
   def f(q, k, v, *sinks):
+    seg = None if ids is None else (put(ids), put(ids)) if pair else put(ids)
     return jax_ring.dot_product_attention(
-        q, k, v, is_causal=causal, segment_ids=None if ids is None else
-        put(ids), context_parallel=cpc,
+        q, k, v, is_causal=causal, segment_ids=seg, context_parallel=cpc,
         **(kw | ({"sinks": sinks[0]} if sinks else {})))
 
   args = tuple(map(put, (q, k, v))) + ((kw["sinks"],) if "sinks" in kw
@@ -127,6 +127,21 @@ def test_ulysses_query_and_key_lengths_padded_apart_on_explicit_axes():
   cpc = jax_ring.ContextParallel(strategy="ulysses")
   _check(cpc, _mesh((4,), ("cp",), jax.sharding.AxisType.Explicit), t=13,
          s=22, docs=None, seed=3, eager=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_a_pair_of_segment_ids_under_jit(causal):
+  _check(jax_ring.ContextParallel(), _mesh((4,), ("cp",)), t=13, s=13,
+         docs=3, seed=6, pair=True, is_causal=causal)
+
+
+def test_auto_with_lengths_that_pad_alike_stays_ulysses():
+  """T = 5 and S = 7 both run as 8 on 4 devices: auto is still Ulysses,
+  as explain says for T != S."""
+  cpc = jax_ring.ContextParallel(strategy="auto")
+  assert jax_ring.explain((B, 5, N, H), (B, 7, K, H), cp_size=4,
+                          context_parallel=cpc).forward == "ulysses"
+  _check(cpc, _mesh((4,), ("cp",)), t=5, s=7, docs=None, seed=7)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -112,6 +112,15 @@ def test_vmap_of_grad_with_shared_keys_and_nested_maps():
   ref.assert_close(jnp.moveaxis(out[0], 0, 1), want, jnp.float32, "out")
 
 
+def test_vmap_over_an_empty_axis():
+  q, k, v, _, ids, sinks = _instances()
+  mesh = _mesh(jax.sharding.AxisType.Auto)
+  with jax.set_mesh(mesh):
+    out = jax.jit(jax.vmap(_attend, (1, 1, 1, 1, None), out_axes=1))(
+        q[:, :0], k[:, :0], v[:, :0], ids[:, :0], sinks)
+  assert out.shape == (B, 0, S, N, H)
+
+
 def test_forward_mode_is_refused_by_name():
   """jax.jvp (and so jax.jacfwd and jax.hessian) of a context-parallel
   call is a TypeError naming forward mode, before anything runs."""

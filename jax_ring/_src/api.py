@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -151,26 +152,37 @@ def _padded(query, key, value, tm: TokenMask, config: AttentionConfig,
   the first T rows of the output, and every real token's gradient, are
   the unpadded call's. A padded query row is cut from the output: its
   cotangent is zero, so it adds to no gradient. Padded keys are hidden
-  from the real queries by a segment id of their own where the call has
-  segment ids (cuDNN's packed path takes no lengths beside them), else by
-  the causal mask where it does so (T <= S), else by ``kv_lengths``
-  (natural positions). Only constant pads and reductions: they serve
-  arrays sharded along the sequence on Explicit mesh axes too."""
+  from the real queries by the causal mask where it does so (T <= S: the
+  segment ids, if any, extend each row's last document, adding none);
+  else by a segment id of their own where the call has segment ids
+  (cuDNN's packed path takes no lengths beside them); else by
+  ``kv_lengths`` (natural positions). Only constant pads, reductions and
+  elementwise ops: they serve arrays sharded along the sequence on
+  Explicit mesh axes too."""
   pad_t, pad_s = t - query.shape[1], s - key.shape[1]
   if not pad_t and not pad_s:
     return query, key, value, tm
-  grow = lambda x, n, fill=0: jnp.pad(
-      x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+  grow = lambda x, n: jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))
+  causal = config.is_causal and query.shape[1] <= key.shape[1]
   ids = [x for x in (tm.q_segment_ids, tm.kv_segment_ids) if x is not None]
   pad_ids = lambda x, n: x
-  if ids:  # an id no real token has (unless the ids span the whole dtype)
-    top = max(jnp.max(x) for x in ids)
+  if ids and causal:  # each row's last id, by a reduction (no slice)
+    def pad_ids(x, n):
+      if x is None or not n:
+        return x
+      at = jnp.arange(x.shape[1] + n)
+      last = jnp.max(jnp.where(at[None, :x.shape[1]] == x.shape[1] - 1, x,
+                               jnp.iinfo(x.dtype).min), axis=1)
+      return jnp.where(at[None] < x.shape[1], grow(x, n), last[:, None])
+  elif ids:  # an id no real token has (unless the ids span their dtype)
+    top = functools.reduce(jnp.maximum, [jnp.max(x) for x in ids])
+    low = functools.reduce(jnp.minimum, [jnp.min(x) for x in ids])
     fresh = jnp.where(top < jnp.iinfo(ids[0].dtype).max, top + 1,
-                      min(jnp.min(x) for x in ids) - 1).astype(ids[0].dtype)
-    pad_ids = lambda x, n: None if x is None else grow(x, n, fresh)
+                      low - 1).astype(ids[0].dtype)
+    pad_ids = lambda x, n: None if x is None else jnp.where(
+        jnp.arange(x.shape[1] + n)[None] < x.shape[1], grow(x, n), fresh)
   kv_lengths = tm.kv_lengths
-  if pad_s and not ids and not (config.is_causal and
-                                query.shape[1] <= key.shape[1]):
+  if pad_s and not ids and not causal:
     real = key.shape[1]
     kv_lengths = (jnp.full(key.shape[:1], real, jnp.int32) if kv_lengths is
                   None else jnp.minimum(kv_lengths, real))
@@ -188,9 +200,16 @@ def _context_parallel(query, key, value, tm: TokenMask, sinks,
   the padded sequence ``lengths`` (:func:`_padded`); the output has T
   rows."""
   cp = cp.with_environment()
+  if cp.strategy == "auto" and not cp.is_hybrid and (
+      query.shape[1] != key.shape[1]):  # auto's one candidate for T != S,
+    cp = dataclasses.replace(cp, strategy="ulysses")  # padded equal or not
+  rows = query.shape[1]
+  if 0 not in query.shape[:2] + key.shape[1:2]:
+    query, key, value, tm = _padded(query, key, value, tm, config, *lengths)
   # The backend is resolved on each shard (partition.py): its limits are
-  # per call. A request is checked here, on a one-token block, so that
-  # what does not depend on the length fails at trace time.
+  # per call. A request is checked here, on a one-token block of the
+  # padded call's mask, so that what does not depend on the length fails
+  # at trace time.
   if implementation is not None:
     one = lambda x: jax.ShapeDtypeStruct(x.shape[:1] + (1,) + x.shape[2:],
                                          x.dtype)
@@ -199,8 +218,6 @@ def _context_parallel(query, key, value, tm: TokenMask, sinks,
   config = config.replace(implementation=implementation)
   if 0 in query.shape[:2] + key.shape[1:2]:  # as on one device
     return jnp.zeros(_out_shape(query, value), query.dtype)
-  rows = query.shape[1]
-  query, key, value, tm = _padded(query, key, value, tm, config, *lengths)
 
   # The sequence goes to the context axes (hybrid: ring-major) whatever the
   # arrays' placement: the partition rule needs a mesh with those axes.

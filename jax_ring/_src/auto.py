@@ -216,7 +216,7 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
   the modelled times are still given. With a pair of sizes and no
   ``context_parallel``: ``ContextParallel(axis=("ulysses", "ring"),
   strategy="auto")``. ``segment_ids`` (B, T), host ints of packed rows in
-  natural order: the causal work's balance over the devices in each layout
+  natural order, each document one run: the causal work's balance over the devices in each layout
   the strategy takes (``balance``; the most-loaded device over the
   mean)."""
   pair = isinstance(cp_size, (tuple, list))

@@ -190,8 +190,9 @@ def _folding(fn):
   def rule(axis_size, in_batched, *args):
     args = [a if mapped else jax.numpy.broadcast_to(a, (axis_size,) + a.shape)
             for a, mapped in zip(args, in_batched)]
-    outs = folded(*(a.reshape((-1,) + a.shape[2:]) for a in args))
-    outs = tuple(o.reshape((axis_size, -1) + o.shape[1:]) for o in outs)
+    b = args[0].shape[1]  # every operand's and result's batch
+    outs = folded(*(a.reshape((axis_size * b,) + a.shape[2:]) for a in args))
+    outs = tuple(o.reshape((axis_size, b) + o.shape[1:]) for o in outs)
     return outs, (True,) * len(outs)
 
   return folded
