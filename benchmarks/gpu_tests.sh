@@ -22,6 +22,8 @@
 # workers; each gets an equal share of the cores for NumPy's threads.
 set -uo pipefail
 . benchmarks/gpu_setup.sh || exit 1
+# Every case compiles a program of its own: no persistent cache to write.
+unset JAX_COMPILATION_CACHE_DIR
 workers=${1:-4}
 threads=$(( $(nproc) / workers > 0 ? $(nproc) / workers : 1 ))
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
