@@ -7,7 +7,7 @@ the mean (1.0 = even; the step waits for the most loaded).
 A row is a sequence of documents, each attending causally to itself. A
 query at offset p of its document sees p + 1 keys, which is its work; a
 device's work is the sum over its tokens in the layout. The measure is
-the library's own (``causal_work_balance``, on jax_ring's layout
+the library's own (``work_balance``, on jax_ring's layout
 permutations; None: contiguous shards): counts of visible (query, key)
 pairs, not timings. Mixes per row: ``equal-n``, n documents of S / n tokens; and
 ``lognormal``, lengths drawn from a lognormal of median 300 tokens and
@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 
-from jax_ring._src.strategies.layout import causal_work_balance
+from jax_ring._src.strategies.layout import work_balance
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from common import write  # noqa: E402
@@ -43,7 +43,7 @@ def lognormal_row(rng, seq, median=300, sigma=1.0, cap=8192):
 def imbalance(lengths, cp, layout) -> float:
   """One row of documents of these ``lengths``: jax_ring's own measure."""
   ids = np.repeat(np.arange(len(lengths)), lengths)[None]
-  return causal_work_balance(ids, cp, layout)
+  return work_balance(ids, cp, layout)
 
 
 def main():

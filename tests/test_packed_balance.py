@@ -1,5 +1,5 @@
-"""The causal work's balance over the devices of each load-balance layout
-(``causal_work_balance``, reported by ``explain(segment_ids=...)`` and
+"""The attention work's balance over the devices of each load-balance layout
+(``work_balance``, reported by ``explain(segment_ids=...)`` and
 ``benchmarks/packed_balance.py``), against a direct count of the visible
 (query, key) pairs of the float64 reference's mask."""
 
@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 import reference as ref
-from jax_ring._src.strategies.layout import causal_work_balance
+from jax_ring._src.strategies.layout import work_balance
 
 
-def _counted(ids, cp, layout):
+def _counted(ids, cp, layout, causal=True):
   """Most-loaded device's visible pairs over the mean, counted from the
   reference's visibility with each token placed by the layout."""
   b, s = ids.shape
-  vis = ref.visibility(ref.Case(1.0, is_causal=True, q_segment_ids=ids,
+  vis = ref.visibility(ref.Case(1.0, is_causal=causal, q_segment_ids=ids,
                                 kv_segment_ids=ids), b, 1, s, s)
   pairs = vis[:, 0].sum(-1).sum(0)  # (S,) keys each query sees, all rows
   owner = np.arange(s) // (s // cp)  # device of each slot in the layout
@@ -29,24 +29,25 @@ def _counted(ids, cp, layout):
   return work.max() / work.mean()
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("layout", ["dual_chunk", "striped", None])
-def test_balance_is_the_count_of_visible_pairs(layout):
+def test_balance_is_the_count_of_visible_pairs(layout, causal):
   rng = np.random.default_rng(0)
   ids = np.stack([np.repeat(np.arange(6), np.diff(np.r_[0, np.sort(
       rng.choice(np.arange(1, 96), 5, replace=False)), 96]))
                   for _ in range(2)])
-  assert causal_work_balance(ids, 4, layout) == pytest.approx(
-      _counted(ids, 4, layout), rel=1e-6)
+  assert work_balance(ids, 4, layout, causal) == pytest.approx(
+      _counted(ids, 4, layout, causal), rel=1e-6)
 
 
 def test_one_document_and_a_long_tailed_row():
   one = np.zeros((1, 64), np.int32)
-  assert causal_work_balance(one, 4, "dual_chunk") == pytest.approx(1.0)
+  assert work_balance(one, 4, "dual_chunk") == pytest.approx(1.0)
   last = sum(range(49, 65)) / (sum(range(1, 65)) / 4)  # tokens 48-63
-  assert causal_work_balance(one, 4, None) == pytest.approx(last)
+  assert work_balance(one, 4, None) == pytest.approx(last)
   tailed = np.repeat(np.arange(4), [40, 8, 8, 8])[None]
-  assert causal_work_balance(tailed, 4, "dual_chunk") > 2.0
-  assert causal_work_balance(tailed, 4, "striped") < 1.15
+  assert work_balance(tailed, 4, "dual_chunk") > 2.0
+  assert work_balance(tailed, 4, "striped") < 1.15
 
 
 def test_explain_reports_the_balance_of_given_rows():

@@ -216,9 +216,9 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
   the modelled times are still given. With a pair of sizes and no
   ``context_parallel``: ``ContextParallel(axis=("ulysses", "ring"),
   strategy="auto")``. ``segment_ids`` (B, T), host ints of packed rows in
-  natural order, each document one run: the causal work's balance over the devices in each layout
-  the strategy takes (``balance``; the most-loaded device over the
-  mean)."""
+  natural order, each document one run: the attention work's balance over
+  the devices in each layout the strategy takes (``balance``; the
+  most-loaded device over the mean)."""
   pair = isinstance(cp_size, (tuple, list))
   cpc = context_parallel or ContextParallel(
       axis=("ulysses", "ring") if pair else "cp", strategy="auto")
@@ -246,7 +246,7 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
         f"+{100 * (run_t * run_s / max(t * s, 1) - 1):.1f}%")
   if segment_ids is not None:
     defaults_["balance"] = _balance(segment_ids, query_shape, cpc, sizes,
-                                    run_t)
+                                    run_t, is_causal)
   if cpc.is_hybrid:
     return Choice("hybrid", "hybrid", {}, f"a pair of axes {cpc.axis!r} "
                   f"(sizes {tuple(sizes.values())}): Ulysses inside a ring",
@@ -264,9 +264,9 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
   return dataclasses.replace(choice, defaults=defaults_)
 
 
-def _balance(segment_ids, query_shape, cpc, sizes, run_t):
-  """explain's ``balance`` entry: ``({layout: most-loaded device's causal
-  work over the mean}, why)`` for rows ``segment_ids``, padded as the call
+def _balance(segment_ids, query_shape, cpc, sizes, run_t, is_causal):
+  """explain's ``balance`` entry: ``({layout: most-loaded device's
+  attention work over the mean}, why)`` for rows ``segment_ids``, padded as the call
   pads them (a document of its own)."""
   ids = np.asarray(segment_ids)
   if ids.shape != tuple(query_shape[:2]) or ids.dtype.kind not in "iu":
@@ -279,9 +279,10 @@ def _balance(segment_ids, query_shape, cpc, sizes, run_t):
   ring = sizes[cpc.ring_axis] if cpc.is_hybrid else sizes[cpc.axis]
   layouts = ("dual_chunk", None) if cpc.strategy == "all_gather" else (
       "dual_chunk", "striped", None)
-  found = {name or "contiguous": round(layout.causal_work_balance(
-      ids, ring, name), 3) for name in layouts}
-  return found, (f"the most-loaded of {ring} ring devices' causal work "
+  found = {name or "contiguous": round(layout.work_balance(
+      ids, ring, name, is_causal), 3) for name in layouts}
+  kind = "causal" if is_causal else "full"
+  return found, (f"the most-loaded of {ring} ring devices' {kind} work "
                  "over the mean for these rows (1.0 is even; each step "
                  "waits for the most loaded; Ulysses splits heads and is "
                  "even in any layout)")

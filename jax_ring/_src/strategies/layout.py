@@ -120,20 +120,27 @@ def prefix(lengths, chunks, c):
   return sum(jnp.clip(lengths - ch * c, 0, c) for ch in chunks)
 
 
-def causal_work_balance(segment_ids, cp_size: int, layout) -> float:
-  """The most-loaded device's causal attention work over the mean, for
-  packed rows ``segment_ids`` (B, S) (host values; documents contiguous)
-  in natural order, split over ``cp_size`` devices in ``layout`` (None:
+def work_balance(segment_ids, cp_size: int, layout,
+                 is_causal: bool = True) -> float:
+  """The most-loaded device's attention work over the mean, for packed
+  rows ``segment_ids`` (B, S) (host values; each document one run) in
+  natural order, split over ``cp_size`` devices in ``layout`` (None:
   contiguous). A token's work is the keys it sees: its offset in its
-  document, plus 1. 1.0 is even; a ring or all-gather step waits for the
-  most loaded device (Ulysses is balanced by heads whatever the layout)."""
+  document plus 1 (causal), or its document's length. 1.0 is even; a ring
+  or all-gather step waits for the most loaded device (Ulysses is
+  balanced by heads whatever the layout)."""
   ids = np.asarray(segment_ids)
   b, s = ids.shape
   starts = np.ones((b, s), bool)
   starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
   index = np.broadcast_to(np.arange(s), (b, s))
-  work = index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
-  work = (work + 1).astype(np.float32)
+  offset = index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+  if is_causal:
+    work = offset + 1
+  else:  # each token: its document's length
+    run = np.cumsum(starts, axis=1) - 1
+    work = np.stack([np.bincount(r)[r] for r in run])
+  work = work.astype(np.float32)
   if layout is not None:
     work = np.asarray(reorder_for_load_balance(work, cp_size, layout=layout))
   per_device = work.reshape(b, cp_size, s // cp_size).sum((0, 2))
