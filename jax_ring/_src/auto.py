@@ -266,23 +266,30 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
 
 def _balance(segment_ids, query_shape, cpc, sizes, run_t, is_causal):
   """explain's ``balance`` entry: ``({layout: most-loaded device's
-  attention work over the mean}, why)`` for rows ``segment_ids``, padded as the call
-  pads them (a document of its own)."""
+  attention work over the mean}, why)`` for rows ``segment_ids``, padded
+  as the call pads them (causal: the last document extended; else a
+  document of its own), naming the evenest layout where the call's own
+  leaves a device more than a tenth above the mean."""
   ids = np.asarray(segment_ids)
   if ids.shape != tuple(query_shape[:2]) or ids.dtype.kind not in "iu":
     raise ValueError(f"segment_ids must be (B, T) = {tuple(query_shape[:2])}"
                      f" host ints; got {ids.dtype} of shape {ids.shape}")
   if ids.size == 0:
     return {}, "no tokens"
-  ids = np.pad(ids, [(0, 0), (0, run_t - ids.shape[1])],
-               constant_values=ids.max() + 1)
+  pad = [(0, 0), (0, run_t - ids.shape[1])]
+  ids = np.pad(ids, pad, mode="edge") if is_causal else np.pad(
+      ids, pad, constant_values=ids.max() + 1)
   ring = sizes[cpc.ring_axis] if cpc.is_hybrid else sizes[cpc.axis]
   layouts = ("dual_chunk", None) if cpc.strategy == "all_gather" else (
       "dual_chunk", "striped", None)
   found = {name or "contiguous": round(layout.work_balance(
       ids, ring, name, is_causal), 3) for name in layouts}
   kind = "causal" if is_causal else "full"
-  return found, (f"the most-loaded of {ring} ring devices' {kind} work "
-                 "over the mean for these rows (1.0 is even; each step "
-                 "waits for the most loaded; Ulysses splits heads and is "
-                 "even in any layout)")
+  why = (f"the most-loaded of {ring} ring devices' {kind} work over the "
+         "mean for these rows (1.0 is even; each step waits for the most "
+         "loaded; Ulysses splits heads and is even in any layout)")
+  mine, best = cpc.load_balance or "contiguous", min(found, key=found.get)
+  if found[mine] > 1.1 and found[best] < found[mine]:
+    why += (f"; load_balance={None if best == 'contiguous' else best!r} "
+            f"evens these rows best")
+  return found, why
