@@ -72,6 +72,18 @@ def random_qkv(seed, seq, heads, kv_heads, head_dim, dtype=jnp.bfloat16):
           jax.random.normal(ks[3], q_shape, dtype))
 
 
+def lognormal_lengths(rng, seq, median=300, sigma=1.0, cap=8192):
+  """Document lengths of one packed row of ``seq`` tokens: drawn from a
+  lognormal of ``median`` tokens and ``sigma``, capped at ``cap``, the last
+  cut to fit (fine-tuning data's long-tailed mix)."""
+  lengths = []
+  while sum(lengths) < seq:
+    lengths.append(int(min(cap, max(1, rng.lognormal(np.log(median),
+                                                      sigma)))))
+  lengths[-1] -= sum(lengths) - seq
+  return lengths
+
+
 def rel_err(got, want) -> float:
   """max |got - want| / max |want|, in float32: the benchmarks' error of a
   sharded result against the single-GPU one."""

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_ring
-from common import random_qkv, shape_args, time_fn, write
+from common import lognormal_lengths, random_qkv, shape_args, time_fn, write
 
 TABLES = ("default", "sinks", "mla", "packed")
 SINK_SHAPES = ((64, 8, 64), (32, 8, 128))  # (N, K, D): gpt-oss; Llama-like
@@ -191,11 +191,7 @@ def packed_rows(seq, docs, seed=0):
       lengths = np.full(n, seq // n)
       yield "equal", np.repeat(np.arange(n, dtype=np.int32), lengths)[None], (
           lengths)
-  rng, lengths = np.random.default_rng(seed), []
-  while sum(lengths) < seq:
-    lengths.append(int(min(8192, max(1, rng.lognormal(np.log(300), 1.0)))))
-  lengths[-1] -= sum(lengths) - seq
-  lengths = np.array(lengths)
+  lengths = np.array(lognormal_lengths(np.random.default_rng(seed), seq))
   yield "lognormal", np.repeat(np.arange(len(lengths), dtype=np.int32),
                                lengths)[None], lengths
 

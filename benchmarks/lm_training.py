@@ -277,10 +277,9 @@ def main():
                  + shlex.split(a.example_args))
   meshes = {d: ["--mesh", f"data=1,context={d}"] for d in a.devices or (1, n)}
   rows, longest_rows, runs, profiles = [], [], {}, []
-  kept = {}
-  if a.append and results_path("lm_training", environment()).exists():
-    kept = json.loads(results_path("lm_training", environment()).read_text(
-        ))["runs"].get(a.mode, {})
+  kept, path = {}, results_path("lm_training", environment())
+  if a.append and path.exists():
+    kept = json.loads(path.read_text())["runs"].get(a.mode, {})
 
   def report():
     cfg = next(iter(runs.values())).built["cfg"]

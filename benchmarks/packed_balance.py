@@ -26,18 +26,9 @@ import numpy as np
 from jax_ring._src.strategies.layout import work_balance
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from common import write  # noqa: E402
+from common import lognormal_lengths, write  # noqa: E402
 
 LAYOUTS = ("dual_chunk", "striped", None)
-
-
-def lognormal_row(rng, seq, median=300, sigma=1.0, cap=8192):
-  lengths = []
-  while sum(lengths) < seq:
-    lengths.append(int(min(cap, max(1, rng.lognormal(np.log(median),
-                                                      sigma)))))
-  lengths[-1] -= sum(lengths) - seq
-  return lengths
 
 
 def imbalance(lengths, cp, layout) -> float:
@@ -61,7 +52,7 @@ def main():
       rng = np.random.default_rng(a.seed)
       mixes = [(f"equal-{n}", [[seq // n] * n]) for n in a.docs
                if seq % n == 0]
-      mixes.append(("lognormal", [lognormal_row(rng, seq)
+      mixes.append(("lognormal", [lognormal_lengths(rng, seq)
                                   for _ in range(a.rows)]))
       for mix, batch in mixes:
         row = dict(seq=seq, cp=cp, mix=mix, rows=len(batch))

@@ -279,7 +279,7 @@ def _balance(segment_ids, query_shape, cpc, sizes, run_t, is_causal):
   pad = [(0, 0), (0, run_t - ids.shape[1])]
   ids = np.pad(ids, pad, mode="edge") if is_causal else np.pad(
       ids, pad, constant_values=ids.max() + 1)
-  ring = sizes[cpc.ring_axis] if cpc.is_hybrid else sizes[cpc.axis]
+  ring = validate.ring_size(cpc, sizes)
   layouts = ("dual_chunk", None) if cpc.strategy == "all_gather" else (
       "dual_chunk", "striped", None)
   found = {name or "contiguous": round(layout.work_balance(

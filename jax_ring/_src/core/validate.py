@@ -308,14 +308,19 @@ def context_parallel(cp, query, key, *, bias, mask, return_residual):
   return mesh, lengths
 
 
+def ring_size(cp, sizes) -> int:
+  """The devices the load-balance layout spreads a sequence over: the ring
+  axis of a pair, else the one axis."""
+  return sizes[cp.ring_axis] if cp.is_hybrid else sizes[cp.axis]
+
+
 def sequence_unit(cp, sizes) -> int:
   """What a sequence length must divide by under ``cp`` on a mesh of axis
   ``sizes``: every context device's share equal and, for the dual-chunk
   layout, two equal chunks per ring device."""
   total = math.prod(sizes[a] for a in cp.axes)
-  ring = sizes[cp.ring_axis] if cp.is_hybrid else total
-  return math.lcm(total, 2 * ring) if cp.load_balance == "dual_chunk" else (
-      total)
+  return math.lcm(total, 2 * ring_size(cp, sizes)) if (
+      cp.load_balance == "dual_chunk") else total
 
 
 def padded_lengths(cp, sizes, t: int, s: int) -> tuple[int, int]:
