@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import shutil
 import time
 
 import jax
@@ -171,4 +173,8 @@ def write(name, rows, columns, extra=None, mode="default", path=None):
       benchmark=name, device=env["device"], device_count=env["device_count"],
       runs=dict(sorted(runs.items()))), indent=2) + "\n")
   print(f"wrote {path} ({mode})")
+  # On a machine whose outputs are collected from $OUT, a copy goes there.
+  out = os.environ.get("OUT")
+  if out and pathlib.Path(out).resolve() != path.parent.resolve():
+    shutil.copy(path, out)
   return path
