@@ -122,7 +122,8 @@ def environment():
   env = dict(device=dev.device_kind, platform=dev.platform,
              device_count=jax.device_count(),
              jax=jax.__version__, jax_ring=jax_ring.__version__,
-             pgle=bool(jax.config.jax_enable_pgle))
+             pgle=bool(jax.config.jax_enable_pgle),
+             xla_flags=os.environ.get("XLA_FLAGS", ""))
   try:
     from jax_ring._src.backends import cudnn
     if cudnn.version() is not None:

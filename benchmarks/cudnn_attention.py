@@ -197,7 +197,7 @@ def packed_rows(seq, docs, seed=0):
 
 
 def packed_table(a):
-  from jax_ring._src.backends.cudnn.packed import SLOTS
+  from jax_ring._src.backends.cudnn import packed
   rows, s, n, kh, d = [], a.packed_seq, 16, 8, 128
   q, k, v, do = qkv(s, s, n, kh, d)
   impl = None if a.implementation == "cudnn" else "xla"
@@ -210,7 +210,8 @@ def packed_table(a):
     fl = tuple(f * work for f in flops(s, n, d, d, True))
     row = dict(seq=s, heads=n, kv_heads=kh, mix=mix, documents=len(lengths),
                longest=int(lengths.max()), work=work,
-               cudnn_calls=-(-len(lengths) // SLOTS))
+               cudnn_calls=int(packed.calls(packed.documents(
+                   jnp.asarray(ids), jnp.asarray(ids), same=True), s, s)))
     seg = jnp.asarray(ids)
     timed(row, "packed", lambda q, k, v: jax_ring.dot_product_attention(
         q, k, v, is_causal=True, segment_ids=seg, implementation=impl),

@@ -97,7 +97,8 @@ def summary(results, records, seconds, env, command) -> str:
       tol = tolerance[dtype]
       lines.append(f"  {dtype} (tolerance {tol:g}): " + ", ".join(
           f"{k} {v:.2e} ({v / tol:.2f})" for k, v in errs.items()))
-    fwd = sorted(r["ffi_calls"].get("jax_ring_sdpa_fwd", 0) for r in records)
+    fwd = sorted(sum(n for t, n in r["ffi_calls"].items() if "fwd" in t)
+                 for r in records)
     bwd = sorted(sum(n for t, n in r["ffi_calls"].items() if "bwd" in t)
                  for r in records)
     lines.append(f"cuDNN FFI calls per compiled program: forward "

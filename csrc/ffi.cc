@@ -32,7 +32,7 @@ struct Mask {
   int64_t row_start, col_start, right_bound, left_bound;
   bool padding;
   float softcap;
-  int64_t slots;
+  int64_t slots, ragged_len;
 };
 
 // Checks q (B, T, N, H), k (B, S, K, H), v (B, S, K, Hv) and fills the
@@ -68,10 +68,15 @@ ffi::Error Describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
     return Invalid("packed documents (slots = " + std::to_string(mask.slots) +
                    ") need row_start = col_start = 0");
   }
+  if (mask.ragged_len < 0 || (mask.ragged_len > 0 && mask.slots == 0)) {
+    return Invalid("ragged_len " + std::to_string(mask.ragged_len) +
+                   " needs packed documents (slots > 0)");
+  }
   *key = SdpaKey{backward,
                  q.element_type() == ffi::BF16 ? Dtype::kBF16 : Dtype::kF16,
                  device, qd[0], qd[1], kd[1], qd[2], kd[2], qd[3], vd[3],
-                 mask.slots, mask.row_start, mask.col_start, mask.right_bound,
+                 mask.slots, mask.ragged_len, mask.row_start, mask.col_start,
+                 mask.right_bound,
                  mask.left_bound, mask.padding, scale, mask.softcap};
   return ffi::Error::Success();
 }
@@ -146,8 +151,9 @@ ffi::Error Prepare(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
     return e;
   }
   const int64_t batches = mask.slots > 0 ? key->b * mask.slots : key->b;
-  if (auto e = Expect("lse", stats,
-                      {batches, key->n, key->full_t - key->row_start},
+  const int64_t stat_rows =
+      mask.ragged_len > 0 ? mask.ragged_len : key->full_t - key->row_start;
+  if (auto e = Expect("lse", stats, {batches, key->n, stat_rows},
                       "(B', N, t)", ffi::F32);
       e.failure()) {
     return e;
@@ -205,11 +211,11 @@ ffi::Error Forward(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                    ffi::Result<ffi::AnyBuffer> workspace, float scale,
                    int64_t row_start, int64_t col_start, int64_t right_bound,
                    int64_t left_bound, bool padding, float softcap,
-                   int64_t slots) {
+                   int64_t slots, int64_t ragged_len) {
   SdpaKey key{};
   VariantPack pack(key);
   Mask mask{row_start, col_start, right_bound, left_bound,
-            padding,   softcap,   slots};
+            padding,   softcap,   slots,     ragged_len};
   Rows rows{seq_q, seq_kv, ragged_q, ragged_k, ragged_v, ragged_o};
   if (auto e = Prepare(q, k, v, *lse, rows, mask, false, device, scale, &key,
                        &pack);
@@ -274,7 +280,7 @@ ffi::Error Backward(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                     ffi::Result<ffi::AnyBuffer> workspace, float scale,
                     int64_t row_start, int64_t col_start, int64_t right_bound,
                     int64_t left_bound, bool padding, float softcap,
-                    int64_t slots) {
+                    int64_t slots, int64_t ragged_len) {
   auto check_grads = [&]() {
     const ffi::DataType dtype = q.element_type();
     return FirstFailure({Expect("dq", *dq, DimsOf(q), "(q's shape)", dtype),
@@ -287,7 +293,7 @@ ffi::Error Backward(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
       dq->untyped_data(), dk->untyped_data(), dv->untyped_data(), *workspace,
       scale,
       Mask{row_start, col_start, right_bound, left_bound, padding, softcap,
-           slots},
+           slots, ragged_len},
       check_grads);
 }
 
@@ -308,7 +314,7 @@ ffi::Error BackwardDkv(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                        ffi::Result<ffi::AnyBuffer> workspace, float scale,
                        int64_t row_start, int64_t col_start,
                        int64_t right_bound, int64_t left_bound, bool padding,
-                       float softcap, int64_t slots) {
+                       float softcap, int64_t slots, int64_t ragged_len) {
   auto check_grads = [&]() {
     if (!(k.dimensions() == v.dimensions())) {
       return Invalid("stacked dK/dV need k and v of one shape (one head "
@@ -325,8 +331,53 @@ ffi::Error BackwardDkv(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
       Rows{seq_q, seq_kv, ragged_q, ragged_k, ragged_v, ragged_o},
       dq->untyped_data(), dk, dk + k.size_bytes(), *workspace, scale,
       Mask{row_start, col_start, right_bound, left_bound, padding, softcap,
-           slots},
+           slots, ragged_len},
       check_grads);
+}
+
+// The packed calls that write into buffers they are given (XLA aliases
+// each accumulator operand to its result): rows and keys outside the
+// call's documents keep what they held, so calls on disjoint documents
+// fill one buffer without a merge. The accumulators are not read here.
+template <bool kRun>
+ffi::Error ForwardInto(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                       ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::Buffer<ffi::S32> seq_q,
+                       ffi::Buffer<ffi::S32> seq_kv,
+                       ffi::Buffer<ffi::S32> ragged_q,
+                       ffi::Buffer<ffi::S32> ragged_k,
+                       ffi::Buffer<ffi::S32> ragged_v,
+                       ffi::Buffer<ffi::S32> ragged_o, ffi::AnyBuffer,
+                       ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> lse,
+                       ffi::Result<ffi::AnyBuffer> workspace, float scale,
+                       int64_t row_start, int64_t col_start,
+                       int64_t right_bound, int64_t left_bound, bool padding,
+                       float softcap, int64_t slots, int64_t ragged_len) {
+  return Forward<kRun>(stream, device, q, k, v, seq_q, seq_kv, ragged_q,
+                       ragged_k, ragged_v, ragged_o, out, lse, workspace,
+                       scale, row_start, col_start, right_bound, left_bound,
+                       padding, softcap, slots, ragged_len);
+}
+
+template <bool kRun>
+ffi::Error BackwardIntoBuffers(
+    cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+    ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
+    ffi::AnyBuffer dout, ffi::Buffer<ffi::S32> seq_q,
+    ffi::Buffer<ffi::S32> seq_kv, ffi::Buffer<ffi::S32> ragged_q,
+    ffi::Buffer<ffi::S32> ragged_k, ffi::Buffer<ffi::S32> ragged_v,
+    ffi::Buffer<ffi::S32> ragged_o, ffi::AnyBuffer, ffi::AnyBuffer,
+    ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> dq,
+    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+    ffi::Result<ffi::AnyBuffer> workspace, float scale, int64_t row_start,
+    int64_t col_start, int64_t right_bound, int64_t left_bound, bool padding,
+    float softcap, int64_t slots, int64_t ragged_len) {
+  return Backward<kRun>(stream, device, q, k, v, out, lse, dout, seq_q,
+                        seq_kv, ragged_q, ragged_k, ragged_v, ragged_o, dq, dk,
+                        dv, workspace, scale, row_start, col_start,
+                        right_bound, left_bound, padding, softcap, slots,
+                        ragged_len);
 }
 
 // The mask attributes the handlers take, after their buffers.
@@ -340,7 +391,8 @@ auto MaskAttrs(Binding&& binding) {
       .template Attr<int64_t>("left_bound")
       .template Attr<bool>("padding")
       .template Attr<float>("softcap")
-      .template Attr<int64_t>("slots");
+      .template Attr<int64_t>("slots")
+      .template Attr<int64_t>("ragged_len");
 }
 
 // The row vectors: window lengths and ragged offsets.
@@ -355,7 +407,9 @@ auto RowArgs(Binding&& binding) {
       .template Arg<ffi::Buffer<ffi::S32>>();  // ragged_o (B' + 1,) if slots
 }
 
-template <ffi::ExecutionStage kStage>
+// kInto: an out (B, T, N, Hv) operand after the row vectors, aliased to
+// the out result.
+template <ffi::ExecutionStage kStage, bool kInto = false>
 auto ForwardBinding() {
   auto b = ffi::Ffi::Bind<kStage>()
                .template Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -363,24 +417,23 @@ auto ForwardBinding() {
                .template Arg<ffi::AnyBuffer>()   // q   (B, T, N, H)
                .template Arg<ffi::AnyBuffer>()   // k   (B, S, K, H)
                .template Arg<ffi::AnyBuffer>();  // v   (B, S, K, Hv)
-  return MaskAttrs(RowArgs(std::move(b))
-                       .template Ret<ffi::AnyBuffer>()    // out (B, T, N, Hv)
-                       .template Ret<ffi::AnyBuffer>()    // lse (B', N, t) f32
-                       .template Ret<ffi::AnyBuffer>());  // workspace (W,) u8
+  if constexpr (kInto) {
+    return MaskAttrs(RowArgs(std::move(b))
+                         .template Arg<ffi::AnyBuffer>()    // out operand
+                         .template Ret<ffi::AnyBuffer>()    // out
+                         .template Ret<ffi::AnyBuffer>()    // lse
+                         .template Ret<ffi::AnyBuffer>());  // workspace
+  } else {
+    return MaskAttrs(RowArgs(std::move(b))
+                         .template Ret<ffi::AnyBuffer>()    // out (B, T, N, Hv)
+                         .template Ret<ffi::AnyBuffer>()    // lse (B', N, t) f32
+                         .template Ret<ffi::AnyBuffer>());  // workspace (W,) u8
+  }
 }
 
-template <ffi::ExecutionStage kStage, bool kStacked>
-auto BackwardBinding() {
-  auto b = RowArgs(ffi::Ffi::Bind<kStage>()
-                       .template Ctx<ffi::PlatformStream<cudaStream_t>>()
-                       .template Ctx<ffi::DeviceOrdinal>()
-                       .template Arg<ffi::AnyBuffer>()   // q    (B, T, N, H)
-                       .template Arg<ffi::AnyBuffer>()   // k    (B, S, K, H)
-                       .template Arg<ffi::AnyBuffer>()   // v    (B, S, K, Hv)
-                       .template Arg<ffi::AnyBuffer>()   // out  (B, T, N, Hv)
-                       .template Arg<ffi::AnyBuffer>()   // lse  (B', N, t) f32
-                       .template Arg<ffi::AnyBuffer>())  // dout (B, T, N, Hv)
-               .template Ret<ffi::AnyBuffer>();          // dq   (B, T, N, H)
+// The backward's results after dq: dk and dv, or dK/dV stacked.
+template <bool kStacked, typename Binding>
+auto StackedOrNot(Binding&& b) {
   if constexpr (kStacked) {
     return MaskAttrs(std::move(b)
                          .template Ret<ffi::AnyBuffer>()    // dkv (2,B,S,K,H)
@@ -390,6 +443,34 @@ auto BackwardBinding() {
                          .template Ret<ffi::AnyBuffer>()    // dk (B, S, K, H)
                          .template Ret<ffi::AnyBuffer>()    // dv (B, S, K, Hv)
                          .template Ret<ffi::AnyBuffer>());  // workspace (W,)
+  }
+}
+
+// kInto: dq, dk, dv operands after the row vectors, aliased to the
+// results (not stacked).
+template <ffi::ExecutionStage kStage, bool kStacked, bool kInto = false>
+auto BackwardBinding() {
+  auto b = RowArgs(ffi::Ffi::Bind<kStage>()
+                       .template Ctx<ffi::PlatformStream<cudaStream_t>>()
+                       .template Ctx<ffi::DeviceOrdinal>()
+                       .template Arg<ffi::AnyBuffer>()   // q    (B, T, N, H)
+                       .template Arg<ffi::AnyBuffer>()   // k    (B, S, K, H)
+                       .template Arg<ffi::AnyBuffer>()   // v    (B, S, K, Hv)
+                       .template Arg<ffi::AnyBuffer>()   // out  (B, T, N, Hv)
+                       .template Arg<ffi::AnyBuffer>()   // lse  (B', N, t) f32
+                       .template Arg<ffi::AnyBuffer>());  // dout (B, T, N, Hv)
+  if constexpr (kInto) {
+    return MaskAttrs(std::move(b)
+                         .template Arg<ffi::AnyBuffer>()    // dq operand
+                         .template Arg<ffi::AnyBuffer>()    // dk operand
+                         .template Arg<ffi::AnyBuffer>()    // dv operand
+                         .template Ret<ffi::AnyBuffer>()    // dq
+                         .template Ret<ffi::AnyBuffer>()    // dk
+                         .template Ret<ffi::AnyBuffer>()    // dv
+                         .template Ret<ffi::AnyBuffer>());  // workspace
+  } else {
+    return StackedOrNot<kStacked>(
+        std::move(b).template Ret<ffi::AnyBuffer>());  // dq (B, T, N, H)
   }
 }
 
@@ -409,6 +490,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackwardInit, Backward<false>,
                               (BackwardBinding<kInit, false>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackward, Backward<true>,
                               (BackwardBinding<kExec, false>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaForwardIntoInit, ForwardInto<false>,
+                              (ForwardBinding<kInit, true>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaForwardInto, ForwardInto<true>,
+                              (ForwardBinding<kExec, true>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackwardIntoInit, BackwardIntoBuffers<false>,
+                              (BackwardBinding<kInit, false, true>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackwardInto, BackwardIntoBuffers<true>,
+                              (BackwardBinding<kExec, false, true>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackwardDkvInit, BackwardDkv<false>,
                               (BackwardBinding<kInit, true>()));
@@ -446,6 +537,10 @@ NB_MODULE(_cudnn, m) {
         stages(jax_ring::SdpaBackwardInit, jax_ring::SdpaBackward);
     d["jax_ring_sdpa_bwd_dkv"] =
         stages(jax_ring::SdpaBackwardDkvInit, jax_ring::SdpaBackwardDkv);
+    d["jax_ring_sdpa_fwd_into"] =
+        stages(jax_ring::SdpaForwardIntoInit, jax_ring::SdpaForwardInto);
+    d["jax_ring_sdpa_bwd_into"] =
+        stages(jax_ring::SdpaBackwardIntoInit, jax_ring::SdpaBackwardInto);
     return d;
   });
   m.def("cudnn_version", []() { return static_cast<int64_t>(cudnnGetVersion()); });
@@ -457,11 +552,11 @@ NB_MODULE(_cudnn, m) {
          int64_t s, int64_t n, int64_t k, int64_t h, int64_t hv,
          int64_t slots, int64_t row_start, int64_t col_start,
          int64_t right_bound, int64_t left_bound, bool padding, float scale,
-         float softcap) {
+         float softcap, int64_t ragged_len) {
         jax_ring::SdpaKey key{
             backward, bf16 ? jax_ring::Dtype::kBF16 : jax_ring::Dtype::kF16,
-            device, b, t, s, n, k, h, hv, slots, row_start, col_start,
-            right_bound, left_bound, padding, scale, softcap};
+            device, b, t, s, n, k, h, hv, slots, ragged_len, row_start,
+            col_start, right_bound, left_bound, padding, scale, softcap};
         std::string error;
         cudnnHandle_t handle = jax_ring::HandleFor(device, &error);
         if (handle == nullptr) throw std::runtime_error(error);
@@ -474,5 +569,6 @@ NB_MODULE(_cudnn, m) {
       nb::arg("t"), nb::arg("s"), nb::arg("n"), nb::arg("k"), nb::arg("h"),
       nb::arg("hv"), nb::arg("slots"), nb::arg("row_start"),
       nb::arg("col_start"), nb::arg("right_bound"), nb::arg("left_bound"),
-      nb::arg("padding"), nb::arg("scale"), nb::arg("softcap"));
+      nb::arg("padding"), nb::arg("scale"), nb::arg("softcap"),
+      nb::arg("ragged_len") = 0);
 }

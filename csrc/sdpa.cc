@@ -30,8 +30,8 @@ size_t SdpaKeyHash::operator()(const SdpaKey& key) const {
   mix(static_cast<int32_t>(key.dtype));
   mix(key.device);
   for (int64_t v : {key.b, key.full_t, key.full_s, key.n, key.k, key.h,
-                    key.hv, key.slots, key.row_start, key.col_start,
-                    key.right_bound, key.left_bound}) {
+                    key.hv, key.slots, key.ragged_len, key.row_start,
+                    key.col_start, key.right_bound, key.left_bound}) {
     mix(v);
   }
   mix(key.padding);
@@ -144,8 +144,9 @@ std::shared_ptr<SdpaPlan> Build(const SdpaKey& key, cudnnHandle_t handle,
                                                 : fe::DataType_t::HALF)
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
       .set_compute_data_type(fe::DataType_t::FLOAT);
-  const int64_t t = key.full_t - key.row_start;
-  const int64_t s = key.full_s - key.col_start;
+  const bool short_docs = key.slots > 0 && key.ragged_len > 0;
+  const int64_t t = short_docs ? key.ragged_len : key.full_t - key.row_start;
+  const int64_t s = short_docs ? key.ragged_len : key.full_s - key.col_start;
   const int64_t b = Batches(key);
   // Ragged offsets, in elements, (b + 1) each: one per buffer layout, as
   // q/k and v/out offsets differ when the head dims do.
@@ -194,8 +195,8 @@ std::shared_ptr<SdpaPlan> Build(const SdpaKey& key, cudnnHandle_t handle,
       // b * slots * t. Without this bound cuDNN sizes its float32 dQ
       // accumulator for every virtual batch at full length, slots x the
       // dense workspace (207 GB at 786k tokens, 16 heads, 16 slots).
-      attrs.set_max_total_seq_len_q(key.b * t)
-          .set_max_total_seq_len_kv(key.b * s);
+      attrs.set_max_total_seq_len_q(key.b * key.full_t)
+          .set_max_total_seq_len_kv(key.b * key.full_s);
     }
     auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, attrs);
     SetBshd(dq, kDQ, b, key.n, t, key.full_t, key.h, rq);

@@ -23,6 +23,10 @@
 //                      ragged_v[.] of v and dv (element offsets differ with
 //                      the head dims); the mask applies inside each
 //                      document. Stats are (B * slots, N, t).
+//   ragged_len > 0   : (with slots) every virtual batch spans ragged_len
+//                      rows and keys instead of the row's t and s: grids
+//                      and stats (B * slots, N, ragged_len) sized by the
+//                      documents, each no longer than ragged_len.
 //   softcap > 0      : logits -> softcap * tanh(logits / softcap), through a
 //                      cuDNN score modifier; the band then goes inside it
 //                      (score modifiers exclude cuDNN's built-in masks), and
@@ -47,6 +51,7 @@ struct SdpaKey {
   int64_t b, full_t, full_s, n, k;  // buffer shapes
   int64_t h, hv;  // head dims: q/k, v/out
   int64_t slots;  // > 0: packed documents per row, ragged (implies padding)
+  int64_t ragged_len;  // > 0 (with slots): each virtual batch's rows and keys
   int64_t row_start, col_start;
   int64_t right_bound;  // < 0: none
   int64_t left_bound;   // < 1: none

@@ -1,33 +1,41 @@
 """What our cuDNN handlers compute on packed documents (ragged virtual
-batches), written in jnp, so that the packed path's bookkeeping (slots,
-offsets, calls of SLOTS documents, the stats' gather and scatter, the
-merge of the calls) runs on CPU against the float64 reference.
+batches), written in jnp, so that the packed path's bookkeeping (length
+classes, offsets, the calls' virtual batches, the stats' gather and
+scatter, the calls writing into one buffer) runs on CPU against the float64
+reference.
 
-Each virtual batch ``i`` of row ``i // SLOTS`` attends its query rows
+Each virtual batch ``i`` of row ``i // slots`` attends its query rows
 ``[q_start, q_start + q_len)`` to its keys ``[kv_start, kv_start +
-kv_len)``, read from the ragged offsets, under cuDNN's top-left band
-within the batch; stats are ``(B * SLOTS, N, T)``. Everything a call does
-not write is NaN, so a result that leaks an unwritten row fails.
+kv_len)``, read from the ragged offsets, under cuDNN's top-left band within
+the batch; a batch spans ``ragged_len`` rows and keys (the row's when 0):
+rows and keys past it are not seen, as by cuDNN. Stats are ``(B * slots, N,
+L)``, NaN past each batch's rows. The ``_into`` handlers write into the
+buffers they are given; the others return NaN wherever they do not write,
+so a result that leaks an unwritten row fails.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jax_ring._src.backends.cudnn.packed import RATIO
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _slots(q, k, operands, slots):
-  """Per virtual batch: its row, (BM, T) query positions and validity,
-  (BM, S) key positions and validity."""
+def _slots(q, k, operands, slots, ragged_len):
+  """Per virtual batch: its row, (BM, L) query positions and validity,
+  (BM, L) key positions and validity (L: the row's t and s if 0)."""
   b, t, n, h = q.shape
   s, kh = k.shape[1:3]
   q_len, kv_len, rq, rk = operands[:4]
   bi = jnp.arange(b * slots) // slots
   q_start = rq[:-1] // (n * h) - bi * t
   kv_start = rk[:-1] // (kh * h) - bi * s
-  a, c = jnp.arange(t)[None], jnp.arange(s)[None]
+  a = jnp.arange(ragged_len or t)[None]
+  c = jnp.arange(ragged_len or s)[None]
   return (bi[:, None], q_start[:, None] + a, a < q_len[:, None],
           kv_start[:, None] + c, c < kv_len[:, None])
 
@@ -54,29 +62,38 @@ def _probs(q, k, slots_, attrs, stats=None):
   return jnp.where(allowed, jnp.exp(logits - lse[..., None]), 0.0), lse, qs, ks
 
 
-def _scatter(shape, dtype, bi, pos, ok, x):
-  rows = jnp.where(ok, pos, shape[1])  # out of range: dropped
-  return jnp.full(shape, jnp.nan, dtype).at[bi, rows].set(
-      x.astype(dtype), mode="drop")
+def _scatter(base, bi, pos, ok, x):
+  rows = jnp.where(ok, pos, base.shape[1])  # out of range: dropped
+  return base.at[bi, rows].set(x.astype(base.dtype), mode="drop")
 
 
-def sdpa(name, results, q, k, v, *operands, **attrs):
+def _nan(shape, dtype):
+  return jnp.full(shape, jnp.nan, dtype)
+
+
+def sdpa(name, results, q, k, v, *operands, aliases=None, **attrs):
   """Stands in for ``ffi.sdpa`` on the packed calls (``slots > 0``)."""
-  slots = attrs["slots"]
+  slots, length = attrs["slots"], attrs.get("ragged_len", 0)
   assert slots > 0, "only the packed calls"
-  if name == "jax_ring_sdpa_fwd":
-    sl = _slots(q, k, operands, slots)
+  into = name.endswith("_into")
+  if into:
+    n_acc = 1 if name.startswith("jax_ring_sdpa_fwd") else 3
+    operands, acc = operands[:-n_acc], operands[-n_acc:]
+    first = len(operands) + 3
+    assert aliases == {first + i: i for i in range(n_acc)}, aliases
+  if name.startswith("jax_ring_sdpa_fwd"):
+    sl = _slots(q, k, operands, slots, length)
     bi, qpos, qok, kpos, kok = sl
     p, lse, _, _ = _probs(q, k, sl, attrs)
     vs = v[bi, jnp.clip(kpos, 0, v.shape[1] - 1)]
     vs = jnp.repeat(vs, q.shape[2] // k.shape[2], axis=2)
     out = jnp.einsum("bnqk,bknh->bqnh", p, vs, precision=HIGHEST)
     stats = jnp.where(qok[:, None, :], lse, jnp.nan)
-    return (_scatter(results[0].shape, results[0].dtype, bi, qpos, qok, out),
-            stats.astype(jnp.float32))
-  assert name == "jax_ring_sdpa_bwd", name
+    base = acc[0] if into else _nan(results[0].shape, results[0].dtype)
+    return (_scatter(base, bi, qpos, qok, out), stats.astype(jnp.float32))
+  assert name.startswith("jax_ring_sdpa_bwd"), name
   out, stats, dout, *rest = operands
-  sl = _slots(q, k, rest, slots)
+  sl = _slots(q, k, rest, slots, length)
   bi, qpos, qok, kpos, kok = sl
   p, _, qs, ks = _probs(q, k, sl, attrs, stats=stats)
   g = q.shape[2] // k.shape[2]
@@ -95,6 +112,26 @@ def sdpa(name, results, q, k, v, *operands, **attrs):
   dk = per_kv_head(jnp.einsum("bnqk,bqnh->bknh", ds, qs,
                               precision=HIGHEST)) * attrs["scale"]
   dv = per_kv_head(jnp.einsum("bnqk,bqnh->bknh", p, do, precision=HIGHEST))
-  return (_scatter(q.shape, q.dtype, bi, qpos, qok, dq),
-          _scatter(k.shape, k.dtype, bi, kpos, kok, dk),
-          _scatter(v.shape, v.dtype, bi, kpos, kok, dv))
+  bases = acc if into else tuple(_nan(x.shape, x.dtype) for x in (q, k, v))
+  return (_scatter(bases[0], bi, qpos, qok, dq),
+          _scatter(bases[1], bi, kpos, kok, dk),
+          _scatter(bases[2], bi, kpos, kok, dv))
+
+
+def expected_calls(ids, smallest, t):
+  """The calls a row of one id array needs, counted in NumPy: documents by
+  class (the smallest RATIO^c x ``smallest`` length at least theirs), per
+  class the most in a row over that class's virtual batches a call."""
+  lengths, top = [min(smallest, t)], t
+  while lengths[-1] < top:
+    lengths.append(min(lengths[-1] * RATIO, top))
+  per_call = [max(1, -(-top // L)) for L in lengths]
+  per_call[0] = t  # class 0: one call, its menu reaches T
+  counts = np.zeros((ids.shape[0], len(lengths)), int)
+  for row, r in enumerate(ids):
+    _, n = np.unique(np.cumsum(np.r_[True, r[1:] != r[:-1]]),
+                     return_counts=True)
+    for length in n:
+      counts[row, np.searchsorted(lengths, length)] += 1
+  return int(sum(-(-counts[:, c].max() // per_call[c])
+                 for c in range(len(lengths))))

@@ -223,8 +223,9 @@ def test_memory_analysis_counts_the_workspace():
 
 
 def test_packed_backward_workspace_is_bounded_by_the_rows():
-  """Packed documents run as SLOTS ragged virtual batches; the backward's
-  workspace stays that of the dense call (the rows' tokens), not SLOTS x."""
+  """Packed documents run as ragged virtual batches of their length class;
+  the backward's workspace stays that of the dense call (the rows'
+  tokens), not the virtual batches' total."""
   q, k, v, _ = ref.random_qkv(8, 1, 8192, 8192, 4, 4, 128, jnp.bfloat16)
   ids = jnp.repeat(jnp.arange(3, dtype=jnp.int32),
                    jnp.array([3000, 4000, 1192]), total_repeat_length=8192)[None]
@@ -282,9 +283,9 @@ PACKED = {
     "striped_causal_next": (*_striped(16, 0, 1), dict(is_causal=True,
                                                       kv_offset=1)),
     "striped_causal_previous": (*_striped(17, 1, 0), dict(is_causal=True)),
-    # More documents than cudnn.SLOTS in a row: calls of SLOTS documents
-    # (31 and 61 documents: 2 and 4 calls), the window and the striped
-    # steps among them.
+    # Many documents in a row (31 and 61; 50; 80), the window and the
+    # striped steps among them: in several length classes and
+    # loops of calls.
     "many_causal": (np.arange(P_T, dtype=np.int32)[None].repeat(B, 0) //
                     np.array([[10], [5]], np.int32), None,
                     dict(is_causal=True)),
@@ -296,8 +297,15 @@ PACKED = {
 }
 
 
+@pytest.mark.parametrize("smallest", [32, 16])
 @pytest.mark.parametrize("name", list(PACKED))
-def test_packed_documents_through_ragged_offsets(name):
+def test_packed_documents_through_ragged_offsets(name, smallest,
+                                                 monkeypatch):
+  """Packed rows through the length classes' ragged calls (SMALLEST = 16:
+  classes 16, 64, 256, 301; 32: 32, 128, 301; class 0's menu and loops of
+  calls), every served mask, against the float64 reference."""
+  import ragged_cudnn
+  monkeypatch.setattr(packed, "SMALLEST", smallest)
   q_ids, kv_ids, kw = PACKED[name]
   q, k, v, do = ref.random_qkv(13, B, P_T, P_T, N, K, 128, jnp.bfloat16)
   case = ref.Case(128**-0.5, q_segment_ids=q_ids,
@@ -322,9 +330,14 @@ def test_packed_documents_through_ragged_offsets(name):
   mask = jax_ring.BlockMask(
       q_offset=case.q_offset, kv_offset=case.kv_offset, q_segment_ids=ids[0],
       kv_segment_ids=ids[0] if kv_ids is None else ids[1])
-  fits, calls = packed.layout(mask.q_segment_ids, mask.kv_ids(),
-                              packed.diagonal_shift(cfg, mask))
-  assert bool(fits) and (int(calls) > 1) == name.startswith("many"), calls
+  shift = packed.diagonal_shift(cfg, mask)
+  fits = packed.layout(mask.q_segment_ids, mask.kv_ids(), shift)
+  calls = packed.calls(packed.documents(
+      mask.q_segment_ids, mask.kv_ids(), shift, same=kv_ids is None), P_T,
+                       P_T)
+  assert bool(fits) and int(calls) >= 1
+  if kv_ids is None and not kw.get("kv_offset"):
+    assert int(calls) == ragged_cudnn.expected_calls(q_ids, smallest, P_T)
   out, lse, (dq, dk, dv) = jax.jit(f)(q, k, v, ids)
   r_out, r_lse, r_g = ref.attention(q, k, v, case, dout=do)
   ref.assert_close(out, r_out, q.dtype, "out")

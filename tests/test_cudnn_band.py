@@ -69,49 +69,61 @@ def test_padding_lengths_follow_the_shifted_window():
 
 
 def ragged_visibility(docs, b, t, s, causal=False):
-  """(T, S) per row: i sees j iff some slot holds query i and key j (and,
-  ``causal``, j's place in the slot's keys is at most i's in its queries:
-  cuDNN's top-left diagonal)."""
-  d = {f: np.asarray(getattr(docs, f)) for f in
-       ("q_start", "q_len", "kv_start", "kv_len")}
-  i, j = np.arange(t)[None, :, None], np.arange(s)[None, None, :]
+  """(T, S) per row: i sees j iff some document that a call takes (class
+  >= 0) holds query i and key j (and, ``causal``, j's place in its keys
+  is at most i's in its queries: cuDNN's top-left diagonal)."""
+  d = {f: np.asarray(getattr(docs, f))[b] for f in
+       ("q_start", "q_len", "kv_start", "kv_len", "cls")}
+  i, j = np.arange(t)[:, None], np.arange(s)[None, :]
   vis = np.zeros((t, s), bool)
-  for m in range(cudnn.SLOTS):
-    qs, ql, ks, kl = (d[f][b, m] for f in ("q_start", "q_len", "kv_start",
-                                           "kv_len"))
+  for qs, ql, ks, kl, c in zip(*(d[f] for f in ("q_start", "q_len",
+                                                "kv_start", "kv_len",
+                                                "cls"))):
+    if c < 0:
+      continue
     inside = (i >= qs) & (i < qs + ql) & (j >= ks) & (j < ks + kl)
     if causal:
       inside &= j - ks <= i - qs
-    vis |= inside[0]
+    vis |= inside
   return vis
 
 
+def covered_rows(docs, b, t):
+  """(T,): the queries some call writes (their document is taken, and they
+  lie at or after its first query)."""
+  run = np.asarray(docs.run)[b]
+  q_start, cls = np.asarray(docs.q_start)[b], np.asarray(docs.cls)[b]
+  return (cls[run] >= 0) & (np.arange(t) >= q_start[run])
+
+
 def test_packed_documents_become_ragged_batches_that_reproduce_the_mask():
-  """Runs of query ids -> slots; each slot's key range is its id's keys."""
+  """Runs of query ids -> documents; each one's key range is its id's keys;
+  a call's virtual batches start at their documents' first elements."""
   b, t = 3, 40
   same = ref.random_segments(5, b, t, 7)
   other = np.stack([same[0], np.roll(same[1], 3), same[2][::-1]])  # unsorted
   for q_ids, kv_ids in ((same, same), (same, np.sort(other, axis=1)),
                         (same[:, :t], same[:, ::2].repeat(2, 1))):
-    docs = packed.documents(jnp.asarray(q_ids), jnp.asarray(kv_ids))
-    fits, calls = packed.layout(jnp.asarray(q_ids), jnp.asarray(kv_ids))
-    assert bool(fits) and int(calls) == 1
+    docs = packed.documents(jnp.asarray(q_ids), jnp.asarray(kv_ids),
+                            same=q_ids is kv_ids)
+    assert bool(packed.layout(jnp.asarray(q_ids), jnp.asarray(kv_ids)))
     for row in range(b):
       want = q_ids[row][:, None] == kv_ids[row][None, :]
       got = ragged_visibility(docs, row, t, kv_ids.shape[1])
       np.testing.assert_array_equal(got, want)
-    # Offsets of each slot's first element, in BSHD buffers of 2 heads x 8
-    # (q, k) and 2 heads x 24 (v, out).
-    s = kv_ids.shape[1]
-    rq, rk, rv, ro = packed.doc_rows(docs, jnp.zeros((b, t, 2, 8)),
-                                     jnp.zeros((b, s, 2, 8)),
-                                     jnp.zeros((b, s, 2, 24)))[2:]
-    assert rq.shape == (b * cudnn.SLOTS + 1,) and rq[-1] == b * t * 16
+    # Offsets of each virtual batch's first element, in BSHD buffers of 2
+    # heads x 8 (q, k) and 2 heads x 24 (v, out).
+    s, m = kv_ids.shape[1], 16
+    call = packed.select(docs, 0, 0, m, t, s)
+    rq, rk, rv, ro = packed.call_rows(call, jnp.zeros((b, t, 2, 8)),
+                                      jnp.zeros((b, s, 2, 8)),
+                                      jnp.zeros((b, s, 2, 24)))[2:]
+    assert rq.shape == (b * m + 1,) and rq[-1] == b * t * 16
     assert ro[-1] == b * t * 48 and rk[-1] == b * s * 16
-    for offsets, per_token, start, rows in ((rq, 16, docs.q_start, t),
-                                            (ro, 48, docs.q_start, t),
-                                            (rk, 16, docs.kv_start, s),
-                                            (rv, 48, docs.kv_start, s)):
+    for offsets, per_token, start, rows in ((rq, 16, call.q_start, t),
+                                            (ro, 48, call.q_start, t),
+                                            (rk, 16, call.kv_start, s),
+                                            (rv, 48, call.kv_start, s)):
       np.testing.assert_array_equal(
           np.asarray(offsets[:-1]).reshape(b, -1),
           (np.arange(b)[:, None] * rows + np.asarray(start)) * per_token)
@@ -119,9 +131,10 @@ def test_packed_documents_become_ragged_batches_that_reproduce_the_mask():
 
 def test_striped_ring_blocks_of_packed_documents_become_causal_slots():
   """Every striped ring step (device r's queries, device src's keys, cp in
-  2..5) with packed documents: the slots that start each document's
-  queries at its first key's diagonal, under cuDNN's top-left causal mask,
-  see exactly the pairs of the global causal same-document mask."""
+  2..5) with packed documents: the virtual batches that start each
+  document's queries at its first key's diagonal, under cuDNN's top-left
+  causal mask, see exactly the pairs of the global causal same-document
+  mask."""
   from jax_ring._src.strategies.ring import striped as ring_striped
   from jax_ring._src.core.mask import BlockMask
   checked = 0
@@ -139,44 +152,63 @@ def test_striped_ring_blocks_of_packed_documents_become_causal_slots():
       assert bnd.is_causal and bnd.window is None, bnd  # lo in {0, 1}
       shift = packed.diagonal_shift(cfg, mask)
       docs = packed.documents(mask.q_segment_ids, mask.kv_ids(), shift)
-      fits, _ = packed.layout(mask.q_segment_ids, mask.kv_ids(), shift)
+      fits = packed.layout(mask.q_segment_ids, mask.kv_ids(), shift)
       assert bool(fits) and shift == bnd.kv_offset - bnd.q_offset
       want = ((q_ids[0][:, None] == kv_ids[0][None, :])
               & (pos[src::cp][None, :] <= pos[r::cp][:, None]))
       got = ragged_visibility(docs, 0, t, t, causal=True)
       np.testing.assert_array_equal(got, want, err_msg=f"cp {cp} {r}<-{src}")
-      valid = np.asarray(packed.doc_row_valid(docs, t))[0]
-      np.testing.assert_array_equal(valid, want.any(-1))
+      np.testing.assert_array_equal(covered_rows(docs, 0, t), want.any(-1))
       checked += 1
   assert checked == 3 * (4 + 9 + 16 + 25)
 
 
-def test_packed_layout_counts_the_calls_and_flags_what_does_not_fit():
-  """A row of more documents than SLOTS takes several calls; an id in two
-  query runs, or whose keys are split, or (striped) a first key before its
-  first query's diagonal does not fit."""
+def test_length_classes_size_each_call_by_its_documents():
+  """A block's classes grow by RATIO from SMALLEST to the row; class 0's
+  menu of virtual batches (one tile each) reaches T (documents of one
+  token), the others take a dense row's tiles a call."""
+  geo = packed.geometries(32768, 32768)
+  assert [(g.length, g.batches) for g in geo] == [
+      (32, (256, 1024, 4096, 16384, 32768)), (128, (256,)), (512, (64,)),
+      (2048, (16,)), (8192, (4,)), (32768, (1,))]
+  assert [(g.length, g.batches) for g in packed.geometries(61, 61)] == [
+      (32, (1, 4, 16, 61)), (61, (1,))]
+  assert [(g.length, g.batches) for g in packed.geometries(300, 200)] == [
+      (32, (3, 12, 48, 192, 300)), (128, (3,)), (300, (1,))]
+
+
+def test_packed_layout_counts_the_calls_and_flags_what_does_not_fit(
+    monkeypatch):
+  """Calls follow the documents' classes, not their number (SMALLEST = 4
+  here, so a row of 40 has classes 4, 16, 40); an id in two query runs, or whose
+  keys are split, or (striped) a first key before its first query's
+  diagonal does not fit."""
+  import ragged_cudnn
+  monkeypatch.setattr(packed, "SMALLEST", 4)
   t = 40
-  many = np.arange(t, dtype=np.int32)[None] // 2  # 20 documents > SLOTS
+  many = np.arange(t, dtype=np.int32)[None] // 2  # 20 documents of 2
+  eights = np.arange(t, dtype=np.int32)[None] // 8  # 5 of 8: class 16, 3 a call
+  mixed = np.array([[0] * 17 + list(range(1, 24))], np.int32)
   split = np.array([[1] * 10 + [2] * 10 + [1] * 20], np.int32)  # id 1 twice
   ones = np.ones((1, t), np.int32)
   other = np.array([[7] * 5 + [1] * 35], np.int32)  # keys of no query: fine
+  for ids, want in ((many, 1), (eights, 2), (ones, 1), (mixed, 2),
+                    (np.concatenate([many, eights]), 3)):
+    docs = packed.documents(jnp.asarray(ids), jnp.asarray(ids), same=True)
+    got = int(packed.calls(docs, t, t))
+    assert got == want == ragged_cudnn.expected_calls(ids, 4, t), (
+        ids, got, want)
   for q_ids, kv_ids, shift, want in (
-      (many, many, None, (True, 2)), (many[:, :32], many[:, :32], None,
-                                      (True, 1)),
-      (np.concatenate([many, many + 20]), np.concatenate([many, many + 20]),
-       None, (True, 2)),
-      (ones, other, None, (True, 1)), (split, split, None, (False, 1)),
-      (ones, split, None, (False, 1)), (ones, ones, 0, (True, 1)),
-      (np.array([[0] * 3 + [1] * 37], np.int32), ones, 1, (False, 1)),
-      (np.array([[1] * 37 + [2] * 3], np.int32), ones, 1, (True, 1))):
-    fits, calls = packed.layout(jnp.asarray(q_ids), jnp.asarray(kv_ids),
-                                shift)
-    assert (bool(fits), int(calls)) == want, (q_ids, kv_ids, shift)
+      (ones, other, None, True), (split, split, None, False),
+      (ones, split, None, False), (ones, ones, 0, True),
+      (np.array([[0] * 3 + [1] * 37], np.int32), ones, 1, False),
+      (np.array([[1] * 37 + [2] * 3], np.int32), ones, 1, True)):
+    fits = packed.layout(jnp.asarray(q_ids), jnp.asarray(kv_ids), shift)
+    assert bool(fits) == want, (q_ids, kv_ids, shift)
 
 
 # name: (q ids, kv ids or None = the same array, case kwargs); 2 rows of 61
-# tokens, more documents than SLOTS in one row (but in "one_call"), 5 or
-# fewer in the other.
+# tokens, many documents in one row (9 in "few"), 5 or fewer in the other.
 def _many(seed, docs, length=61):
   return np.concatenate([ref.random_segments(seed, 1, length, docs),
                          ref.random_segments(seed + 1, 1, length, 5)])
@@ -196,7 +228,7 @@ def _striped_many(seed, r, src, cp=2):
 
 MANY = {
     "same_causal": (_many(1, 40), None, dict(is_causal=True)),
-    "same_causal_one_call": (_many(8, 9), None, dict(is_causal=True)),
+    "same_causal_few": (_many(8, 9), None, dict(is_causal=True)),
     "same_window": (_many(2, 36), None, dict(is_causal=True, window=(3, 0))),
     "different_full": (_many(3, 40), _many(4, 30), {}),
     "striped_next": (*_striped_many(5, 0, 1), dict(is_causal=True,
@@ -205,19 +237,22 @@ MANY = {
 }
 
 
+@pytest.mark.parametrize("smallest", [4, 32])
 @pytest.mark.parametrize("name", list(MANY))
-def test_packed_calls_of_slots_documents_match_the_reference(name,
-                                                             monkeypatch):
-  """The packed forward and backward on cuDNN's ragged semantics (replayed
-  in jnp, tests/ragged_cudnn.py): calls of SLOTS documents merged, or the
-  xla backend where the layout does not fit, equal the float64 reference
-  in out, lse and every gradient."""
+def test_packed_calls_match_the_reference(name, smallest, monkeypatch):
+  """The packed forward and backward on cuDNN's ragged semantics (replayed in
+  jnp, tests/ragged_cudnn.py): the calls of each length class writing into
+  one buffer (SMALLEST = 4: classes 4, 16 and 61, class 0's menu, loops of
+  calls; 32: classes 32 and 61), or the xla backend where the layout does
+  not fit, equal the float64 reference in out, lse and every gradient."""
   import jax
   import ragged_cudnn
   from jax_ring._src.core.mask import BlockMask
   monkeypatch.setattr(ffi, "sdpa", ragged_cudnn.sdpa)
+  monkeypatch.setattr(packed, "SMALLEST", smallest)
   q_ids, kv_ids, kw = MANY[name]
-  kv_ids = q_ids if kv_ids is None else kv_ids
+  same = kv_ids is None
+  kv_ids = q_ids if same else kv_ids
   b, t, s = 2, q_ids.shape[1], kv_ids.shape[1]
   q, k, v, do = ref.random_qkv(7, b, t, s, 4, 2, 8)
   case = ref.Case(0.3, q_segment_ids=q_ids, kv_segment_ids=kv_ids, **kw)
@@ -226,16 +261,21 @@ def test_packed_calls_of_slots_documents_match_the_reference(name,
 
   def f(q, k, v, q_ids, kv_ids):
     mask = BlockMask(q_offset=case.q_offset, kv_offset=case.kv_offset,
-                     q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+                     q_segment_ids=q_ids,
+                     kv_segment_ids=None if same else kv_ids)
     out, lse = packed.forward(q, k, v, mask, cfg, bnd)
     grads = packed.backward(q, k, v, mask, out, lse, do, cfg, bnd)
-    return out, lse, grads, packed.layout(q_ids, kv_ids,
-                                          packed.diagonal_shift(cfg, mask))
+    shift = packed.diagonal_shift(cfg, mask)
+    docs = packed.documents(q_ids, mask.kv_ids(), shift, same=same)
+    return out, lse, grads, (packed.layout(q_ids, mask.kv_ids(), shift),
+                             packed.calls(docs, t, s))
 
   out, lse, grads, (fits, calls) = jax.jit(f)(q, k, v, jnp.asarray(q_ids),
                                              jnp.asarray(kv_ids))
   assert bool(fits) == (name != "not_contiguous")
-  assert (int(calls) == 1) == name.endswith("one_call"), int(calls)
+  if same and fits and not kw.get("kv_offset"):
+    assert int(calls) == ragged_cudnn.expected_calls(q_ids, smallest, t), (
+        int(calls))
   r_out, r_lse, r_g = ref.attention(q, k, v, case, dout=do)
   ref.assert_close(out, r_out, q.dtype, "out")
   ref.assert_close(lse, r_lse, q.dtype, "lse")
@@ -246,9 +286,10 @@ def test_packed_calls_of_slots_documents_match_the_reference(name,
 @pytest.mark.parametrize("load_balance", ["dual_chunk", "striped"])
 def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
   """The ring's packed blocks on cuDNN's ragged semantics (replayed in jnp)
-  inside shard_map, on 2 simulated devices, rows of more documents than
-  SLOTS: the loop's carry varies over the mesh axis as its calls' results
-  do, and the output and gradients equal the reference's."""
+  inside shard_map, on 2 simulated devices, rows of many documents in
+  several length classes (SMALLEST = 4): the loops' carries vary over the mesh
+  axis as their calls' results do, and the output and gradients equal the
+  reference's."""
   import jax
   import jax_ring
   import ragged_cudnn
@@ -256,6 +297,7 @@ def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
   from helpers import layout_vjp, mesh
   from jax_ring._src.core import registry
   monkeypatch.setattr(ffi, "sdpa", ragged_cudnn.sdpa)
+  monkeypatch.setattr(packed, "SMALLEST", 4)
   monkeypatch.setattr(cudnn, "unsupported", lambda *_: None)  # as on a GPU
   monkeypatch.setitem(registry.BACKENDS, "cudnn", registry.Backend(
       "cudnn", cudnn.forward, cudnn.backward, lambda *_: None))
@@ -304,13 +346,16 @@ def test_recording_notes_each_traced_call_with_its_graph_key(monkeypatch):
         q, kv, kv, None, BlockMask(q_segment_ids=ids), cfg))(q, kv)
   assert ffi.RECORD is None
   assert "u8[256]" in str(fwd)  # the workspace: one more result of the call
-  # A packed block is traced once: the body of its loop over calls.
-  assert [(c["backward"], c["slots"]) for c in calls] == [
-      (False, 0), (True, 0), (False, cudnn.SLOTS)]
+  # A packed block of 8 tokens: one class of length 8, whose menu of
+  # virtual batches a row (1, 4, 8) is one call each, in one switch.
+  assert [(c["backward"], c["slots"], c["ragged_len"]) for c in calls] == [
+      (False, 0, 0), (True, 0, 0), (False, 1, 8), (False, 4, 8),
+      (False, 8, 8)]
   assert calls[0] == dict(backward=False, q=(b, t, n, h), k=(b, t, k, h),
                           v=(b, t, k, h), dtype="bfloat16", scale=0.25,
                           row_start=0, col_start=0, right_bound=0,
-                          left_bound=0, padding=False, softcap=0.0, slots=0)
+                          left_bound=0, padding=False, softcap=0.0, slots=0,
+                          ragged_len=0)
 
 
 def test_a_value_head_dim_unlike_the_keys_reaches_the_calls(monkeypatch):
@@ -340,7 +385,7 @@ def test_a_value_head_dim_unlike_the_keys_reaches_the_calls(monkeypatch):
       grads = jax.eval_shape(lambda: cudnn.backward(
           *args(mask), out, lse, out, None, cfg))
       assert [g.shape for g in grads[:3]] == [q.shape, kk.shape, v.shape]
-  assert [c["v"] for c in calls] == [v.shape] * 4  # packed: 1 + 1
+  assert [c["v"] for c in calls] == [v.shape] * 8  # packed: 3 + 3
   with pytest.raises(ValueError, match="stacked dK/dV need key and value of "
                      "one shape"):
     cudnn.backward_dkv(*args(BlockMask()), out, lse, out, None, cfg)

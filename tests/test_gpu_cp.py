@@ -84,8 +84,9 @@ STRATEGIES = {
 LAYOUTS = {"all_gather": ("dual_chunk", None), "hybrid": ("dual_chunk", None)}
 MASKS = ("causal", "full", "window", "padding", "packed", "soft_cap")
 # At the largest cp only: sinks (causal; their gradient checked too), and
-# rows of more documents than one cuDNN call takes (cudnn.SLOTS).
+# rows of many documents (MANY_DOCS a row).
 EXTRA_MASKS = ("sinks", "many_docs")
+MANY_DOCS = 64
 SHARD_MAP_FUNCTIONS = {"ring": jax_ring.ring_attention,
                        "all_gather": jax_ring.all_gather_attention,
                        "ulysses": jax_ring.ulysses_attention,
@@ -236,12 +237,12 @@ def problem(case: CpCase, seed: int):
     kw["key_value_seq_lengths"] = jnp.asarray(lengths[1])
   elif case.mask in ("packed", "many_docs"):
     many = case.mask == "many_docs"
-    ids = odd_documents(seed, sh.b, s, per_row=4 * cudnn.SLOTS if many
-                        else 5)
-    # packed: one cuDNN ragged call per block takes them all; many_docs:
-    # a row needs several calls (test_cudnn.py runs such rows on one GPU).
-    assert (ids.max() >= 2 * cudnn.SLOTS) if many else (
-        ids.max() < cudnn.SLOTS), ids.max()
+    ids = odd_documents(seed, sh.b, s, per_row=MANY_DOCS if many else 5)
+    # many_docs: dozens of documents in a block, in the tile class's
+    # larger virtual batches (test_cudnn.py runs rows of several classes
+    # and loops of calls on one GPU).
+    assert (ids.max() >= MANY_DOCS // 2) if many else ids.max() < 16, (
+        ids.max())
     rcase = dataclasses.replace(rcase, q_segment_ids=ids, kv_segment_ids=ids)
   elif case.mask == "soft_cap":
     rcase = dataclasses.replace(rcase, soft_cap=5.0)
@@ -448,7 +449,7 @@ def test_cuda_blocks_match_reference(case):
   assert spy.xla_blocks == 0, (
       f"{spy.xla_blocks} blocks lowered through the pure-JAX backend")
   assert not spy.cudnn_fallbacks, spy.cudnn_fallbacks
-  fwd = calls.get("jax_ring_sdpa_fwd", 0)
+  fwd = sum(n for t, n in calls.items() if t.startswith("jax_ring_sdpa_fwd"))
   bwd = sum(n for t, n in calls.items() if t.startswith("jax_ring_sdpa_bwd"))
   assert fwd and bwd, f"no cuDNN forward/backward call in the program: {calls}"
   t0 = time.perf_counter()
@@ -608,7 +609,7 @@ def test_odd_length_with_cuda_blocks(kind, causal):
     pytest.skip(f"needs 2 NVIDIA GPUs (hybrid: 4); found {GPUS}")
   spy, calls = odd_length_run(kind, cp, None, causal)
   assert spy.xla_blocks == 0 and not spy.cudnn_fallbacks, spy
-  assert calls.get("jax_ring_sdpa_fwd"), calls
+  assert any(t.startswith("jax_ring_sdpa_fwd") for t in calls), calls
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """The cuDNN backend: the block-kernel contract on cuDNN's fused flash
 attention, through our XLA FFI handlers (``ffi``), with a block's mask
 mapped onto cuDNN's band (``band``) and packed documents onto ragged
-virtual batches (``packed``). It registers as ``"cudnn"`` when the
-extension is built (``JAX_RING_CUDNN=ON pip install``).
+virtual batches sized by their length class (``packed``). It registers as
+``"cudnn"`` when the extension is built (``JAX_RING_CUDNN=ON pip
+install``).
 
 Rows that see no key get ``out = 0`` and ``lse = MASK_VALUE``, whatever
 cuDNN wrote. A soft cap is a cuDNN score modifier; cuDNN then takes the
@@ -10,9 +11,9 @@ band inside the modifier and has no padding mask, so soft cap with padding
 is not served.
 
 The value head dim Hv may differ from the query/key head dim H (multi-head
-latent attention: H = 192, Hv = 128): ``out`` and ``dout`` are
-``(B, T, N, Hv)``. cuDNN writes dK/dV into one stacked buffer
-(:func:`backward_dkv`) only when H == Hv.
+latent attention: H = 192, Hv = 128): ``out`` and ``dout`` are ``(B, T, N,
+Hv)``. cuDNN writes dK/dV into one stacked buffer (:func:`backward_dkv`)
+only when H == Hv.
 
 Not served (the registry picks ``"xla"``): float32 (cuDNN computes in
 16-bit; we do not cast silently), bias, dense masks, soft cap with padding
@@ -35,12 +36,11 @@ from jax_ring._src.backends.cudnn import band, ffi, packed
 from jax_ring._src.backends.cudnn.ffi import (LOAD_ERROR, attrs, no_ragged,
                                               recording, sdpa, version,
                                               workspace_bytes)
-from jax_ring._src.backends.cudnn.packed import SLOTS
 from jax_ring._src.core import registry
 from jax_ring._src.core.mask import MASK_VALUE
 
 
-__all__ = ["LOAD_ERROR", "SLOTS", "backward", "backward_dkv",
+__all__ = ["LOAD_ERROR", "backward", "backward_dkv",
            "forward", "recording", "unsupported", "unsupported_head_dims",
            "version", "workspace_bytes"]
 

@@ -1,9 +1,11 @@
-"""The compiled extension ``jax_ring._cudnn`` and its three XLA FFI
-handlers, ``jax_ring_sdpa_fwd``, ``jax_ring_sdpa_bwd`` and
-``jax_ring_sdpa_bwd_dkv`` (dK/dV stacked; ``csrc/``): loading it,
-registering its targets with jax, and one traced call of a handler
-(:func:`sdpa`), whose cuDNN graph is built at trace time for the size of
-its workspace. :func:`recording` collects the calls traced inside it.
+"""The compiled extension ``jax_ring._cudnn`` and its XLA FFI handlers,
+``jax_ring_sdpa_fwd``, ``jax_ring_sdpa_bwd``, ``jax_ring_sdpa_bwd_dkv``
+(dK/dV stacked) and the packed calls that write into given buffers,
+``jax_ring_sdpa_fwd_into`` and ``jax_ring_sdpa_bwd_into`` (``csrc/``):
+loading it, registering its targets with jax, and one traced call of a
+handler (:func:`sdpa`), whose cuDNN graph is built at trace time for the
+size of its workspace. :func:`recording` collects the calls traced inside
+it.
 """
 
 from __future__ import annotations
@@ -35,11 +37,15 @@ except ImportError as e:  # not built: a CPU install, or a failed build
                 else f"the cuDNN extension did not load: {e}")
 
 
-def attrs(config, bnd: Band, padding: bool, slots: int = 0):
+def attrs(config, bnd: Band, padding: bool, slots: int = 0,
+          ragged_len: int = 0):
+  """The handlers' attributes. ``slots``: virtual batches a row (packed
+  documents); ``ragged_len``: each one's rows and keys (0: the row's)."""
   return dict(scale=np.float32(config.scale), row_start=bnd.row_start,
               col_start=bnd.col_start, right_bound=bnd.right_bound,
               left_bound=bnd.left_bound, padding=padding,
-              softcap=np.float32(config.logits_soft_cap or 0.0), slots=slots)
+              softcap=np.float32(config.logits_soft_cap or 0.0), slots=slots,
+              ragged_len=ragged_len)
 
 
 # The cuDNN calls traced inside ``recording()`` (else None): each one's
@@ -47,10 +53,11 @@ def attrs(config, bnd: Band, padding: bool, slots: int = 0):
 RECORD: list | None = None
 
 
-def sdpa(name, results, q, k, v, *operands, **attrs):
+def sdpa(name, results, q, k, v, *operands, aliases=None, **attrs):
   """``jax.ffi.ffi_call`` of handler ``name`` on ``q (B, T, N, H), k (B, S,
   K, H), v (B, S, K, Hv)`` and the other ``operands``, noted in the active
-  recording.
+  recording. ``aliases`` maps operand indices (q is 0) to the results they
+  become (the ``_into`` handlers write into those buffers).
 
   The call's cuDNN graph is built here, at trace time, for its workspace
   size: XLA allocates the workspace as one more (discarded) result, so the
@@ -63,7 +70,8 @@ def sdpa(name, results, q, k, v, *operands, **attrs):
   if RECORD is not None:
     RECORD.append(call)
   workspace = jax.ShapeDtypeStruct((workspace_bytes(call),), jnp.uint8)
-  return jax.ffi.ffi_call(name, (*results, workspace))(q, k, v, *operands,
+  return jax.ffi.ffi_call(name, (*results, workspace),
+                          input_output_aliases=aliases)(q, k, v, *operands,
                                                         **attrs)[:-1]
 
 
@@ -90,7 +98,7 @@ def workspace_bytes(call: dict, device: int = 0) -> int:
       call["backward"], call["dtype"] == "bfloat16", device, b, t, s, n, k,
       h, hv, call["slots"], call["row_start"], call["col_start"],
       call["right_bound"], call["left_bound"], call["padding"],
-      call["scale"], call["softcap"])
+      call["scale"], call["softcap"], call.get("ragged_len", 0))
 
 
 def no_ragged():

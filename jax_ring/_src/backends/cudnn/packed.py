@@ -1,10 +1,32 @@
-"""Packed documents (segment ids) on cuDNN's ragged offsets, not a copy
-into a padded batch: each row's runs of equal query ids become virtual
-batches ``b * SLOTS + j`` that start, in place, at the run's first query
-and at the first key with that id. One cuDNN call takes ``SLOTS``
-documents a row; a row of more runs as several calls, call ``g`` on
-documents ``g * SLOTS ...`` (a ``while`` loop, each call's rows and keys
-merged into the result: they are disjoint).
+"""Packed documents (segment ids) on cuDNN's ragged offsets, at the cost of
+their work: each row's runs of equal query ids are documents, and every
+cuDNN call takes the documents of one *length class* as virtual batches
+of that class's length, starting in place (ragged offsets) at the
+document's first query and first key. No copies into a padded batch.
+
+**Classes.** A block of ``T`` queries and ``S`` keys has the static
+lengths ``L_0 = min(SMALLEST, max(T, S))``, ``L_c = min(RATIO *
+L_(c-1), max(T, S))``: a document whose longer side (queries or keys) is
+``e`` belongs to the smallest ``L_c >= e``. A call of class ``c`` holds
+``M`` documents a row: grid and stats ``(B * M, N, L_c)`` are sized by
+the documents, not by the row (cuDNN's backward also passes over all
+``B * M * L_c`` rows outside its main kernel). For ``c > 0`` ``M =
+ceil(max(T, S) / L_c)`` (a dense row's worth of query tiles) and the
+class runs as a loop of ``ceil(count / M)`` calls, at most ``RATIO`` for
+one id array (its documents are longer than ``L_(c-1)``). Class 0's
+documents are at most one cuDNN tile (``TILE`` rows) each, as in a dense
+batch of them, and may be as many as ``T``: it picks ``M`` from
+``ceil(max(T, S) / TILE) * RATIO**i`` up to ``T`` by ``lax.switch`` on
+the count, one call. So a row runs at most ``1 + RATIO * (classes - 1)``
+calls for one id array, whatever its number of documents, and usually
+one call a class present.
+
+**In place.** The ``_into`` handlers write each call's rows of ``out``
+(dq) and keys (dk, dv) into buffers they are given (aliased): documents
+are disjoint, so the calls fill one buffer with no merge, and rows no
+call writes keep their initial zeros. Each call's stats are gathered to
+its tokens' ``lse`` (``MASK_VALUE`` where no call writes), and scattered
+back for the backward (cuDNN 9.19's backward reads no ragged stats).
 
 ==========================  ================================================
 query and kv ids            served masks
@@ -18,21 +40,18 @@ kv_offset > q_offset        (the striped ring's steps)
 ==========================  ================================================
 
 A causal mask between two id arrays keeps key b for query a iff ``b <= a -
-shift`` (``shift = kv_offset - q_offset``) within a document: each slot
-starts its queries at ``kv_start + shift``. That is exact when no
+shift`` (``shift = kv_offset - q_offset``) within a document: each
+document starts its queries at ``kv_start + shift``. That is exact when no
 document's first key lies before its first query's diagonal, which the
 striped layout guarantees. :func:`layout` checks that, and that each id is
 one run of queries and one range of keys, at run time; a batch that does
-not fit goes to the ``xla`` backend: one ``lax.cond`` picks it or the
-loop of calls. A row of at most SLOTS documents is the loop's one
-iteration: a second branch for it would put a second cuDNN call into
-every packed block of the compiled program, and the compile time of a
-ring over many blocks grows with those (4 GPUs, a 16-layer model).
+not fit goes to the ``xla`` backend (one ``lax.cond``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -44,66 +63,125 @@ from jax_ring._src.core import vma
 from jax_ring._src.core.mask import MASK_VALUE
 
 
-# Documents per row in one cuDNN call: its stats buffer is SLOTS x the
-# dense one (cuDNN 9.19's backward reads no ragged stats).
-SLOTS = 16
+# cuDNN's query tile: a document of up to TILE tokens costs one tile a head.
+TILE = 128
+# Class 0's length: documents of up to SMALLEST tokens.
+SMALLEST = 32
+# Each class is RATIO x the previous one's length.
+RATIO = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+  """One length class: virtual batches of ``length`` rows and keys;
+  ``batches`` the choices of virtual batches a row per call (one, or
+  class 0's ascending menu)."""
+
+  length: int
+  batches: tuple[int, ...]
+
+
+def geometries(t: int, s: int) -> tuple[Geometry, ...]:
+  """The length classes of a block of ``t`` queries and ``s`` keys."""
+  top, lengths = max(t, s), [min(SMALLEST, max(t, s))]
+  while lengths[-1] < top:
+    lengths.append(min(lengths[-1] * RATIO, top))
+  out = []
+  for c, length in enumerate(lengths):
+    menu = [-(-top // max(length, TILE if c == 0 else 1))]
+    while c == 0 and menu[-1] < t:
+      menu.append(min(menu[-1] * RATIO, t))
+    out.append(Geometry(length, tuple(menu)))
+  return tuple(out)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Docs:
-  """One call's documents: (B, M) int32 starts and lengths of each slot's
-  query run and key range; ``slot (B, T)`` of each query token (clipped to
-  the slots), ``member (B, T)`` whether its document is in this call."""
+  """Each row's documents, indexed by query run (``(B, T)``; runs past a
+  row's count are empty): first query and query count (after a causal
+  shift), first key and key count, length class (``-1``: no call, as it
+  has no queries or no keys), rank within its class; and ``run (B, T)``,
+  each query token's run."""
 
   q_start: jax.Array
   q_len: jax.Array
   kv_start: jax.Array
   kv_len: jax.Array
-  slot: jax.Array
-  member: jax.Array
+  cls: jax.Array
+  rank: jax.Array
+  run: jax.Array
 
 
-def documents(q_ids, kv_ids, shift: int | None = None, first=0) -> Docs:
-  """The slots of each row's documents ``first ... first + SLOTS - 1``
-  (in order of their query runs); ``shift``: a causal mask between two id
-  arrays (``b <= a - shift``, see the module doc), whose slots start their
-  queries at their first key's diagonal. Meaningful where :func:`layout`
-  fits."""
+def _runs(ids):
+  """``(run (B, N), start (B, N), length (B, N))``: each token's run of
+  equal ids, and each run's first token and length (runs past the row's
+  count start at N with length 0)."""
+  b, n = ids.shape
+  new = jnp.concatenate([jnp.ones((b, 1), bool), ids[:, 1:] != ids[:, :-1]],
+                        1)
+  run = jnp.cumsum(new, 1, dtype=jnp.int32) - 1
+  bi = jnp.arange(b)[:, None]
+  start = jnp.full((b, n), n, jnp.int32).at[bi, jnp.where(new, run, n)].set(
+      jnp.arange(n, dtype=jnp.int32)[None], mode="drop")
+  length = jnp.diff(start, append=jnp.full((b, 1), n, jnp.int32), axis=1)
+  return run, start, length
+
+
+def _keys_of(q_ids, q_start, kv_ids):
+  """``(kv_start, kv_len)`` (B, T) of each query run's id among the keys'
+  runs (``S, 0`` where the keys lack it); each id one key run (see
+  :func:`layout`)."""
   b, t = q_ids.shape
   s = kv_ids.shape[1]
-  new = jnp.concatenate([jnp.ones((b, 1), bool),
-                         q_ids[:, 1:] != q_ids[:, :-1]], 1)
-  slot = jnp.cumsum(new, 1, dtype=jnp.int32) - 1 - first
-  j = jnp.arange(SLOTS, dtype=jnp.int32)[None, :, None]
-  in_slot = slot[:, None, :] == j  # (B, M, T)
-  q_len = in_slot.sum(-1, dtype=jnp.int32)
-  q_start = jnp.where(in_slot, jnp.arange(t, dtype=jnp.int32), t).min(-1)
-  ids = jnp.take_along_axis(q_ids, jnp.minimum(q_start, t - 1), 1)  # (B, M)
-  hit = kv_ids[:, None, :] == ids[:, :, None]  # (B, M, S)
-  kv_len = hit.sum(-1, dtype=jnp.int32)
-  kv_start = jnp.where(hit, jnp.arange(s, dtype=jnp.int32), s).min(-1)
-  used = q_len > 0
-  # Unused slots: empty, starting at the row's end.
-  q_start = jnp.where(used, q_start, t)
-  kv_len = jnp.where(used, kv_len, 0)
-  kv_start = jnp.where(kv_len > 0, kv_start, s)
+  _, k_start, k_len = _runs(kv_ids)
+  k_id = jnp.take_along_axis(kv_ids, jnp.minimum(k_start, s - 1), 1)
+  used = k_len > 0
+  order = jnp.lexsort((k_id, ~used), axis=1)  # used runs first, by id
+  sorted_id = jnp.take_along_axis(k_id, order, 1)
+  sorted_id = jnp.where(jnp.take_along_axis(used, order, 1), sorted_id,
+                        jnp.iinfo(jnp.int32).max)
+  want = jnp.take_along_axis(q_ids, jnp.minimum(q_start, t - 1), 1)
+  at = jnp.clip(jax.vmap(jnp.searchsorted)(sorted_id, want), 0, s - 1)
+  hit = (jnp.take_along_axis(sorted_id, at, 1) == want) & (
+      at < used.sum(1, keepdims=True))
+  run = jnp.take_along_axis(order, at, 1)
+  return (jnp.where(hit, jnp.take_along_axis(k_start, run, 1), s),
+          jnp.where(hit, jnp.take_along_axis(k_len, run, 1), 0))
+
+
+def documents(q_ids, kv_ids, shift: int | None = None,
+              same: bool = False) -> Docs:
+  """Each row's documents (:class:`Docs`). ``same``: the keys' ids are the
+  queries' array (each document's keys are its queries); ``shift``: a
+  causal mask between two id arrays (``b <= a - shift``, see the module
+  doc), whose documents start their queries at their first key's
+  diagonal. Meaningful where :func:`layout` fits."""
+  t, s = q_ids.shape[1], kv_ids.shape[1]
+  run, q_start, q_len = _runs(q_ids)
+  if same:
+    kv_start, kv_len = q_start, q_len
+  else:
+    kv_start, kv_len = _keys_of(q_ids, q_start, kv_ids)
   if shift is not None:
-    keys = kv_len > 0
-    diagonal = kv_start + shift
-    first_row = jnp.where(keys, jnp.clip(diagonal, q_start, q_start + q_len),
-                          q_start)
-    q_start, q_len = first_row, q_start + q_len - first_row
-  return Docs(q_start, q_len, kv_start, kv_len,
-              jnp.clip(slot, 0, SLOTS - 1), (slot >= 0) & (slot < SLOTS))
+    first = jnp.where(kv_len > 0, jnp.clip(kv_start + shift, q_start,
+                                           q_start + q_len), q_start)
+    q_start, q_len = first, q_start + q_len - first
+  lengths = jnp.asarray([g.length for g in geometries(t, s)], jnp.int32)
+  active = (q_len > 0) & (kv_len > 0)
+  cls = jnp.where(active, jnp.searchsorted(lengths, jnp.maximum(q_len,
+                                                                kv_len)), -1)
+  hot = cls[:, :, None] == jnp.arange(len(lengths))[None, None]
+  rank = jnp.take_along_axis(jnp.cumsum(hot, 1, dtype=jnp.int32),
+                             jnp.maximum(cls, 0)[:, :, None], 2)[:, :, 0] - 1
+  return Docs(q_start, q_len, kv_start, kv_len, cls, rank, run)
 
 
 def layout(q_ids, kv_ids, shift: int | None = None):
-  """``(fits, calls)``, both ``()``: whether every row's query ids are runs
-  of one id each (no id in two runs), the keys of each such id one
-  contiguous range, and (``shift``) no document's first key before its
-  first query's diagonal; and the calls of SLOTS documents the row with
-  the most documents needs. O(T log T) a row (sorts)."""
+  """Whether every row's query ids are runs of one id each (no id in two
+  runs), the keys of each such id one contiguous range, and (``shift``) no
+  document's first key before its first query's diagonal; ``()`` bool.
+  O(T log T) a row (sorts)."""
 
   def row(q, kv):
     t, s = q.shape[0], kv.shape[0]
@@ -125,102 +203,110 @@ def layout(q_ids, kv_ids, shift: int | None = None):
     if shift is not None:
       diagonal = jnp.arange(s, dtype=jnp.int32) + shift
       fits &= jnp.all(~starts | (diagonal >= order[at]))
-    return fits, runs
+    return fits
 
-  fits, runs = jax.vmap(row)(q_ids, kv_ids)
-  return jnp.all(fits), (jnp.max(runs) + SLOTS - 1) // SLOTS
+  return jnp.all(jax.vmap(row)(q_ids, kv_ids))
+
+
+def class_counts(docs: Docs, classes: int):
+  """``(classes,)`` int32: the most documents of each class in a row."""
+  hot = docs.cls[:, :, None] == jnp.arange(classes)[None, None]
+  return hot.sum(1, dtype=jnp.int32).max(0)
+
+
+def calls(docs: Docs, t: int, s: int):
+  """``()`` int32: the cuDNN calls one direction runs on these documents."""
+  geo = geometries(t, s)
+  counts = class_counts(docs, len(geo))
+  tops = jnp.asarray([g.batches[-1] for g in geo], jnp.int32)
+  return jnp.sum(-(-counts // tops))
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One call's virtual batches: ``(B, M)`` starts and lengths of each
+  one's queries and keys; per query token ``(B, T)``, its batch in the
+  call (``M`` if none) and its row in it."""
+
+  q_start: jax.Array
+  q_len: jax.Array
+  kv_start: jax.Array
+  kv_len: jax.Array
+  batch: jax.Array
+  row: jax.Array
+
+
+def select(docs: Docs, cls: int, first, m: int, t: int, s: int) -> Call:
+  """The documents of class ``cls`` ranked ``first ... first + m - 1`` in
+  each row, as ``m`` virtual batches (unused ones empty, at the row's
+  end)."""
+  b = docs.cls.shape[0]
+  bi = jnp.arange(b)[:, None]
+  rank = docs.rank - first
+  pick = (docs.cls == cls) & (rank >= 0) & (rank < m)
+  slot = jnp.where(pick, rank, m)
+
+  def put(x, fill):
+    return jnp.full((b, m), fill, jnp.int32).at[bi, slot].set(x, mode="drop")
+
+  q_start = jnp.take_along_axis(docs.q_start, docs.run, 1)
+  row = jnp.arange(t, dtype=jnp.int32)[None] - q_start
+  batch = jnp.where(jnp.take_along_axis(pick, docs.run, 1) & (row >= 0),
+                    jnp.take_along_axis(slot, docs.run, 1), m)
+  return Call(put(docs.q_start, t), put(docs.q_len, 0), put(docs.kv_start, s),
+              put(docs.kv_len, 0), batch, jnp.where(batch < m, row, 0))
 
 
 def offsets(start, rows, heads, h):
-  """(B * M + 1,) element offsets of each slot's first row in a BSHD buffer
-  of ``rows`` rows per batch; the last entry is the buffer's end."""
+  """(B * M + 1,) element offsets of each virtual batch's first row in a
+  BSHD buffer of ``rows`` rows per batch; the last entry is its end."""
   b = start.shape[0]
   first = (jnp.arange(b, dtype=jnp.int32)[:, None] * rows + start)
   return jnp.append(first.reshape(-1) * heads * h, b * rows * heads * h)
 
 
-def doc_rows(docs: Docs, q, k, v):
+def call_rows(c: Call, q, k, v):
   """The handlers' row operands: (B * M,) query and key lengths, then the
   (B * M + 1,) ragged offsets of q (and dq), k (dk), v (dv) and out
   (dout), for q (B, T, N, H), k (B, S, K, H), v (B, S, K, Hv)."""
   _, t, n, h = q.shape
   _, s, kh, _ = k.shape
   hv = v.shape[3]
-  return (docs.q_len.reshape(-1), docs.kv_len.reshape(-1),
-          offsets(docs.q_start, t, n, h), offsets(docs.kv_start, s, kh, h),
-          offsets(docs.kv_start, s, kh, hv), offsets(docs.q_start, t, n, hv))
-
-
-def doc_index(docs: Docs, t):
-  """(batch, slot, row-in-document) indices of each query token, (B, T)."""
-  bi = jnp.arange(docs.slot.shape[0])[:, None]
-  row = jnp.arange(t)[None, :] - jnp.take_along_axis(docs.q_start, docs.slot,
-                                                     1)
-  return bi, docs.slot, row
-
-
-def doc_row_valid(docs: Docs, t):
-  """(B, T): the query's document is in this call, the query lies in its
-  slot (at or after the slot's start) and its document has keys (bands
-  keep the slot's diagonal)."""
-  _, _, row = doc_index(docs, t)
-  return docs.member & (
-      jnp.take_along_axis(docs.kv_len, docs.slot, 1) > 0) & (row >= 0)
-
-
-def doc_col_valid(docs: Docs, s):
-  """(B, S): the key lies in some slot's key range of this call."""
-  j = jnp.arange(s)[None, None, :]
-  inside = (j >= docs.kv_start[:, :, None]) & (
-      j < (docs.kv_start + docs.kv_len)[:, :, None])
-  return inside.any(1)
+  return (c.q_len.reshape(-1), c.kv_len.reshape(-1),
+          offsets(c.q_start, t, n, h), offsets(c.kv_start, s, kh, h),
+          offsets(c.kv_start, s, kh, hv), offsets(c.q_start, t, n, hv))
 
 
 def diagonal_shift(config, mask) -> int | None:
-  """``kv_offset - q_offset`` of a causal mask (no window) that the slots
-  must carry (two id arrays, or unequal offsets); None otherwise."""
+  """``kv_offset - q_offset`` of a causal mask (no window) that the
+  documents must carry (two id arrays, or unequal offsets); None
+  otherwise."""
   if not config.is_causal or config.local_window is not None or (
       mask.same_ids and mask.q_offset == mask.kv_offset):
     return None
   return mask.kv_offset - mask.q_offset
 
 
-def call_forward(q, k, v, docs: Docs, config, bnd: Band):
-  """One call's (out, lse): zero and MASK_VALUE outside its rows."""
-  b, t, n, _ = q.shape
-  out, stats = ffi.sdpa(
-      "jax_ring_sdpa_fwd",
-      (jax.ShapeDtypeStruct((b, t, n, v.shape[3]), q.dtype),
-       jax.ShapeDtypeStruct((b * SLOTS, n, t), jnp.float32)),
-      q, k, v, *doc_rows(docs, q, k, v),
-      **ffi.attrs(config, bnd, False, SLOTS))
-  bi, slot, row = doc_index(docs, t)
-  valid = doc_row_valid(docs, t)
-  row = jnp.where(valid, row, 0)
-  lse = stats.reshape(b, SLOTS, n, t)[bi, slot, :, row]  # (B, T, N)
-  return (jnp.where(valid[:, :, None, None], out, 0),
-          jnp.where(valid[:, :, None], lse, MASK_VALUE))
+def each_call(docs: Docs, t: int, s: int, one, acc):
+  """``acc`` through ``one(acc, cls, first, geometry, m)`` for every call
+  the documents need: per class, a loop over its calls, the number of
+  virtual batches picked from the class's menu by ``lax.switch``."""
+  geo = geometries(t, s)
+  counts = class_counts(docs, len(geo))
+  for c, g in enumerate(geo):
+    menu = g.batches
+    pick = jnp.minimum(jnp.searchsorted(jnp.asarray(menu), counts[c]),
+                       len(menu) - 1)
+    branches = [functools.partial(one, cls=c, geometry=g, m=m) for m in menu]
 
+    def body(i, acc, branches=branches, top=menu[-1]):
+      if len(branches) == 1:
+        return branches[0](acc, first=i * top)
+      return jax.lax.switch(pick, [
+          lambda acc, f=f: f(acc, first=i * top) for f in branches], acc)
 
-def call_backward(q, k, v, docs: Docs, out, lse, dout, config, bnd: Band):
-  """One call's (dq, dk, dv): zero outside its rows and keys."""
-  b, t, n, _ = q.shape
-  bi, slot, row = doc_index(docs, t)
-  valid = doc_row_valid(docs, t)
-  row = jnp.where(valid, row, t)  # rows before their slot: dropped
-  stats = jnp.zeros((b, SLOTS, n, t), jnp.float32).at[bi, slot, :, row].set(
-      lse.astype(jnp.float32), mode="drop").reshape(b * SLOTS, n, t)
-  dq, dk, dv = ffi.sdpa(
-      "jax_ring_sdpa_bwd",
-      (jax.ShapeDtypeStruct(q.shape, q.dtype),
-       jax.ShapeDtypeStruct(k.shape, k.dtype),
-       jax.ShapeDtypeStruct(v.shape, v.dtype)),
-      q, k, v, out, stats, dout, *doc_rows(docs, q, k, v),
-      **ffi.attrs(config, bnd, False, SLOTS))
-  rows = valid[:, :, None, None]
-  cols = doc_col_valid(docs, k.shape[1])[:, :, None, None]
-  return (jnp.where(rows, dq, 0), jnp.where(cols, dk, 0),
-          jnp.where(cols, dv, 0))
+    acc = jax.lax.fori_loop(0, -(-counts[c] // menu[-1]), body, acc)
+  return acc
 
 
 def forward(q, k, v, mask, config, bnd: Band):
@@ -228,24 +314,33 @@ def forward(q, k, v, mask, config, bnd: Band):
   shift = diagonal_shift(config, mask)
   inner = bnd if shift is None else Band(right_bound=0)
   q_ids, kv_ids = mask.q_segment_ids, mask.kv_ids()
-  t = q.shape[1]
+  b, t, n, _ = q.shape
+  s = k.shape[1]
 
-  def call(g, acc):
-    docs = documents(q_ids, kv_ids, shift, g * SLOTS)
-    out, lse = call_forward(q, k, v, docs, config, inner)
-    valid = doc_row_valid(docs, t)[:, :, None]
-    return acc[0] + out, jnp.where(valid, lse, acc[1])
+  def one(acc, cls, first, geometry, m):
+    c = select(docs, cls, first, m, t, s)
+    out, stats = ffi.sdpa(
+        "jax_ring_sdpa_fwd_into",
+        (jax.ShapeDtypeStruct(acc[0].shape, q.dtype),
+         jax.ShapeDtypeStruct((b * m, n, geometry.length), jnp.float32)),
+        q, k, v, *call_rows(c, q, k, v), acc[0], aliases={9: 0},
+        **ffi.attrs(config, inner, False, m, geometry.length))
+    bi = jnp.arange(b)[:, None]
+    lse = stats.reshape(b, m, n, -1)[bi, jnp.minimum(c.batch, m - 1), :,
+                                     c.row]  # (B, T, N)
+    # Inside shard_map a call's results vary as the carry does.
+    return vma.like((out, jnp.where((c.batch < m)[:, :, None], lse, acc[1])),
+                    *acc)
 
-  def loop():
-    b, _, n, _ = q.shape
+  def run():
     init = (jnp.zeros((b, t, n, v.shape[3]), q.dtype),
             jnp.full((b, t, n), MASK_VALUE, jnp.float32))
     # Inside shard_map the carry varies as the calls' results do.
     init = vma.like(init, q, k, v, q_ids, kv_ids)
-    return jax.lax.fori_loop(0, calls, call, init)
+    return each_call(docs, t, s, one, init)
 
-  fits, calls = layout(q_ids, kv_ids, shift)
-  return jax.lax.cond(fits, loop,
+  docs = documents(q_ids, kv_ids, shift, same=mask.same_ids)
+  return jax.lax.cond(layout(q_ids, kv_ids, shift), run,
                       lambda: xla.forward(q, k, v, None, mask, config))
 
 
@@ -254,19 +349,29 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd: Band):
   shift = diagonal_shift(config, mask)
   inner = bnd if shift is None else Band(right_bound=0)
   q_ids, kv_ids = mask.q_segment_ids, mask.kv_ids()
+  b, t, n, _ = q.shape
+  s = k.shape[1]
 
-  def call(g, acc):
-    docs = documents(q_ids, kv_ids, shift, g * SLOTS)
-    grads = call_backward(q, k, v, docs, out, lse, dout, config, inner)
-    return tuple(a + x for a, x in zip(acc, grads))  # disjoint rows, keys
+  def one(acc, cls, first, geometry, m):
+    c = select(docs, cls, first, m, t, s)
+    bi = jnp.arange(b)[:, None]
+    stats = jnp.zeros((b, m, n, geometry.length), jnp.float32).at[
+        bi, c.batch, :, c.row].set(lse.astype(jnp.float32), mode="drop")
+    grads = ffi.sdpa(
+        "jax_ring_sdpa_bwd_into",
+        tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)),
+        q, k, v, out, stats.reshape(b * m, n, -1), dout,
+        *call_rows(c, q, k, v), *acc, aliases={12: 0, 13: 1, 14: 2},
+        **ffi.attrs(config, inner, False, m, geometry.length))
+    return vma.like(tuple(grads), *acc)
 
-  def loop():
+  def run():
     init = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
     init = vma.like(init, q, k, v, out, lse, dout, q_ids, kv_ids)
-    return jax.lax.fori_loop(0, calls, call, init)
+    return each_call(docs, t, s, one, init)
 
-  fits, calls = layout(q_ids, kv_ids, shift)
-  return jax.lax.cond(fits, loop, lambda: xla.backward(
+  docs = documents(q_ids, kv_ids, shift, same=mask.same_ids)
+  return jax.lax.cond(layout(q_ids, kv_ids, shift), run, lambda: xla.backward(
       q, k, v, None, mask, out, lse, dout, None, config)[:3])
 
 

@@ -1,0 +1,58 @@
+"""Where a packed row's forward+backward time goes on one GPU: a
+jax.profiler trace of ``jax_ring.dot_product_attention`` on a row of
+equal documents, summarised from its kernel events (the per-call mean of
+wall, busy, attention and other kernels, idle; then the kernels by time).
+
+  python benchmarks/profile_packed.py --docs 1 64 4096 [--seq 32768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_ring
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import random_qkv  # noqa: E402
+from profile_ring import gpu_events, summarise  # noqa: E402
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--docs", type=int, nargs="+", default=[1, 64, 4096])
+  p.add_argument("--seq", type=int, default=32768)
+  p.add_argument("--calls", type=int, default=5)
+  p.add_argument("--top", type=int, default=14)
+  a = p.parse_args()
+  s, n, kh, d = a.seq, 16, 8, 128
+  q, k, v, _ = random_qkv(0, s, n, kh, d)
+  for docs in a.docs:
+    ids = jnp.asarray(np.repeat(np.arange(docs, dtype=np.int32),
+                                s // docs)[None])
+    loss = lambda q, k, v: jax_ring.dot_product_attention(
+        q, k, v, is_causal=True, segment_ids=ids).astype(jnp.float32).sum()
+    step = jax.jit(jax.grad(loss, (0, 1, 2)))
+    jax.block_until_ready(step(q, k, v))
+    with tempfile.TemporaryDirectory() as tmp:
+      with jax.profiler.trace(tmp):
+        for _ in range(a.calls):
+          out = step(q, k, v)
+        jax.block_until_ready(out)
+      trace = next(os.path.join(r, f) for r, _, fs in os.walk(tmp)
+                   for f in fs if f.endswith(".trace.json.gz"))
+      mean, detail, _ = summarise(gpu_events(trace), a.calls)
+    print(f"\n{docs} documents of {s // docs}: " + ", ".join(
+        f"{key} {val:.3f}" for key, val in mean.items()))
+    for ms, count, name in detail[:a.top]:
+      print(f"  {ms:8.3f} ms {count:4d}x  {name}")
+
+
+if __name__ == "__main__":
+  main()
