@@ -7,7 +7,7 @@ of one file and the start of the next (``segment_ids``, positions restart).
 
   python examples/train_lm.py                  # CPU: 8 simulated devices,
                                                # data=2 x context=4, ring,
-                                               # dual_chunk; about 2.5
+                                               # dual_chunk; about 2
                                                # minutes on 2 cores
   python examples/train_lm.py --run-dir runs/a # write to runs/a
   python examples/train_lm.py --run-dir runs/a --resume
@@ -53,7 +53,7 @@ OUTPUTS = ("checkpoints", "losses.json", "loss_curve.png")
 PRESETS = {
     # 0.85M params, the CPU default: loss 5.54 at step 1 (about ln 256 =
     # 5.55, the uniform guess) -> 2.8 nats/byte over the last 10 of 80
-    # steps (about 2.5 minutes on 2 cores).
+    # steps (about 2 minutes on 2 cores).
     "tiny": dict(model=dict(embed_dim=128, num_layers=4, num_heads=4,
                             num_kv_heads=2, head_dim=32, mlp_dim=384),
                  seq=2048, batch_per_data=1, lr=3e-3, steps=80),

@@ -288,7 +288,8 @@ def test_the_example_streams_what_generate_returns(tmp_path, capsys):
   """examples/generate.py on a checkpoint laid out as examples/finetune.py
   writes one (weights, tokenizer.json, EOS in config.json), with the cache
   split over 4 devices: it prints the prompt and the greedy continuation
-  that jax_ring.models.generate gives (the function)."""
+  that jax_ring.models.generate gives (the function). Without --model it
+  says first that its model is random."""
   cp_mesh()
   sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
   import finetune
@@ -309,6 +310,10 @@ def test_the_example_streams_what_generate_returns(tmp_path, capsys):
   want, = gen.generate(models.load_pretrained(model_dir), [ids],
                        max_new_tokens=6, stop_tokens=[encoder.eos])
   assert text == encoder.tok.decode(want, skip_special_tokens=True)
+  example.generate(example.parse_args(["--context", "4", "--max-new-tokens",
+                                       "2", prompt]))
+  assert capsys.readouterr().err.startswith(
+      "no --model: a tiny Llama of random weights (untrained)")
 
 
 @pytest.mark.gpu

@@ -263,10 +263,17 @@ def test_a_resume_writes_nothing_before_its_checks(tmp_path):
 def test_unreadable_tokenizer_or_config_is_named(tmp_path):
   """A model directory whose tokenizer.json or config.json cannot be read
   is an error naming the file, not a traceback."""
+  import finetune
   import sft_data
   (tmp_path / "tokenizer.json").write_text("{not json")
   (tmp_path / "config.json").write_text("{}")
   with pytest.raises(SystemExit, match=re.escape(
       f"{tmp_path / 'tokenizer.json'}: not a tokenizer the tokenizers "
       "library reads")):
+    sft_data.Encoder(tmp_path)
+  finetune.train_tokenizer(["owl sun lamp"], vocab_size=300).save(
+      str(tmp_path / "tokenizer.json"))
+  (tmp_path / "config.json").write_bytes(b"{\"vocab_size\": 30")
+  with pytest.raises(SystemExit, match=re.escape(
+      f"{tmp_path / 'config.json'}: not a readable JSON file")):
     sft_data.Encoder(tmp_path)

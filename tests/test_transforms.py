@@ -122,11 +122,17 @@ def test_vmap_over_an_empty_axis():
 
 
 def test_forward_mode_is_refused_by_name():
-  """jax.jvp (and so jax.jacfwd and jax.hessian) of a context-parallel
-  call is a TypeError naming forward mode, before anything runs."""
+  """jax.jvp and jax.jacfwd of a context-parallel call are a TypeError
+  naming forward mode; jax.hessian (forward over reverse) a
+  NotImplementedError naming the backward's primitive; each before
+  anything runs (docs/design.md, Transforms)."""
   q, k, v, _, ids, sinks = _instances()
   mesh = _mesh(jax.sharding.AxisType.Auto)
   with jax.set_mesh(mesh):
     f = lambda q: _attend(q, k[:, 0], v[:, 0], ids[:, 0], sinks)
     with pytest.raises(TypeError, match="forward-mode"):
       jax.jvp(f, (q[:, 0],), (q[:, 0],))
+    with pytest.raises(TypeError, match="forward-mode"):
+      jax.jacfwd(lambda x: f(x).sum())(q[:, 0])
+    with pytest.raises(NotImplementedError, match="Differentiation rule"):
+      jax.hessian(lambda x: f(x).sum())(q[:, 0])
