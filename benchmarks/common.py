@@ -154,7 +154,8 @@ def write(name, rows, columns, extra=None, mode="default", path=None):
   ``mode`` of this benchmark's results file (:func:`results_path`): the
   file keeps its other modes (a benchmark's flag comparisons, a memory
   search beside a throughput run) and the run replaces its own mode's
-  record. Returns the path."""
+  record. With ``JAX_RING_RESULTS_COPY`` set to a folder, the file is
+  also copied there. Returns the path."""
   env = environment()
   widths = [max(len(c), 10) for c in columns]
   print(" ".join(c.rjust(w) for c, w in zip(columns, widths)))
@@ -174,8 +175,8 @@ def write(name, rows, columns, extra=None, mode="default", path=None):
       benchmark=name, device=env["device"], device_count=env["device_count"],
       runs=dict(sorted(runs.items()))), indent=2) + "\n")
   print(f"wrote {path} ({mode})")
-  # On a machine whose outputs are collected from $OUT, a copy goes there.
-  out = os.environ.get("OUT")
-  if out and pathlib.Path(out).resolve() != path.parent.resolve():
-    shutil.copy(path, out)
+  copy = os.environ.get("JAX_RING_RESULTS_COPY")  # a folder, if set
+  if copy and pathlib.Path(copy).resolve() != path.parent.resolve():
+    shutil.copy(path, copy)
+    print(f"copied to {copy}")
   return path

@@ -3,13 +3,15 @@
 # Installs any wheels placed in .whl/ (for a machine without a package index:
 # nvidia-cudnn-frontend 1.32.0, hypothesis, pytest-xdist, ...), builds the
 # cuDNN extension, and sets
-# OUT (default benchmarks/results), NCCL_NVLS_ENABLE=0, unbuffered output
+# OUT (default benchmarks/results; the benchmarks' results files are also
+# copied there: JAX_RING_RESULTS_COPY), NCCL_NVLS_ENABLE=0, unbuffered output
 # and jax's persistent compilation cache in .lane_cache/jax (ignored by git):
 # a command that runs again on the same machine, or one split over several
 # commands (lm_training.py --append), reuses what an earlier one compiled.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.lane_cache/jax}
 OUT=${OUT:-benchmarks/results}
+export JAX_RING_RESULTS_COPY=${JAX_RING_RESULTS_COPY:-$OUT}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl || return 1

@@ -1,7 +1,9 @@
 """Where a packed row's forward+backward time goes on one GPU: a
 jax.profiler trace of ``jax_ring.dot_product_attention`` on a row of
 equal documents, summarised from its kernel events (the per-call mean of
-wall, busy, attention and other kernels, idle; then the kernels by time).
+wall, busy, attention and other kernels, idle; then the kernels by time),
+printed and written to ``results/profile_packed_<n>x<GPU>.json`` (``--mode``
+names the run; ``XLA_FLAGS`` is recorded).
 
   python benchmarks/profile_packed.py --docs 1 64 4096 [--seq 32768]
 """
@@ -20,7 +22,7 @@ import numpy as np
 import jax_ring
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import random_qkv  # noqa: E402
+from common import random_qkv, write  # noqa: E402
 from profile_ring import gpu_events, summarise  # noqa: E402
 
 
@@ -30,7 +32,9 @@ def main():
   p.add_argument("--seq", type=int, default=32768)
   p.add_argument("--calls", type=int, default=5)
   p.add_argument("--top", type=int, default=14)
+  p.add_argument("--mode", default="default")
   a = p.parse_args()
+  rows = []
   s, n, kh, d = a.seq, 16, 8, 128
   q, k, v, _ = random_qkv(0, s, n, kh, d)
   for docs in a.docs:
@@ -48,10 +52,17 @@ def main():
       trace = next(os.path.join(r, f) for r, _, fs in os.walk(tmp)
                    for f in fs if f.endswith(".trace.json.gz"))
       mean, detail, _ = summarise(gpu_events(trace), a.calls)
+    rows.append(dict(documents=docs, seq=s, **mean, top_kernels=[
+        dict(ms=ms, count=count, name=name) for ms, count, name in
+        detail[:a.top]]))
     print(f"\n{docs} documents of {s // docs}: " + ", ".join(
         f"{key} {val:.3f}" for key, val in mean.items()))
     for ms, count, name in detail[:a.top]:
       print(f"  {ms:8.3f} ms {count:4d}x  {name}")
+  write("profile_packed", rows, ["documents", "wall_ms", "busy_ms",
+                                 "attn_ms", "other_ms", "idle_ms"],
+        dict(heads=n, kv_heads=kh, head_dim=d, dtype="bfloat16",
+             calls=a.calls), mode=a.mode)
 
 
 if __name__ == "__main__":

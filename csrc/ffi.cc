@@ -4,9 +4,11 @@
 //
 // Buffers are BSHD, with the query/key head dim H and the value head dim Hv
 // (see sdpa.h, also for the mask attributes). B' below is the number of
-// virtual batches: B, or B * slots with packed documents; t = T - row_start.
+// virtual batches: B, or B * slots with packed documents; t = T - row_start,
+// or ragged_len where a packed call sets it.
 // Failures come back as ffi::Error with a message; nothing here aborts the
 // process.
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -68,9 +70,11 @@ ffi::Error Describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
     return Invalid("packed documents (slots = " + std::to_string(mask.slots) +
                    ") need row_start = col_start = 0");
   }
-  if (mask.ragged_len < 0 || (mask.ragged_len > 0 && mask.slots == 0)) {
+  if (mask.ragged_len < 0 || (mask.ragged_len > 0 && mask.slots == 0) ||
+      mask.ragged_len > std::max(qd[1], kd[1])) {
     return Invalid("ragged_len " + std::to_string(mask.ragged_len) +
-                   " needs packed documents (slots > 0)");
+                   " needs packed documents (slots > 0) and at most the "
+                   "longer of " + shapes + "'s sequence lengths");
   }
   *key = SdpaKey{backward,
                  q.element_type() == ffi::BF16 ? Dtype::kBF16 : Dtype::kF16,
@@ -235,7 +239,7 @@ ffi::Error Forward(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
 // device pointers (separate buffers, or the halves of one stacked buffer),
 // once `check_grads()` (their shapes) succeeds.
 template <bool kRun, typename CheckGrads>
-ffi::Error BackwardInto(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+ffi::Error RunBackward(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                         ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
                         ffi::AnyBuffer lse, ffi::AnyBuffer dout,
                         const Rows& rows, void* dq, void* dk, void* dv,
@@ -287,7 +291,7 @@ ffi::Error Backward(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                          Expect("dk", *dk, DimsOf(k), "(k's shape)", dtype),
                          Expect("dv", *dv, DimsOf(v), "(v's shape)", dtype)});
   };
-  return BackwardInto<kRun>(
+  return RunBackward<kRun>(
       stream, device, q, k, v, out, lse, dout,
       Rows{seq_q, seq_kv, ragged_q, ragged_k, ragged_v, ragged_o},
       dq->untyped_data(), dk->untyped_data(), dv->untyped_data(), *workspace,
@@ -326,7 +330,7 @@ ffi::Error BackwardDkv(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
          Expect("dkv", *dkv, DimsOf(k, {2}), "(2, B, S, K, H)", dtype)});
   };
   char* dk = static_cast<char*>(dkv->untyped_data());
-  return BackwardInto<kRun>(
+  return RunBackward<kRun>(
       stream, device, q, k, v, out, lse, dout,
       Rows{seq_q, seq_kv, ragged_q, ragged_k, ragged_v, ragged_o},
       dq->untyped_data(), dk, dk + k.size_bytes(), *workspace, scale,
@@ -361,7 +365,7 @@ ffi::Error ForwardInto(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
 }
 
 template <bool kRun>
-ffi::Error BackwardIntoBuffers(
+ffi::Error BackwardIntoGiven(
     cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
     ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
     ffi::AnyBuffer dout, ffi::Buffer<ffi::S32> seq_q,
@@ -450,6 +454,7 @@ auto StackedOrNot(Binding&& b) {
 // results (not stacked).
 template <ffi::ExecutionStage kStage, bool kStacked, bool kInto = false>
 auto BackwardBinding() {
+  static_assert(!(kStacked && kInto), "the aliased backward is not stacked");
   auto b = RowArgs(ffi::Ffi::Bind<kStage>()
                        .template Ctx<ffi::PlatformStream<cudaStream_t>>()
                        .template Ctx<ffi::DeviceOrdinal>()
@@ -496,9 +501,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaForwardIntoInit, ForwardInto<false>,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaForwardInto, ForwardInto<true>,
                               (ForwardBinding<kExec, true>()),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackwardIntoInit, BackwardIntoBuffers<false>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackwardIntoInit, BackwardIntoGiven<false>,
                               (BackwardBinding<kInit, false, true>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackwardInto, BackwardIntoBuffers<true>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackwardInto, BackwardIntoGiven<true>,
                               (BackwardBinding<kExec, false, true>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SdpaBackwardDkvInit, BackwardDkv<false>,

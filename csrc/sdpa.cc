@@ -191,10 +191,10 @@ std::shared_ptr<SdpaPlan> Build(const SdpaKey& key, cudnnHandle_t handle,
                      .set_attn_scale(key.scale);
     SetMask(attrs, key, *g);
     if (key.slots > 0) {
-      // The documents of a row lie inside it: key.b * t rows in all, not
-      // b * slots * t. Without this bound cuDNN sizes its float32 dQ
-      // accumulator for every virtual batch at full length, slots x the
-      // dense workspace (207 GB at 786k tokens, 16 heads, 16 slots).
+      // The documents of a row lie inside it: key.b * full_t rows in all,
+      // not (b * slots) x each virtual batch's length. Without this bound
+      // cuDNN sizes its float32 dQ accumulator for every virtual batch at
+      // full length (207 GB at 786k tokens, 16 heads, 16 row-long batches).
       attrs.set_max_total_seq_len_q(key.b * key.full_t)
           .set_max_total_seq_len_kv(key.b * key.full_s);
     }

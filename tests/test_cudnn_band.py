@@ -175,6 +175,9 @@ def test_length_classes_size_each_call_by_its_documents():
       (32, (1, 4, 16, 61)), (61, (1,))]
   assert [(g.length, g.batches) for g in packed.geometries(300, 200)] == [
       (32, (3, 12, 48, 192, 300)), (128, (3,)), (300, (1,))]
+  # 4 rows: at most 65535 // 4 virtual batches a row in one call.
+  assert packed.geometries(32768, 32768, 4)[0].batches == (
+      256, 1024, 4096, 16383)
 
 
 def test_packed_layout_counts_the_calls_and_flags_what_does_not_fit(
@@ -205,6 +208,11 @@ def test_packed_layout_counts_the_calls_and_flags_what_does_not_fit(
       (np.array([[1] * 37 + [2] * 3], np.int32), ones, 1, True)):
     fits = packed.layout(jnp.asarray(q_ids), jnp.asarray(kv_ids), shift)
     assert bool(fits) == want, (q_ids, kv_ids, shift)
+  # Past MAX_BATCHES virtual batches a call, class 0 loops as well: 20
+  # documents, menu (1, 4, 8).
+  monkeypatch.setattr(packed, "MAX_BATCHES", 8)
+  docs = packed.documents(jnp.asarray(many), jnp.asarray(many), same=True)
+  assert int(packed.calls(docs, t, t)) == 3
 
 
 # name: (q ids, kv ids or None = the same array, case kwargs); 2 rows of 61
@@ -287,9 +295,9 @@ def test_packed_calls_match_the_reference(name, smallest, monkeypatch):
 def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
   """The ring's packed blocks on cuDNN's ragged semantics (replayed in jnp)
   inside shard_map, on 2 simulated devices, rows of many documents in
-  several length classes (SMALLEST = 4): the loops' carries vary over the mesh
-  axis as their calls' results do, and the output and gradients equal the
-  reference's."""
+  several length classes (SMALLEST = 4; and MAX_BATCHES = 8, so class 0
+  loops too): the loops' carries vary over the mesh axis as their calls'
+  results do, and the output and gradients equal the reference's."""
   import jax
   import jax_ring
   import ragged_cudnn
@@ -298,6 +306,7 @@ def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
   from jax_ring._src.core import registry
   monkeypatch.setattr(ffi, "sdpa", ragged_cudnn.sdpa)
   monkeypatch.setattr(packed, "SMALLEST", 4)
+  monkeypatch.setattr(packed, "MAX_BATCHES", 8)
   monkeypatch.setattr(cudnn, "unsupported", lambda *_: None)  # as on a GPU
   monkeypatch.setitem(registry.BACKENDS, "cudnn", registry.Backend(
       "cudnn", cudnn.forward, cudnn.backward, lambda *_: None))

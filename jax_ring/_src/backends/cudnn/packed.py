@@ -17,9 +17,10 @@ one id array (its documents are longer than ``L_(c-1)``). Class 0's
 documents are at most one cuDNN tile (``TILE`` rows) each, as in a dense
 batch of them, and may be as many as ``T``: it picks ``M`` from
 ``ceil(max(T, S) / TILE) * RATIO**i`` up to ``T`` by ``lax.switch`` on
-the count, one call. So a row runs at most ``1 + RATIO * (classes - 1)``
-calls for one id array, whatever its number of documents, and usually
-one call a class present.
+the count, one call (a call holds at most ``MAX_BATCHES`` virtual
+batches in all; past that class 0 loops too). So a row runs at most ``1 +
+RATIO * (classes - 1)`` calls for one id array, whatever its number of
+documents, and usually one call a class present.
 
 **In place.** The ``_into`` handlers write each call's rows of ``out``
 (dq) and keys (dk, dv) into buffers they are given (aliased): documents
@@ -67,6 +68,10 @@ from jax_ring._src.core.mask import MASK_VALUE
 TILE = 128
 # Class 0's length: documents of up to SMALLEST tokens.
 SMALLEST = 32
+# A call's virtual batches in all (B * M) stay within CUDA's bound on a
+# grid's y and z dimensions, wherever cuDNN puts them; above it a class
+# loops. This also bounds class 0's stats, (B * M, N, SMALLEST) float32.
+MAX_BATCHES = 65535
 # Each class is RATIO x the previous one's length.
 RATIO = 4
 
@@ -81,8 +86,9 @@ class Geometry:
   batches: tuple[int, ...]
 
 
-def geometries(t: int, s: int) -> tuple[Geometry, ...]:
-  """The length classes of a block of ``t`` queries and ``s`` keys."""
+def geometries(t: int, s: int, b: int = 1) -> tuple[Geometry, ...]:
+  """The length classes of a block of ``b`` rows of ``t`` queries and
+  ``s`` keys."""
   top, lengths = max(t, s), [min(SMALLEST, max(t, s))]
   while lengths[-1] < top:
     lengths.append(min(lengths[-1] * RATIO, top))
@@ -91,7 +97,8 @@ def geometries(t: int, s: int) -> tuple[Geometry, ...]:
     menu = [-(-top // max(length, TILE if c == 0 else 1))]
     while c == 0 and menu[-1] < t:
       menu.append(min(menu[-1] * RATIO, t))
-    out.append(Geometry(length, tuple(menu)))
+    cap = max(1, MAX_BATCHES // b)
+    out.append(Geometry(length, tuple(sorted({min(m, cap) for m in menu}))))
   return tuple(out)
 
 
@@ -216,7 +223,7 @@ def class_counts(docs: Docs, classes: int):
 
 def calls(docs: Docs, t: int, s: int):
   """``()`` int32: the cuDNN calls one direction runs on these documents."""
-  geo = geometries(t, s)
+  geo = geometries(t, s, docs.cls.shape[0])
   counts = class_counts(docs, len(geo))
   tops = jnp.asarray([g.batches[-1] for g in geo], jnp.int32)
   return jnp.sum(-(-counts // tops))
@@ -291,7 +298,7 @@ def each_call(docs: Docs, t: int, s: int, one, acc):
   """``acc`` through ``one(acc, cls, first, geometry, m)`` for every call
   the documents need: per class, a loop over its calls, the number of
   virtual batches picked from the class's menu by ``lax.switch``."""
-  geo = geometries(t, s)
+  geo = geometries(t, s, docs.cls.shape[0])
   counts = class_counts(docs, len(geo))
   for c, g in enumerate(geo):
     menu = g.batches
@@ -309,22 +316,42 @@ def each_call(docs: Docs, t: int, s: int, one, acc):
   return acc
 
 
+@dataclasses.dataclass(frozen=True)
+class Block:
+  """What a block's forward and backward share: the band inside each
+  document, the ids, the documents and whether the ids fit the calls
+  (``()`` bool, decided at run time)."""
+
+  inner: Band
+  q_ids: jax.Array
+  kv_ids: jax.Array
+  docs: Docs
+  fits: jax.Array
+
+
+def block(mask, config, bnd: Band) -> Block:
+  """The packed block of ``mask``'s ids under ``config``'s mask."""
+  shift = diagonal_shift(config, mask)
+  q_ids, kv_ids = mask.q_segment_ids, mask.kv_ids()
+  return Block(bnd if shift is None else Band(right_bound=0), q_ids, kv_ids,
+               documents(q_ids, kv_ids, shift, same=mask.same_ids),
+               layout(q_ids, kv_ids, shift))
+
+
 def forward(q, k, v, mask, config, bnd: Band):
   """The block forward on packed ``mask`` ids: ``(out, lse)``."""
-  shift = diagonal_shift(config, mask)
-  inner = bnd if shift is None else Band(right_bound=0)
-  q_ids, kv_ids = mask.q_segment_ids, mask.kv_ids()
+  blk = block(mask, config, bnd)
   b, t, n, _ = q.shape
   s = k.shape[1]
 
   def one(acc, cls, first, geometry, m):
-    c = select(docs, cls, first, m, t, s)
+    c = select(blk.docs, cls, first, m, t, s)
     out, stats = ffi.sdpa(
         "jax_ring_sdpa_fwd_into",
         (jax.ShapeDtypeStruct(acc[0].shape, q.dtype),
          jax.ShapeDtypeStruct((b * m, n, geometry.length), jnp.float32)),
         q, k, v, *call_rows(c, q, k, v), acc[0], aliases={9: 0},
-        **ffi.attrs(config, inner, False, m, geometry.length))
+        **ffi.attrs(config, blk.inner, False, m, geometry.length))
     bi = jnp.arange(b)[:, None]
     lse = stats.reshape(b, m, n, -1)[bi, jnp.minimum(c.batch, m - 1), :,
                                      c.row]  # (B, T, N)
@@ -336,24 +363,21 @@ def forward(q, k, v, mask, config, bnd: Band):
     init = (jnp.zeros((b, t, n, v.shape[3]), q.dtype),
             jnp.full((b, t, n), MASK_VALUE, jnp.float32))
     # Inside shard_map the carry varies as the calls' results do.
-    init = vma.like(init, q, k, v, q_ids, kv_ids)
-    return each_call(docs, t, s, one, init)
+    init = vma.like(init, q, k, v, blk.q_ids, blk.kv_ids)
+    return each_call(blk.docs, t, s, one, init)
 
-  docs = documents(q_ids, kv_ids, shift, same=mask.same_ids)
-  return jax.lax.cond(layout(q_ids, kv_ids, shift), run,
+  return jax.lax.cond(blk.fits, run,
                       lambda: xla.forward(q, k, v, None, mask, config))
 
 
 def backward(q, k, v, mask, out, lse, dout, config, bnd: Band):
   """The block backward on packed ``mask`` ids: ``(dq, dk, dv)``."""
-  shift = diagonal_shift(config, mask)
-  inner = bnd if shift is None else Band(right_bound=0)
-  q_ids, kv_ids = mask.q_segment_ids, mask.kv_ids()
+  blk = block(mask, config, bnd)
   b, t, n, _ = q.shape
   s = k.shape[1]
 
   def one(acc, cls, first, geometry, m):
-    c = select(docs, cls, first, m, t, s)
+    c = select(blk.docs, cls, first, m, t, s)
     bi = jnp.arange(b)[:, None]
     stats = jnp.zeros((b, m, n, geometry.length), jnp.float32).at[
         bi, c.batch, :, c.row].set(lse.astype(jnp.float32), mode="drop")
@@ -362,16 +386,15 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd: Band):
         tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)),
         q, k, v, out, stats.reshape(b * m, n, -1), dout,
         *call_rows(c, q, k, v), *acc, aliases={12: 0, 13: 1, 14: 2},
-        **ffi.attrs(config, inner, False, m, geometry.length))
+        **ffi.attrs(config, blk.inner, False, m, geometry.length))
     return vma.like(tuple(grads), *acc)
 
   def run():
     init = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
-    init = vma.like(init, q, k, v, out, lse, dout, q_ids, kv_ids)
-    return each_call(docs, t, s, one, init)
+    init = vma.like(init, q, k, v, out, lse, dout, blk.q_ids, blk.kv_ids)
+    return each_call(blk.docs, t, s, one, init)
 
-  docs = documents(q_ids, kv_ids, shift, same=mask.same_ids)
-  return jax.lax.cond(layout(q_ids, kv_ids, shift), run, lambda: xla.backward(
+  return jax.lax.cond(blk.fits, run, lambda: xla.backward(
       q, k, v, None, mask, out, lse, dout, None, config)[:3])
 
 
