@@ -168,8 +168,8 @@ def write(name, rows, columns, extra=None, mode="default", path=None):
   path = pathlib.Path(path) if path else results_path(name, env)
   data = json.loads(path.read_text()) if path.exists() else {}
   runs = data.get("runs", {})
-  runs[mode] = dict(**env, date=time.strftime("%Y-%m-%d"), **(extra or {}),
-                    rows=rows)
+  runs[mode] = {**env, "date": time.strftime("%Y-%m-%d"), **(extra or {}),
+               "rows": rows}
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(dict(
       benchmark=name, device=env["device"], device_count=env["device_count"],

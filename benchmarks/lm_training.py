@@ -290,8 +290,7 @@ def main():
                  memory_fraction=os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
                  example_args=a.example_args,
                  profile=kept.get("profile", []) + profiles,
-                 commands=kept.get("commands", []) + [shlex.join(sys.argv)],
-                 xla_flags=os.environ.get("XLA_FLAGS", ""))
+                 commands=kept.get("commands", []) + [shlex.join(sys.argv)])
     if len(longest_rows) == 2 and longest_rows[0]["longest_seq"]:
       extra["longest_ratio"] = (longest_rows[1]["longest_seq"] /
                                 longest_rows[0]["longest_seq"])
@@ -316,8 +315,7 @@ def main():
     write("lm_training", rows,
           ["devices", "seq", "packed", "argument_gb", "temp_gb"],
           extra=dict(preset=a.preset, strategy=a.strategy,
-                     example_args=a.example_args,
-                     xla_flags=os.environ.get("XLA_FLAGS", "")),
+                     example_args=a.example_args),
           mode=f"memory_{a.strategy}_{a.mode}")
     return
 

@@ -216,8 +216,7 @@ def main():
                    kv_chunk_heads=a.kv_chunk_heads,
                    command_buffers=a.graphs or "xla default",
                    **ring_kwargs(a), heads=a.heads, head_dim=a.head_dim,
-                   dtype="bfloat16", batch=1,
-                   xla_flags=os.environ.get("XLA_FLAGS", "")))
+                   dtype="bfloat16", batch=1))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ def report(rows, a):
          for c in ("max_rel_err", "grad_max_rel_err")],
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
                    **ring_kwargs(a),
-                   xla_flags=os.environ.get("XLA_FLAGS", ""),
                    efficiency="(single-GPU cuDNN time / cp) / ring time"),
         mode=a.mode)
 

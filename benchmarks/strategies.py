@@ -15,7 +15,14 @@ jax_ring's), ``ring_scan``, ``ring_neighbour`` and ``ring_gather``
 default is ring, all_gather, ulysses, every hybrid with U, R >= 2 (2x2 on 4
 GPUs; 2x4 and 4x2 on 8) and auto, timed like the others; the row records
 auto's forward/backward picks and its time over the fastest other
-strategy's, for the forward and for forward+backward. Writes
+strategy's, for the forward and for forward+backward.
+
+``--mixes`` adds packed rows (segment ids, causal within each document):
+``one`` (the default: one causal document, no ids), ``lognormal``
+(median 300 tokens, sigma 1, capped at 8,192) and ``equalN`` (N equal
+documents). A packed row's efficiency is against the single GPU on the
+same ids; ``<name>_fwdbwd_eff_vs_one`` divides it by the strategy's
+efficiency on one document of the same length (target >= 0.9). Writes
 benchmarks/results/strategies_<count>x<gpu>.json (``--mode``: the run's name
 there).
 """
@@ -35,8 +42,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_ring  # noqa: E402
-from common import (random_qkv, rel_err, ring_args,  # noqa: E402
-                    ring_kwargs, shape_args, time_fn, write)
+from common import (lognormal_lengths, random_qkv, rel_err,  # noqa: E402
+                    ring_args, ring_kwargs, shape_args, time_fn, write)
 
 def default_strategies(cp: int) -> list[str]:
   hybrids = [f"hybrid_{u}x{cp // u}" for u in range(2, cp // 2 + 1)
@@ -77,13 +84,30 @@ def setup(name, cp, lb, **ring):
   return cpc, NamedSharding(mesh, spec), to, back
 
 
-def measure(row, name, cp, causal, q, k, v, do, want, t1, tb1, ring):
+def mix_ids(mix: str, seq: int):
+  """``(1, seq)`` int32 segment ids of a ``--mixes`` name (None: ``one``)."""
+  if mix == "one":
+    return None
+  if mix == "lognormal":
+    lengths = lognormal_lengths(np.random.default_rng(0), seq)
+  elif mix.startswith("equal") and seq % int(mix[5:]) == 0:
+    lengths = [seq // int(mix[5:])] * int(mix[5:])
+  else:
+    raise ValueError(f"--mixes {mix!r}: one, lognormal or equalN (N "
+                     f"dividing {seq})")
+  return jnp.asarray(np.repeat(np.arange(len(lengths), dtype=np.int32),
+                               lengths)[None])
+
+
+def measure(row, name, cp, causal, q, k, v, do, want, t1, tb1, ring,
+            ids=None):
   """Time one strategy's forward and forward+backward into ``row``."""
   cpc, sh, to, back = setup(name, cp, "dual_chunk" if causal else None,
                             **ring)
   args = [jax.device_put(to(x), sh) for x in (q, k, v, do)]
+  seg = None if ids is None else jax.device_put(to(ids), sh)
   attn = lambda q, k, v: jax_ring.dot_product_attention(
-      q, k, v, is_causal=causal, context_parallel=cpc)
+      q, k, v, is_causal=causal, segment_ids=seg, context_parallel=cpc)
   f = jax.jit(attn)
   fb = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
   row[f"{name}_max_rel_err"] = rel_err(back(f(*args[:3])), want)
@@ -93,15 +117,30 @@ def measure(row, name, cp, causal, q, k, v, do, want, t1, tb1, ring):
   row[f"{name}_fwdbwd_eff"] = tb1 / cp / tb
 
 
+def versus_one(rows, names):
+  """Each packed row's ``<name>_fwdbwd_eff_vs_one``: its efficiency over
+  the same strategy's on one document of the same seq and kv heads."""
+  one = {(r["seq"], r["kv_heads"]): r for r in rows if r["mix"] == "one"}
+  for r in rows:
+    base = one.get((r["seq"], r["kv_heads"]))
+    for n in names:
+      key = f"{n}_fwdbwd_eff"
+      if r["mix"] != "one" and base and key in r and key in base:
+        r[f"{key}_vs_one"] = r[key] / base[key]
+
+
 def report(rows, a):
-  cols = ["seq", "kv_heads"]
+  versus_one(rows, a.strategies)
+  cols = ["seq", "kv_heads", "mix"]
   for n in a.strategies:
     cols += [f"{n}_fwd_eff", f"{n}_fwdbwd_eff"]
+    if len(a.mixes) > 1:
+      cols.append(f"{n}_fwdbwd_eff_vs_one")
   write("strategies", rows,
         cols + ["auto_pick", "best_fwd", "auto_vs_best_fwd", "best_fwdbwd",
                 "auto_vs_best_fwdbwd"],
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
-                   **ring_kwargs(a), xla_flags=os.environ.get("XLA_FLAGS", ""),
+                   **ring_kwargs(a),
                    efficiency="(single-GPU cuDNN time / cp) / strategy time",
                    path="automatic (jit + NamedSharding + ContextParallel)"),
         mode=a.mode)
@@ -113,6 +152,8 @@ def main():
   p.add_argument("--strategies", nargs="+", default=None,
                  help="names as above (default: see the module docstring)")
   ring_args(p)
+  p.add_argument("--mixes", nargs="+", default=["one"],
+                 help="one, lognormal, equalN (see the module docstring)")
   p.add_argument("--implementation", default="cudnn",
                  help="single-GPU baseline backend (xla for a CPU dry run)")
   a = p.parse_args()
@@ -121,11 +162,14 @@ def main():
   causal = True
   rows = []
   for s in a.seq:
-    for kh in a.kv_heads:
+    for kh, mix in ((kh, m) for kh in a.kv_heads for m in a.mixes):
       q, k, v, do = random_qkv(s + kh, s, a.heads, kh, a.head_dim)
-      row = dict(seq=s, cp=cp, heads=a.heads, kv_heads=kh, causal=causal)
-      single = lambda q, k, v: jax_ring.dot_product_attention(
-          q, k, v, is_causal=causal, implementation=a.implementation)
+      ids = mix_ids(mix, s)
+      row = dict(seq=s, cp=cp, heads=a.heads, kv_heads=kh, causal=causal,
+                 mix=mix, documents=1 if ids is None else int(ids[0, -1]) + 1)
+      single = lambda q, k, v, ids=ids: jax_ring.dot_product_attention(
+          q, k, v, is_causal=causal, segment_ids=ids,
+          implementation=a.implementation)
       f1 = jax.jit(single)
       fb1 = jax.jit(lambda q, k, v, do: jax.vjp(single, q, k, v)[1](do))
       want = f1(q, k, v).astype(jnp.float32)
@@ -134,12 +178,15 @@ def main():
       for name in a.strategies:
         try:
           measure(row, name, cp, causal, q, k, v, do, want, t1, tb1,
-                  ring_kwargs(a))
+                  ring_kwargs(a), ids)
         except Exception as e:  # a strategy that fails is reported, not hidden
           row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
-      choice = jax_ring.explain(q.shape, k.shape, cp_size=cp,
-                                is_causal=causal)
+      choice = jax_ring.explain(
+          q.shape, k.shape, cp_size=cp, is_causal=causal,
+          segment_ids=None if ids is None else np.asarray(ids))
       row["auto_pick"] = f"{choice.forward}/{choice.backward}"
+      if ids is not None:
+        row["balance"] = choice.defaults["balance"][0]
       measured = [n for n in a.strategies
                   if f"{n}_fwdbwd_ms" in row and n != "auto"]
       for t in ("fwd", "fwdbwd"):

@@ -82,8 +82,7 @@ def main():
   write("strategies_masks", rows,
         ["config", "strategy", "load_balance", "out", "dq", "dk", "dv"],
         extra=dict(shapes=dict(B=B, S=S, N=N, K=K, H=H, dtype="bfloat16"),
-                   error="max|got - want| / max(1, max|want|)",
-                   xla_flags=os.environ.get("XLA_FLAGS", "")))
+                   error="max|got - want| / max(1, max|want|)"))
 
 
 if __name__ == "__main__":

@@ -149,7 +149,8 @@ def _keys_of(q_ids, q_start, kv_ids):
   sorted_id = jnp.where(jnp.take_along_axis(used, order, 1), sorted_id,
                         jnp.iinfo(jnp.int32).max)
   want = jnp.take_along_axis(q_ids, jnp.minimum(q_start, t - 1), 1)
-  at = jnp.clip(jax.vmap(jnp.searchsorted)(sorted_id, want), 0, s - 1)
+  at = jnp.clip(jax.vmap(functools.partial(jnp.searchsorted, method="sort"))(
+      sorted_id, want), 0, s - 1)
   hit = (jnp.take_along_axis(sorted_id, at, 1) == want) & (
       at < used.sum(1, keepdims=True))
   run = jnp.take_along_axis(order, at, 1)
@@ -176,8 +177,8 @@ def documents(q_ids, kv_ids, shift: int | None = None,
     q_start, q_len = first, q_start + q_len - first
   lengths = jnp.asarray([g.length for g in geometries(t, s)], jnp.int32)
   active = (q_len > 0) & (kv_len > 0)
-  cls = jnp.where(active, jnp.searchsorted(lengths, jnp.maximum(q_len,
-                                                                kv_len)), -1)
+  cls = jnp.where(active, jnp.searchsorted(
+      lengths, jnp.maximum(q_len, kv_len), method="compare_all"), -1)
   hot = cls[:, :, None] == jnp.arange(len(lengths))[None, None]
   rank = jnp.take_along_axis(jnp.cumsum(hot, 1, dtype=jnp.int32),
                              jnp.maximum(cls, 0)[:, :, None], 2)[:, :, 0] - 1
@@ -196,7 +197,7 @@ def layout(q_ids, kv_ids, shift: int | None = None):
     order = jnp.argsort(q, stable=True)  # an id's first query comes first
     sq = q[order]
     distinct = 1 + (sq[1:] != sq[:-1]).sum(dtype=jnp.int32)
-    at = jnp.clip(jnp.searchsorted(sq, kv), 0, t - 1)
+    at = jnp.clip(jnp.searchsorted(sq, kv, method="sort"), 0, t - 1)
     member = sq[at] == kv  # the key's id has queries
     starts = member & jnp.concatenate([jnp.ones((1,), bool),
                                        kv[1:] != kv[:-1]])
@@ -302,7 +303,8 @@ def each_call(docs: Docs, t: int, s: int, one, acc):
   counts = class_counts(docs, len(geo))
   for c, g in enumerate(geo):
     menu = g.batches
-    pick = jnp.minimum(jnp.searchsorted(jnp.asarray(menu), counts[c]),
+    pick = jnp.minimum(jnp.searchsorted(jnp.asarray(menu), counts[c],
+                                        method="compare_all"),
                        len(menu) - 1)
     branches = [functools.partial(one, cls=c, geometry=g, m=m) for m in menu]
 
