@@ -10,6 +10,7 @@ import json
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
@@ -132,6 +133,23 @@ def test_strategies_benchmark_on_8_devices(tmp_path, monkeypatch):
   assert row["auto_pick"].count("/") == 1
 
 
+def test_strategies_mixes_are_packed_rows_compared_with_one_document():
+  """strategies.py --mixes: each mix's ids cover the row in runs; a packed
+  row's efficiency is divided by one document's at the same shape."""
+  ids = np.asarray(strategies.mix_ids("equal4", 16))
+  assert ids.tolist() == [[0] * 4 + [1] * 4 + [2] * 4 + [3] * 4]
+  lognormal = np.asarray(strategies.mix_ids("lognormal", 5000))
+  assert lognormal.shape == (1, 5000) and np.all(np.diff(lognormal) >= 0)
+  assert strategies.mix_ids("one", 16) is None
+  with pytest.raises(ValueError, match="equal3"):
+    strategies.mix_ids("equal3", 16)
+  rows = [dict(seq=8, kv_heads=2, mix="one", ring_fwdbwd_eff=0.8),
+          dict(seq=8, kv_heads=2, mix="equal4", ring_fwdbwd_eff=0.4)]
+  strategies.versus_one(rows, ["ring", "auto"])
+  assert rows[1]["ring_fwdbwd_eff_vs_one"] == 0.5
+  assert "ring_fwdbwd_eff_vs_one" not in rows[0]
+
+
 @pytest.mark.slow
 def test_ring_benchmark_on_8_devices(tmp_path, monkeypatch):
   loops = ("unrolled", "scan", "neighbour", "gather")
@@ -199,16 +217,21 @@ def test_results_file_per_benchmark_kind_and_count_keeps_other_modes(
     tmp_path, monkeypatch):
   """``common.write``: one file per benchmark x device kind x count; a run
   replaces its own mode's record and keeps the others."""
-  env = dict(device="NVIDIA H200", platform="gpu", device_count=2)
+  env = dict(device="NVIDIA H200", platform="gpu", device_count=2,
+             xla_flags="--a")
   monkeypatch.setattr(common, "environment", lambda: dict(env))
   monkeypatch.setattr(common, "RESULTS", tmp_path)
   assert common.device_kind("NVIDIA H100 80GB HBM3", "gpu") == "H100"
   assert common.device_kind("cpu", "cpu") == "CPU"
   path = common.write("bench", [dict(a=1.0)], ["a"])
   assert path == tmp_path / "bench_2xH200.json"
-  common.write("bench", [dict(a=2.0)], ["a"], mode="flags")
+  # A benchmark's own field wins over the environment's of the same name.
+  common.write("bench", [dict(a=2.0)], ["a"], mode="flags",
+               extra=dict(xla_flags="--b"))
   common.write("bench", [dict(a=3.0)], ["a"])  # replaces "default"
   data = json.loads(path.read_text())
+  assert data["runs"]["flags"]["xla_flags"] == "--b"
+  assert data["runs"]["default"]["xla_flags"] == "--a"
   assert data["benchmark"] == "bench" and data["device_count"] == 2
   assert {m: r["rows"] for m, r in data["runs"].items()} == {
       "default": [dict(a=3.0)], "flags": [dict(a=2.0)]}
