@@ -20,7 +20,11 @@ its own strategy. Per device, for one layer:
   to their compute.
 
 Ulysses is a candidate only when the local query heads divide by cp,
-all-gather only without the striped layout, and Ulysses alone for T != S.
+all-gather only without the striped layout and without segment ids, and
+Ulysses alone for T != S. With segment ids each device's packed block
+under all-gather pairs its queries' documents with the gathered row's (a
+block of T by S), and its forward took 2.1-2.2x the faster of the ring's
+and Ulysses' on 2 GPUs at 64k (``strategies_2xH100.json``, ``packed``).
 The smallest modelled time wins each pass; ties keep the order ring,
 all_gather, ulysses. A pair of axes means ``hybrid``. :func:`explain` also
 states every default the call would apply (layout, loop form, K/V sends,
@@ -126,9 +130,11 @@ def _tflops(length, backward):
 
 
 def _pass_ms(backward, *, batch, seq, heads, kv_heads, head_dim, cp, share,
-             dtype_bytes, load_balance, cross, value_head_dim=None) -> dict:
+             dtype_bytes, load_balance, cross, value_head_dim=None,
+             packed=False) -> dict:
   """Modelled milliseconds of each candidate for one pass (``cross``:
-  T != S, which only Ulysses serves)."""
+  T != S, which only Ulysses serves; ``packed``: segment ids, which
+  all-gather does not serve well, see the module doc)."""
   work, sends = (2.5, 3) if backward else (1.0, 1)
   dims = head_dim + (value_head_dim or head_dim)  # q k^T, then p v
   flops = work * 2 * batch * seq * seq * heads * dims * share / cp
@@ -139,7 +145,8 @@ def _pass_ms(backward, *, batch, seq, heads, kv_heads, head_dim, cp, share,
   per_step = max(compute / cp, sends * gathered / cp / (P2P_GBS * 1e9))
   times = {} if cross else {"ring": (compute / cp + (cp - 1) * per_step +
                                     cp * STEP_US * 1e-6)}
-  if load_balance != "striped" and not cross:  # all-gather computes contiguous ranges
+  # All-gather computes contiguous ranges.
+  if load_balance != "striped" and not cross and not packed:
     times["all_gather"] = compute + frac * sends * gathered / (
         COLLECTIVE_GBS * 1e9)
   if heads % cp == 0:
@@ -153,17 +160,18 @@ def _pass_ms(backward, *, batch, seq, heads, kv_heads, head_dim, cp, share,
 
 def estimate(*, batch, seq, heads, kv_heads, head_dim, cp, is_causal=True,
              window=None, dtype_bytes=2, load_balance=None,
-             kv_seq=None, value_head_dim=None) -> Choice:
+             kv_seq=None, value_head_dim=None, packed=False) -> Choice:
   """Model the candidates for one layer's forward and backward, per
   device; ``kv_seq`` (default ``seq``): the key length S;
-  ``value_head_dim`` (default ``head_dim``): Hv."""
+  ``value_head_dim`` (default ``head_dim``): Hv; ``packed``: rows with
+  segment ids."""
   share = 0.5 if is_causal else 1.0
   if window is not None:
     share = min(share, (sum(window) + 1) / seq)
   kw = dict(batch=batch, seq=seq, heads=heads, kv_heads=kv_heads,
             head_dim=head_dim, cp=cp, share=share, dtype_bytes=dtype_bytes,
             load_balance=load_balance, value_head_dim=value_head_dim,
-            cross=kv_seq is not None and kv_seq != seq)
+            cross=kv_seq is not None and kv_seq != seq, packed=packed)
   by_pass = {p: _pass_ms(p == "backward", **kw) for p in PASSES}
   picks, why = {}, []
   for p, times in by_pass.items():
@@ -176,7 +184,9 @@ def estimate(*, batch, seq, heads, kv_heads, head_dim, cp, is_causal=True,
       "forward"]}
   reason = "; ".join(why) + (f" (cp={cp}, S={seq}, N={heads}, K={kv_heads}, "
                              f"causal={is_causal}; times modelled from H200 "
-                             "measurements)")
+                             "measurements)") + (
+      "; segment ids: no all-gather (its packed blocks pair each device's "
+      "documents with the whole row's)" if packed else "")
   return Choice(picks["forward"], picks["backward"], times_ms, reason)
 
 
@@ -184,7 +194,8 @@ def resolve(cpc: ContextParallel, mesh, q_shape, local_heads, kv_heads=None,
             *, kv_seq=None, value_head_dim=None, backward: bool = False,
             **mask) -> ContextParallel:
   """``cpc`` with ``auto`` replaced by the modelled choice for the forward
-  pass, or for the backward one."""
+  pass, or for the backward one; ``mask``: :func:`estimate`'s
+  ``is_causal``, ``window`` and ``packed``."""
   if cpc.strategy != "auto":
     return cpc
   if cpc.is_hybrid:
@@ -255,7 +266,7 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
                     head_dim=h, cp=sizes[cpc.axis], is_causal=is_causal,
                     window=window, dtype_bytes=dtype_bytes,
                     load_balance=cpc.load_balance, kv_seq=run_s,
-                    value_head_dim=hv)
+                    value_head_dim=hv, packed=segment_ids is not None)
   if cpc.strategy != "auto":  # what the user named runs
     choice = dataclasses.replace(
         choice, forward=cpc.strategy, backward=cpc.strategy,

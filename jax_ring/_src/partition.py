@@ -41,9 +41,11 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(TokenMask))
 _LENGTHS = frozenset({"q_lengths", "kv_lengths"})
 
 
-def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
+def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool,
+          present: tuple[str, ...]):
   """(batch axes, head axes, sequence axes) of q's sharding, the strategy
-  and its plan, for the forward pass or the backward one. The mesh is first
+  and its plan, for the forward pass or the backward one (``present``: the
+  mask operands given, segment ids among them). The mesh is first
   known here, so the shape checks that need its sizes, and the ``auto``
   choice (made per pass), are made here."""
   q_shape, k_shape = arg_shapes[0], arg_shapes[1]
@@ -68,7 +70,8 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool):
                      kv_heads=max(1, k // tp), kv_seq=k_shape.shape[1],
                      value_head_dim=arg_shapes[2].shape[3],
                      backward=backward, is_causal=cfg.is_causal,
-                     window=cfg.local_window)
+                     window=cfg.local_window,
+                     packed="q_segment_ids" in present)
   validate.cp_shapes(cpc, mesh.shape, q_shape.shape, k_shape.shape,
                      local_heads)
   strategy = STRATEGIES[cpc.strategy]
@@ -124,7 +127,7 @@ def _functions(present: tuple[str, ...]):
   def fwd_partition(cfg, cpc, scope, mesh, arg_shapes, result_shape):
     mesh = _concrete(mesh, scope, arg_shapes)
     batch, heads, seq, strategy, plan = _axes(mesh, arg_shapes, cpc, cfg,
-                                              False)
+                                              False, present)
     tok, stat, masks = _shardings(mesh, batch, heads, seq, present)
 
     def lowered(*args):
@@ -135,7 +138,8 @@ def _functions(present: tuple[str, ...]):
 
   def fwd_infer(cfg, cpc, scope, mesh, arg_shapes, result_shape):
     mesh = _concrete(mesh, scope, arg_shapes)
-    batch, heads, seq, _, _ = _axes(mesh, arg_shapes, cpc, cfg, False)
+    batch, heads, seq, _, _ = _axes(mesh, arg_shapes, cpc, cfg, False,
+                                    present)
     tok, stat, _ = _shardings(mesh, batch, heads, seq, present)
     return tok, stat
 
@@ -154,7 +158,7 @@ def _functions(present: tuple[str, ...]):
   def bwd_partition(cfg, cpc, scope, mesh, arg_shapes, result_shape):
     mesh = _concrete(mesh, scope, arg_shapes)
     batch, heads, seq, strategy, plan = _axes(mesh, arg_shapes, cpc, cfg,
-                                              True)
+                                              True, present)
     tok, stat, masks = _shardings(mesh, batch, heads, seq, present)
 
     def lowered(*args):
@@ -167,7 +171,8 @@ def _functions(present: tuple[str, ...]):
 
   def bwd_infer(cfg, cpc, scope, mesh, arg_shapes, result_shape):
     mesh = _concrete(mesh, scope, arg_shapes)
-    batch, heads, seq, _, _ = _axes(mesh, arg_shapes, cpc, cfg, True)
+    batch, heads, seq, _, _ = _axes(mesh, arg_shapes, cpc, cfg, True,
+                                    present)
     tok, _, _ = _shardings(mesh, batch, heads, seq, present)
     return tok, tok, tok
 
