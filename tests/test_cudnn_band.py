@@ -208,6 +208,15 @@ def test_packed_layout_counts_the_calls_and_flags_what_does_not_fit(
       (np.array([[1] * 37 + [2] * 3], np.int32), ones, 1, True)):
     fits = packed.layout(jnp.asarray(q_ids), jnp.asarray(kv_ids), shift)
     assert bool(fits) == want, (q_ids, kv_ids, shift)
+  # One id array: the one-sort check agrees with the general one.
+  shuffled = np.array([[3] * 9 + [0] * 11 + [2] * 20], np.int32)
+  for ids, want in ((many, True), (eights, True), (mixed, True),
+                    (ones, True), (shuffled, True), (split, False),
+                    (np.concatenate([many, split]), False)):
+    for shift in (None, 2):
+      both = [bool(packed.layout(jnp.asarray(ids), jnp.asarray(ids), shift,
+                                 same=same)) for same in (False, True)]
+      assert both == [want, want], (ids, shift, both)
   # Past MAX_BATCHES virtual batches a call, class 0 loops as well: 20
   # documents, menu (1, 4, 8).
   monkeypatch.setattr(packed, "MAX_BATCHES", 8)

@@ -185,11 +185,18 @@ def documents(q_ids, kv_ids, shift: int | None = None,
   return Docs(q_start, q_len, kv_start, kv_len, cls, rank, run)
 
 
-def layout(q_ids, kv_ids, shift: int | None = None):
+def layout(q_ids, kv_ids, shift: int | None = None, same: bool = False):
   """Whether every row's query ids are runs of one id each (no id in two
   runs), the keys of each such id one contiguous range, and (``shift``) no
   document's first key before its first query's diagonal; ``()`` bool.
-  O(T log T) a row (sorts)."""
+  O(T log T) a row (sorts). ``same``: the keys' ids are the queries' array,
+  so the first condition is all (a run's keys are its queries, and a
+  ``shift >= 0`` puts no first key before its diagonal): one sort a row."""
+
+  def one_array(q):
+    sq = jnp.sort(q)
+    return ((q[1:] != q[:-1]).sum(dtype=jnp.int32) ==
+            (sq[1:] != sq[:-1]).sum(dtype=jnp.int32))
 
   def row(q, kv):
     t, s = q.shape[0], kv.shape[0]
@@ -213,6 +220,8 @@ def layout(q_ids, kv_ids, shift: int | None = None):
       fits &= jnp.all(~starts | (diagonal >= order[at]))
     return fits
 
+  if same:
+    return jnp.all(jax.vmap(one_array)(q_ids))
   return jnp.all(jax.vmap(row)(q_ids, kv_ids))
 
 
@@ -337,7 +346,7 @@ def block(mask, config, bnd: Band) -> Block:
   q_ids, kv_ids = mask.q_segment_ids, mask.kv_ids()
   return Block(bnd if shift is None else Band(right_bound=0), q_ids, kv_ids,
                documents(q_ids, kv_ids, shift, same=mask.same_ids),
-               layout(q_ids, kv_ids, shift))
+               layout(q_ids, kv_ids, shift, mask.same_ids))
 
 
 def forward(q, k, v, mask, config, bnd: Band):
