@@ -1,8 +1,9 @@
 """Where a packed row's forward+backward time goes on one GPU: a
 jax.profiler trace of ``jax_ring.dot_product_attention`` on a row of
 equal documents, summarised from its kernel events (the per-call mean of
-wall, busy, attention and other kernels, idle; then the kernels by time),
-printed and written to ``results/profile_packed_<n>x<GPU>.json`` (``--mode``
+wall, busy, attention and other kernels, idle; GPU 0's events and its
+waits, the idle stretches of over 20 us that a host round trip leaves;
+then the kernels by time), printed and written to ``results/profile_packed_<n>x<GPU>.json`` (``--mode``
 names the run; ``XLA_FLAGS`` is recorded).
 
   python benchmarks/profile_packed.py --docs 1 64 4096 [--seq 32768]
@@ -23,7 +24,9 @@ import jax_ring
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import random_qkv, write  # noqa: E402
-from profile_ring import gpu_events, summarise  # noqa: E402
+from profile_ring import gaps, gpu_events, summarise  # noqa: E402
+
+GAP_US = 20.0
 
 
 def main():
@@ -51,7 +54,14 @@ def main():
         jax.block_until_ready(out)
       trace = next(os.path.join(r, f) for r, _, fs in os.walk(tmp)
                    for f in fs if f.endswith(".trace.json.gz"))
-      mean, detail, _ = summarise(gpu_events(trace), a.calls)
+      per = gpu_events(trace)
+      mean, detail, _ = summarise(per, a.calls)
+    # GPU 0's launches, and its waits of over GAP_US (each host round trip
+    # of a run-time branch or loop test leaves one), per call.
+    evs = [(b, e) for b, e, _, _ in next(iter(sorted(per.items())))[1]]
+    waits, waited = gaps(evs, GAP_US)
+    mean.update(events=len(evs) / a.calls, waits=waits / a.calls,
+                waits_ms=waited / 1e3 / a.calls)
     rows.append(dict(documents=docs, seq=s, **mean, top_kernels=[
         dict(ms=ms, count=count, name=name) for ms, count, name in
         detail[:a.top]]))
@@ -60,9 +70,11 @@ def main():
     for ms, count, name in detail[:a.top]:
       print(f"  {ms:8.3f} ms {count:4d}x  {name}")
   write("profile_packed", rows, ["documents", "wall_ms", "busy_ms",
-                                 "attn_ms", "other_ms", "idle_ms"],
+                                 "attn_ms", "other_ms", "idle_ms", "events",
+                                 "waits", "waits_ms"],
         dict(heads=n, kv_heads=kh, head_dim=d, dtype="bfloat16",
-             calls=a.calls), mode=a.mode)
+             calls=a.calls, waits=f"GPU 0's idle stretches over {GAP_US} us "
+             "a call"), mode=a.mode)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,18 @@ def union(intervals) -> float:
   return total
 
 
+def gaps(intervals, over: float) -> tuple[int, float]:
+  """``(count, total length)`` of the stretches longer than ``over`` in
+  which none of ``intervals`` runs, between the first and the last (a
+  GPU waiting, often for the host)."""
+  count, total, end = 0, 0.0, None
+  for s, e in sorted(intervals):
+    if end is not None and s - end > over:
+      count, total = count + 1, total + s - end
+    end = e if end is None else max(end, e)
+  return count, total
+
+
 def exposed(comm, rest) -> float:
   """Length of ``comm`` intervals not covered by any of ``rest``."""
   return union(list(comm) + list(rest)) - union(rest) if comm else 0.0

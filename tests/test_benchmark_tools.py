@@ -72,6 +72,13 @@ def test_interval_sums():
       (25, 5, "Stream #1", "other"), (40, 10, "Stream #2", "comm")]
 
 
+def test_gaps_count_the_idle_stretches_over_a_length():
+  spans = [(0, 10), (5, 20), (25, 30), (90, 95), (96, 100)]
+  assert profile_ring.gaps(spans, 4) == (2, 65)  # 20-25 and 30-90
+  assert profile_ring.gaps(spans, 10) == (1, 60)
+  assert profile_ring.gaps([], 1) == (0, 0.0)
+
+
 def test_training_step_families_split_matmuls_from_other_kernels():
   """lm_training's profile: matmuls are their own family, and NCCL time
   under a matmul is not exposed."""
