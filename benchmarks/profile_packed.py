@@ -3,7 +3,8 @@ jax.profiler trace of ``jax_ring.dot_product_attention`` on a row of
 equal documents, summarised from its kernel events (the per-call mean of
 wall, busy, attention and other kernels, idle; GPU 0's events and its
 waits, the idle stretches of over 20 us that a host round trip leaves;
-then the kernels by time), printed and written to ``results/profile_packed_<n>x<GPU>.json`` (``--mode``
+the program's loops and conditionals in and out of CUDA graphs; then the
+kernels by time), printed and written to ``results/profile_packed_<n>x<GPU>.json`` (``--mode``
 names the run; ``XLA_FLAGS`` is recorded).
 
   python benchmarks/profile_packed.py --docs 1 64 4096 [--seq 32768]
@@ -29,6 +30,24 @@ from profile_ring import gaps, gpu_events, summarise  # noqa: E402
 GAP_US = 20.0
 
 
+def control_flow(hlo: str) -> dict:
+  """Counts in a compiled program's text: while loops and conditionals
+  inside XLA command buffers (CUDA graphs, computations named
+  ``command_buffer``: run on the device) and outside them (each loop test
+  and branch read back by the host), and custom calls."""
+  out = dict(whiles_in_graphs=0, whiles=0, conditionals_in_graphs=0,
+             conditionals=0, custom_calls=0)
+  graph = False
+  for line in hlo.splitlines():
+    if line.endswith("{") and not line.startswith(" "):  # a computation
+      graph = "command_buffer" in line.split("(")[0]
+    for op, key in ((" while(", "whiles"), (" conditional(", "conditionals")):
+      if op in line:
+        out[key + ("_in_graphs" if graph else "")] += 1
+    out["custom_calls"] += " custom-call(" in line
+  return out
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--docs", type=int, nargs="+", default=[1, 64, 4096])
@@ -45,7 +64,8 @@ def main():
                                 s // docs)[None])
     loss = lambda q, k, v: jax_ring.dot_product_attention(
         q, k, v, is_causal=True, segment_ids=ids).astype(jnp.float32).sum()
-    step = jax.jit(jax.grad(loss, (0, 1, 2)))
+    step = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile()
+    program = control_flow(step.as_text())
     jax.block_until_ready(step(q, k, v))
     with tempfile.TemporaryDirectory() as tmp:
       with jax.profiler.trace(tmp):
@@ -62,11 +82,12 @@ def main():
     waits, waited = gaps(evs, GAP_US)
     mean.update(events=len(evs) / a.calls, waits=waits / a.calls,
                 waits_ms=waited / 1e3 / a.calls)
-    rows.append(dict(documents=docs, seq=s, **mean, top_kernels=[
+    rows.append(dict(documents=docs, seq=s, **mean, program=program,
+                     top_kernels=[
         dict(ms=ms, count=count, name=name) for ms, count, name in
         detail[:a.top]]))
     print(f"\n{docs} documents of {s // docs}: " + ", ".join(
-        f"{key} {val:.3f}" for key, val in mean.items()))
+        f"{key} {val:.3f}" for key, val in mean.items()) + f"; {program}")
     for ms, count, name in detail[:a.top]:
       print(f"  {ms:8.3f} ms {count:4d}x  {name}")
   write("profile_packed", rows, ["documents", "wall_ms", "busy_ms",

@@ -79,6 +79,29 @@ def test_gaps_count_the_idle_stretches_over_a_length():
   assert profile_ring.gaps([], 1) == (0, 0.0)
 
 
+def test_control_flow_counts_loops_and_branches_in_and_out_of_graphs():
+  import jax
+  import jax.numpy as jnp
+  import profile_packed
+
+  def f(x, n):
+    y = jax.lax.fori_loop(0, n, lambda i, c: c * 2, x)
+    return jax.lax.cond(n > 3, lambda: y + 1, lambda: y - 1)
+
+  hlo = jax.jit(f).lower(jnp.ones(3), 5).compile().as_text()
+  assert profile_packed.control_flow(hlo) == dict(
+      whiles_in_graphs=0, whiles=1, conditionals_in_graphs=0, conditionals=1,
+      custom_calls=0)
+  graph = ("%command_buffer.2 (p: s32[]) -> s32[] {\n"
+           "  %c = s32[] conditional(%p, %a, %b), branch_computations={}\n}\n"
+           "ENTRY %main (p: s32[]) -> s32[] {\n"
+           "  %w = s32[] while(%p), condition=%c, body=%b\n"
+           "  %x = f32[2] custom-call(%p), custom_call_target=\"t\"\n}\n")
+  assert profile_packed.control_flow(graph) == dict(
+      whiles_in_graphs=0, whiles=1, conditionals_in_graphs=1, conditionals=0,
+      custom_calls=1)
+
+
 def test_training_step_families_split_matmuls_from_other_kernels():
   """lm_training's profile: matmuls are their own family, and NCCL time
   under a matmul is not exposed."""
