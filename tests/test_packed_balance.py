@@ -68,3 +68,28 @@ def test_explain_reports_the_balance_of_given_rows():
       "(1, 62)")):
     jax_ring.explain((1, 63, 8, 16), (1, 63, 2, 16), cp_size=4,
                      segment_ids=ids[:, :62].astype(np.int64))
+
+
+def test_explain_says_whether_cudnns_packed_path_serves_the_rows():
+  """``cudnn_packed``: every id one run of tokens, the check the packed
+  path makes at run time (``packed.layout``); otherwise it names the row
+  and the id."""
+  import jax.numpy as jnp
+  from jax_ring._src.backends.cudnn import packed
+  rng = np.random.default_rng(0)
+  rows = [np.repeat(np.arange(4), [40, 8, 8, 8])[None],
+          np.repeat([3, 0, 2, 1], 16)[None],  # one run each, unordered
+          np.repeat([0, 1, 0, 2], 16)[None],  # id 0 twice (left padding)
+          rng.integers(0, 3, (2, 64))]
+  for ids in rows:
+    fits, why = jax_ring.explain((ids.shape[0], 64, 4, 16),
+                                 (ids.shape[0], 64, 4, 16), cp_size=4,
+                                 is_causal=True,
+                                 segment_ids=ids).defaults["cudnn_packed"]
+    ids32 = jnp.asarray(ids, jnp.int32)
+    assert fits == bool(packed.layout(ids32, ids32, same=True)), (ids, why)
+    if not fits:
+      assert re.match(r"row \d: id \d is \d+ separate runs", why), why
+  assert not jax_ring.explain(
+      (1, 64, 4, 16), (1, 64, 4, 16), cp_size=4,
+      segment_ids=rows[2]).defaults["cudnn_packed"][0]

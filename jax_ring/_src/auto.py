@@ -229,7 +229,8 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
   strategy="auto")``. ``segment_ids`` (B, T), host ints of packed rows in
   natural order, each document one run: the attention work's balance over
   the devices in each layout the strategy takes (``balance``; the
-  most-loaded device over the mean)."""
+  most-loaded device over the mean), and whether cuDNN's packed path
+  serves them (``cudnn_packed``: not where an id is two runs of tokens)."""
   pair = isinstance(cp_size, (tuple, list))
   cpc = context_parallel or ContextParallel(
       axis=("ulysses", "ring") if pair else "cp", strategy="auto")
@@ -258,6 +259,7 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
   if segment_ids is not None:
     defaults_["balance"] = _balance(segment_ids, query_shape, cpc, sizes,
                                     run_t, is_causal)
+    defaults_["cudnn_packed"] = _one_run_each(np.asarray(segment_ids))
   if cpc.is_hybrid:
     return Choice("hybrid", "hybrid", {}, f"a pair of axes {cpc.axis!r} "
                   f"(sizes {tuple(sizes.values())}): Ulysses inside a ring",
@@ -273,6 +275,25 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
         reason=f"strategy {cpc.strategy!r} as given; auto would model: "
         f"{choice.reason}")
   return dataclasses.replace(choice, defaults=defaults_)
+
+
+def _one_run_each(ids) -> tuple[bool, str]:
+  """explain's ``cudnn_packed`` entry: whether every row's ids are runs of
+  one id each, which cuDNN's packed path needs (``(B, T)`` ids checked
+  by :func:`_balance` first)."""
+  if ids.size == 0:
+    return True, "no tokens"
+  for r, row in enumerate(ids):
+    runs = row[np.flatnonzero(np.r_[True, row[1:] != row[:-1]])]
+    found, count = np.unique(runs, return_counts=True)
+    if (count > 1).any():
+      return False, (
+          f"row {r}: id {found[count > 1][0]} is {count[count > 1][0]} "
+          "separate runs of tokens; cuDNN's packed path takes each id as "
+          "one run, so blocks holding such rows run on the pure-JAX "
+          "kernel (exact, slower)")
+  return True, ("every id is one run of tokens: cuDNN's packed path serves "
+                "these rows (16-bit inputs on a GPU)")
 
 
 def _balance(segment_ids, query_shape, cpc, sizes, run_t, is_causal):
