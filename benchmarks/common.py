@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import time
 
@@ -62,6 +63,52 @@ def jit_variant(fn, variant: str):
     return jax.jit(fn)
   return jax.jit(fn, compiler_options={
       "xla_gpu_enable_command_buffer": GRAPHS[graphs]})
+
+
+_CALLS = re.compile(r"(?:to_apply|body|condition|calls|true_computation|"
+                    r"false_computation)=%?([\w.\-]+)|branch_computations="
+                    r"\{([^}]*)\}")
+_LAUNCH = (" fusion(", " custom-call(", " all-reduce(", " all-gather(",
+           " all-to-all(", " collective-permute(", " reduce-scatter(",
+           " copy(", " sort(", " scatter(", " gather(")
+
+
+def program_summary(hlo: str) -> dict:
+  """Counts in a compiled GPU program's text (``compiled.as_text()``):
+  XLA's command buffers (CUDA graphs: computations named
+  ``command_buffer``, and all they call, run on the device without the
+  host), and, inside them and outside, the instructions that launch work
+  (fusions, custom calls, collectives, copies, sorts), while loops and
+  conditionals (outside a graph, each loop test and branch is read back
+  by the host)."""
+  body, calls, name = {}, {}, None
+  for line in hlo.splitlines():
+    if line.endswith("{") and not line.startswith(" ") and "(" in line:
+      name = line.split("(")[0].split()[-1].lstrip("%")
+      body[name], calls[name] = [], set()
+    elif name is not None and line.startswith(" "):
+      body[name].append(line)
+      for one, many in _CALLS.findall(line):
+        calls[name].update([one] if one else [
+            c.strip().lstrip("%") for c in many.split(",") if c.strip()])
+  graph = {n for n in body if "command_buffer" in n}
+  todo = list(graph)
+  while todo:
+    for callee in calls.get(todo.pop(), ()):
+      if callee in body and callee not in graph:
+        graph.add(callee)
+        todo.append(callee)
+  fused = {c for lines in body.values() for line in lines if " fusion(" in line
+           for c in _CALLS.findall(line) for c in c if c}
+  out = dict(graphs=sum("command_buffer" in n for n in body))
+  for key, ops in (("launches", _LAUNCH), ("whiles", (" while(",)),
+                   ("conditionals", (" conditional(",))):
+    for where in ("", "_in_graphs"):
+      out[key + where] = sum(
+          any(op in line for op in ops) for n, lines in body.items()
+          if (n in graph) == bool(where) and n not in fused
+          for line in lines)
+  return out
 
 
 def random_qkv(seed, seq, heads, kv_heads, head_dim, dtype=jnp.bfloat16):

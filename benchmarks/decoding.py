@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from common import rel_err, time_fn, write
+from common import program_summary, rel_err, time_fn, write
 from jax_ring import models
 from jax_ring.models import generation as gen
 
@@ -86,8 +86,10 @@ def step_seconds(generator, cache, steps: int = 24) -> float:
 
 
 def kernel_profile(generator, cache, steps: int = 5, top: int = 12):
-  """Per decode step: GPU kernels' total microseconds, their count, and the
-  ``top`` kernels by time (``jax.profiler`` trace, device planes)."""
+  """Per decode step: GPU kernels' total microseconds, their count, the
+  ``top`` kernels by time (``jax.profiler`` trace, device planes), and the
+  step program's launches in and out of CUDA graphs
+  (``common.program_summary``)."""
   import collections
   import glob
   import tempfile
@@ -113,7 +115,11 @@ def kernel_profile(generator, cache, steps: int = 5, top: int = 12):
       for ev in line.events:
         by_name[ev.name] += ev.duration_ns / 1e3 / steps
         count += 1
+  program = program_summary(gen._step.lower(
+      generator.graphdef, generator.state, cache, jnp.asarray(tokens),
+      jnp.int32(1)).compile().as_text())
   return dict(kernel_us=sum(by_name.values()), kernels=count / steps,
+              program=program,
               top={k: round(v, 1) for k, v in by_name.most_common(top)})
 
 
@@ -168,6 +174,7 @@ def main():
       cache = random_cache(cfg, b, ctx, 2)
       kv = 2 * cfg.num_layers * b * ctx * cfg.num_kv_heads * cfg.head_dim * 2
       t = step_seconds(generator, cache)
+      prof = None
       if a.profile and ctx == max(a.context):
         prof = kernel_profile(generator, random_cache(cfg, b, ctx, 3))
         print(f"profile, batch {b}, context {ctx}: {prof}", flush=True)
@@ -176,7 +183,8 @@ def main():
       rows.append(dict(kind="decode", batch=b, context=ctx,
                        step_ms=t * 1e3, floor_ms=floor * 1e3,
                        over_floor=t / floor, step_64_ms=base * 1e3,
-                       cache_gib=kv / 2**30))
+                       cache_gib=kv / 2**30, **(
+                           {} if prof is None else dict(profile=prof))))
       print(rows[-1], flush=True)
   for ctx in a.prefill:
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size,

@@ -3,8 +3,8 @@ jax.profiler trace of ``jax_ring.dot_product_attention`` on a row of
 equal documents, summarised from its kernel events (the per-call mean of
 wall, busy, attention and other kernels, idle; GPU 0's events and its
 waits, the idle stretches of over 20 us that a host round trip leaves;
-the program's loops and conditionals in and out of CUDA graphs; then the
-kernels by time), printed and written to ``results/profile_packed_<n>x<GPU>.json`` (``--mode``
+the program's launches, loops and conditionals in and out of CUDA graphs
+(``common.program_summary``); then the kernels by time), printed and written to ``results/profile_packed_<n>x<GPU>.json`` (``--mode``
 names the run; ``XLA_FLAGS`` is recorded).
 
   python benchmarks/profile_packed.py --docs 1 64 4096 [--seq 32768]
@@ -24,28 +24,10 @@ import numpy as np
 import jax_ring
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import random_qkv, write  # noqa: E402
+from common import program_summary, random_qkv, write  # noqa: E402
 from profile_ring import gaps, gpu_events, summarise  # noqa: E402
 
 GAP_US = 20.0
-
-
-def control_flow(hlo: str) -> dict:
-  """Counts in a compiled program's text: while loops and conditionals
-  inside XLA command buffers (CUDA graphs, computations named
-  ``command_buffer``: run on the device) and outside them (each loop test
-  and branch read back by the host), and custom calls."""
-  out = dict(whiles_in_graphs=0, whiles=0, conditionals_in_graphs=0,
-             conditionals=0, custom_calls=0)
-  graph = False
-  for line in hlo.splitlines():
-    if line.endswith("{") and not line.startswith(" "):  # a computation
-      graph = "command_buffer" in line.split("(")[0]
-    for op, key in ((" while(", "whiles"), (" conditional(", "conditionals")):
-      if op in line:
-        out[key + ("_in_graphs" if graph else "")] += 1
-    out["custom_calls"] += " custom-call(" in line
-  return out
 
 
 def main():
@@ -65,7 +47,7 @@ def main():
     loss = lambda q, k, v: jax_ring.dot_product_attention(
         q, k, v, is_causal=True, segment_ids=ids).astype(jnp.float32).sum()
     step = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile()
-    program = control_flow(step.as_text())
+    program = program_summary(step.as_text())
     jax.block_until_ready(step(q, k, v))
     with tempfile.TemporaryDirectory() as tmp:
       with jax.profiler.trace(tmp):

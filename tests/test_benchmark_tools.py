@@ -79,27 +79,40 @@ def test_gaps_count_the_idle_stretches_over_a_length():
   assert profile_ring.gaps([], 1) == (0, 0.0)
 
 
-def test_control_flow_counts_loops_and_branches_in_and_out_of_graphs():
+def test_program_summary_counts_work_in_and_out_of_graphs():
+  """Launches, loops and branches of a compiled program, inside XLA's
+  command buffers (and what they call) and outside; a fusion's own
+  computation launches nothing."""
   import jax
   import jax.numpy as jnp
-  import profile_packed
 
   def f(x, n):
     y = jax.lax.fori_loop(0, n, lambda i, c: c * 2, x)
     return jax.lax.cond(n > 3, lambda: y + 1, lambda: y - 1)
 
-  hlo = jax.jit(f).lower(jnp.ones(3), 5).compile().as_text()
-  assert profile_packed.control_flow(hlo) == dict(
-      whiles_in_graphs=0, whiles=1, conditionals_in_graphs=0, conditionals=1,
-      custom_calls=0)
-  graph = ("%command_buffer.2 (p: s32[]) -> s32[] {\n"
-           "  %c = s32[] conditional(%p, %a, %b), branch_computations={}\n}\n"
-           "ENTRY %main (p: s32[]) -> s32[] {\n"
-           "  %w = s32[] while(%p), condition=%c, body=%b\n"
-           "  %x = f32[2] custom-call(%p), custom_call_target=\"t\"\n}\n")
-  assert profile_packed.control_flow(graph) == dict(
-      whiles_in_graphs=0, whiles=1, conditionals_in_graphs=1, conditionals=0,
-      custom_calls=1)
+  got = common.program_summary(
+      jax.jit(f).lower(jnp.ones(3), 5).compile().as_text())
+  assert (got["graphs"], got["whiles"], got["conditionals"]) == (0, 1, 1)
+  assert got["launches"] > 0 and got["launches_in_graphs"] == 0
+  graph = """%command_buffer.2 (p: s32[]) -> s32[] {
+  %c = s32[] conditional(%p), branch_computations={%a, %b}
+}
+%a (p: s32[]) -> s32[] {
+  %f = s32[] fusion(%p), kind=kLoop, calls=%fc
+}
+%b (p: s32[]) -> s32[] {
+  %g = s32[] custom-call(%p)
+}
+%fc (p: s32[]) -> s32[] {
+  %h = s32[] gather(%p)
+}
+ENTRY %main (p: s32[]) -> s32[] {
+  %w = s32[] while(%p), condition=%c, body=%b2
+  %x = f32[2] custom-call(%p), custom_call_target="t"
+}"""
+  assert common.program_summary(graph) == dict(
+      graphs=1, launches=1, launches_in_graphs=2, whiles=1,
+      whiles_in_graphs=0, conditionals=0, conditionals_in_graphs=1)
 
 
 def test_training_step_families_split_matmuls_from_other_kernels():
