@@ -138,8 +138,7 @@ def _functions(present: tuple[str, ...]):
 
   def fwd_infer(cfg, cpc, scope, mesh, arg_shapes, result_shape):
     mesh = _concrete(mesh, scope, arg_shapes)
-    batch, heads, seq, _, _ = _axes(mesh, arg_shapes, cpc, cfg, False,
-                                    present)
+    batch, heads, seq, _, _ = _axes(mesh, arg_shapes, cpc, cfg, False, present)
     tok, stat, _ = _shardings(mesh, batch, heads, seq, present)
     return tok, stat
 
@@ -171,8 +170,7 @@ def _functions(present: tuple[str, ...]):
 
   def bwd_infer(cfg, cpc, scope, mesh, arg_shapes, result_shape):
     mesh = _concrete(mesh, scope, arg_shapes)
-    batch, heads, seq, _, _ = _axes(mesh, arg_shapes, cpc, cfg, True,
-                                    present)
+    batch, heads, seq, _, _ = _axes(mesh, arg_shapes, cpc, cfg, True, present)
     tok, _, _ = _shardings(mesh, batch, heads, seq, present)
     return tok, tok, tok
 
