@@ -4,8 +4,9 @@ equal documents, summarised from its kernel events (the per-call mean of
 wall, busy, attention and other kernels, idle; GPU 0's events and its
 waits, the idle stretches of over 20 us that a host round trip leaves;
 the program's launches, loops and conditionals in and out of CUDA graphs
-(``common.program_summary``); then the kernels by time), printed and written to ``results/profile_packed_<n>x<GPU>.json`` (``--mode``
-names the run; ``XLA_FLAGS`` is recorded).
+(``common.program_summary``); then the kernels by time), printed and
+written to ``results/profile_packed_<n>x<GPU>.json`` (``--mode`` names
+the run; ``XLA_FLAGS`` is recorded).
 
   python benchmarks/profile_packed.py --docs 1 64 4096 [--seq 32768]
 """
@@ -64,10 +65,10 @@ def main():
     waits, waited = gaps(evs, GAP_US)
     mean.update(events=len(evs) / a.calls, waits=waits / a.calls,
                 waits_ms=waited / 1e3 / a.calls)
+    top = [dict(ms=ms, count=count, name=name)
+           for ms, count, name in detail[:a.top]]
     rows.append(dict(documents=docs, seq=s, **mean, program=program,
-                     top_kernels=[
-        dict(ms=ms, count=count, name=name) for ms, count, name in
-        detail[:a.top]]))
+                     top_kernels=top))
     print(f"\n{docs} documents of {s // docs}: " + ", ".join(
         f"{key} {val:.3f}" for key, val in mean.items()) + f"; {program}")
     for ms, count, name in detail[:a.top]:
