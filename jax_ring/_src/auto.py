@@ -26,10 +26,10 @@ under all-gather pairs its queries' documents with the gathered row's (a
 block of T by S), which the measurements put behind the others
 (docs/design.md, "The automatic strategy"). The smallest modelled time
 wins each pass; ties keep the order ring, all_gather, ulysses. A pair of
-axes means ``hybrid``. :func:`explain` also
-states every default the call would apply (layout, loop form, K/V sends,
-the backward's K/V source, the all-gather's head groups, the block
-backend), so nothing the library chooses is hidden.
+axes means ``hybrid``. :func:`explain` also states every default the call
+would apply (layout, loop form, K/V sends, the backward's K/V source, the
+all-gather's head groups, the block backend), so nothing the library
+chooses is hidden.
 
 The formulas: docs/design.md, "The automatic strategy"; how the constants
 were fit and where the picks miss: docs/decisions.md, "The automatic path".
