@@ -81,6 +81,7 @@ def test_explain_says_whether_cudnns_packed_path_serves_the_rows():
           np.repeat([3, 0, 2, 1], 16)[None],  # one run each, unordered
           np.repeat([0, 1, 0, 2], 16)[None],  # id 0 twice (left padding)
           rng.integers(0, 3, (2, 64))]
+  found = []
   for ids in rows:
     fits, why = jax_ring.explain((ids.shape[0], 64, 4, 16),
                                  (ids.shape[0], 64, 4, 16), cp_size=4,
@@ -90,6 +91,8 @@ def test_explain_says_whether_cudnns_packed_path_serves_the_rows():
     assert fits == bool(packed.layout(ids32, ids32, same=True)), (ids, why)
     if not fits:
       assert re.match(r"row \d: id \d is \d+ separate runs", why), why
+    found.append(fits)
+  assert found == [True, True, False, False]
   assert not jax_ring.explain(
       (1, 64, 4, 16), (1, 64, 4, 16), cp_size=4,
       segment_ids=rows[2]).defaults["cudnn_packed"][0]
