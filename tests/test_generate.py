@@ -21,7 +21,7 @@ from flax import nnx
 import jax_ring
 from jax_ring import models
 from jax_ring.models import generation as gen
-from helpers import TOLERANCE, relative_error
+from helpers import TOLERANCE, collectives, relative_error
 
 V = 61
 COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=48,
@@ -82,6 +82,26 @@ def test_greedy_tokens_equal_transformers(name, cache, checkpoints):
           context_parallel=jax_ring.ContextParallel(axis="context"))
       got = gen.generate(model, PROMPTS, max_new_tokens=NEW)
   assert got == want
+
+
+def test_a_step_over_the_context_axis_moves_only_the_merge():
+  """The cache split over 4 devices: a decode step's only collectives are
+  each layer's merge of its attention, one max- and one sum-all-reduce;
+  the new token's activations are not split over the context axis (one
+  token cannot be), so no norm or projection needs one."""
+  mesh = cp_mesh()
+  shapes = dict(COMMON, model_type="llama", rms_norm_eps=1e-5)
+  with jax.set_mesh(mesh):
+    cfg = models.config_from_hf(
+        shapes, dtype=jnp.float32, param_dtype=jnp.float32,
+        rules=models.model_rules(),
+        context_parallel=jax_ring.ContextParallel(axis="context"))
+    generator = gen.Generator(models.Decoder(cfg, rngs=nnx.Rngs(0)))
+    _, cache = generator.prefill(PROMPTS, max_new_tokens=NEW)
+    hlo = generator.lower_step(cache, [3, 4]).compile().as_text()
+  assert collectives(hlo) == {"all-gather": 0, "reduce-scatter": 0,
+                              "all-reduce": 2 * cfg.num_layers,
+                              "collective-permute": 0, "all-to-all": 0}
 
 
 @pytest.mark.parametrize("layout", ["striped", "contiguous", "hybrid",

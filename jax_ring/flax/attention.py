@@ -46,6 +46,7 @@ layout).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 import jax
@@ -297,8 +298,21 @@ def constrain(x, logical_axes, rules: LogicalRules):
         f"axes {explicit}: make it with jax.make_mesh(..., "
         f"axis_types=(jax.sharding.AxisType.Auto,) * {len(mesh.axis_names)})")
   table = dict(rules)
-  spec = jax.sharding.PartitionSpec(*(table.get(a) for a in logical_axes))
+  spec = jax.sharding.PartitionSpec(*(
+      _fewer(table.get(a), n, mesh) for a, n in zip(logical_axes, x.shape)))
   return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _fewer(axes, size: int, mesh):
+  """``axes`` for a dimension of ``size``, or None where it has fewer
+  entries than they have devices (a decode step's one token over the
+  context axis): such a split leaves devices holding only padding, and
+  turns each reduction over the others into a masked one plus a
+  collective; replicated, every device computes it whole."""
+  if axes is None:
+    return None
+  names = axes if isinstance(axes, tuple) else (axes,)
+  return None if size < math.prod(mesh.shape[a] for a in names) else axes
 
 
 def sharded_param(rngs, init, shape, axes, config):

@@ -338,6 +338,14 @@ class Generator:
     return _step(self.graphdef, self.state, cache,
                  jnp.asarray(tokens, jnp.int32), jnp.int32(int(step)))
 
+  def lower_step(self, cache: KVCache, tokens, step: int = 0):
+    """The program :meth:`step` runs for ``cache`` and ``tokens (B,)``,
+    lowered, not run (``jax.stages.Lowered``: ``.compile().as_text()``
+    shows its kernels and collectives; with the cache split, one max- and
+    one sum-all-reduce a layer)."""
+    return _step.lower(self.graphdef, self.state, cache,
+                       jnp.asarray(tokens, jnp.int32), jnp.int32(int(step)))
+
   def generate(self, prompts: Sequence[Sequence[int]], *,
                max_new_tokens: int, sampling: Sampling = Sampling(),
                seed: int = 0, stop_tokens: Sequence[int] = (),
