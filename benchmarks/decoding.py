@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from common import rel_err, time_fn, write
+from common import program_summary, rel_err, time_fn, write
 from jax_ring import models
 from jax_ring.models import generation as gen
 
@@ -86,8 +86,10 @@ def step_seconds(generator, cache, steps: int = 24) -> float:
 
 
 def kernel_profile(generator, cache, steps: int = 5, top: int = 12):
-  """Per decode step: GPU kernels' total microseconds, their count, and the
-  ``top`` kernels by time (``jax.profiler`` trace, device planes)."""
+  """Per decode step: GPU kernels' total microseconds, their count, the
+  ``top`` kernels by time (``jax.profiler`` trace, device planes), and the
+  step program's launches in and out of CUDA graphs
+  (``common.program_summary``)."""
   import collections
   import glob
   import tempfile
@@ -113,7 +115,10 @@ def kernel_profile(generator, cache, steps: int = 5, top: int = 12):
       for ev in line.events:
         by_name[ev.name] += ev.duration_ns / 1e3 / steps
         count += 1
+  program = program_summary(
+      generator.lower_step(cache, tokens, 1).compile().as_text())
   return dict(kernel_us=sum(by_name.values()), kernels=count / steps,
+              program=program,
               top={k: round(v, 1) for k, v in by_name.most_common(top)})
 
 
