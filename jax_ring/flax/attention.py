@@ -283,8 +283,9 @@ def rms_norm(x, weight, *, eps: float, zero_centered: bool = False):
 
 def constrain(x, logical_axes, rules: LogicalRules):
   """Sharding constraint from logical names, under the current mesh
-  (``jax.set_mesh``). A no-op without rules or without a mesh, so that the
-  same code runs on one device. The layers place activations by these
+  (``jax.set_mesh``); a dimension with fewer entries than its mesh axes
+  have devices stays unsplit. A no-op without rules or without a mesh, so
+  that the same code runs on one device. The layers place activations by these
   constraints, so the mesh's axes must be Auto (a ``ValueError`` names the
   Explicit ones)."""
   mesh = jax.sharding.get_abstract_mesh()
