@@ -84,7 +84,7 @@ def test_default_with_hybrid_axes_and_eagerly_on_explicit_axes():
 def test_load_balanced_inputs_permute_nothing():
   """``inputs="load_balanced"``: arrays put in the layout by the caller are
   exact, and the program holds the ring's sends only; natural inputs add
-  the permutation's collectives."""
+  the permutation's collectives, chunks sent once each."""
   mesh = _mesh((4,), ("cp",))
   laid = jax_ring.ContextParallel(inputs="load_balanced", kv_sends="neighbour")
   _check(laid, mesh, P(None, "cp"), layout_in=("dual_chunk", 4))
@@ -101,6 +101,10 @@ def test_load_balanced_inputs_permute_nothing():
   moved = lambda c: sum(c[op] for op in ("all-to-all", "collective-permute",
                                          "all-gather"))
   assert moved(counts["natural"]) > moved(counts["load_balanced"]), counts
+  # The dual-chunk permutation moves chunks (ppermutes), never the whole
+  # sequence onto every device (an all-gather of q, k, v or the output).
+  assert counts["natural"]["all-gather"] == counts["load_balanced"][
+      "all-gather"] == 0, counts
 
 
 @pytest.mark.parametrize("kw, message", [

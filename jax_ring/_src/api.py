@@ -236,7 +236,7 @@ def _context_parallel(query, key, value, tm: TokenMask, sinks,
       sinks = on(sinks, None)
     return q, k, v, tm, sinks
 
-  to, back = _permutations(cp, mesh.shape[cp.ring_axis])
+  to, back = _permutations(cp, mesh)
 
   def call(q, k, v, tm, sinks):
     out = partition.attention(*placed(to(q), to(k), to(v), _tokens(to, tm),
@@ -260,18 +260,29 @@ def _context_parallel(query, key, value, tm: TokenMask, sinks,
   return jax.jit(call)(query, key, value, tm, sinks)[:, :rows]
 
 
-def _permutations(cp: ContextParallel, cp_size: int):
-  """(into ``cp``'s load-balance layout for ``cp_size`` devices, back to
-  natural order), along axis 1 of any array: natural-order inputs
+def _permutations(cp: ContextParallel, mesh):
+  """(into ``cp``'s load-balance layout over the ring axis of ``mesh``,
+  back to natural order), along axis 1 of any array: natural-order inputs
   (``ContextParallel.inputs``) are permuted inside the call's program, its
   gradient the inverse permutation. Identities when ``cp`` permutes
-  nothing."""
+  nothing. Dual-chunk over one axis moves each chunk once, by
+  ``ppermute`` (:func:`layout.dual_chunk_swap`); striped is a transpose,
+  which moves by one all-to-all."""
+  size = mesh.shape[cp.ring_axis]
   if not cp.permutes:
     return (lambda x: x), (lambda x: x)
-  return (functools.partial(layout.reorder_for_load_balance, cp_size=cp_size,
+  if cp.load_balance == "dual_chunk" and not cp.is_hybrid and size > 1:
+    def swap(x, inverse):
+      scope = jax.sharding.get_abstract_mesh()
+      return layout.dual_chunk_swap(x, cp.axis, size,
+                                    mesh if scope.empty else scope,
+                                    inverse=inverse)
+    return (functools.partial(swap, inverse=False),
+            functools.partial(swap, inverse=True))
+  return (functools.partial(layout.reorder_for_load_balance, cp_size=size,
                             layout=cp.load_balance),
           functools.partial(layout.reorder_from_load_balance,
-                            cp_size=cp_size, layout=cp.load_balance))
+                            cp_size=size, layout=cp.load_balance))
 
 
 def _tokens(f, tm: TokenMask) -> TokenMask:

@@ -109,11 +109,17 @@ def defaults(*, batch, seq, kv_heads, head_dim, dtype_bytes, load_balance,
                          "shard's dtype and mask, else the pure-JAX kernel"),
       "inputs": (inputs, "natural order: q, k, v and the segment ids are "
                  f"permuted into {load_balance!r} and the output back, "
-                 "inside the call (one all-to-all each)" if
+                 "inside the call (" + _MOVES[load_balance] + ")" if
                  inputs == "natural" and load_balance else
                  "in the layout already: nothing is permuted" if load_balance
                  else "contiguous shards: nothing to permute"),
   }
+
+
+# How natural inputs move into each layout (api._permutations).
+_MOVES = {"dual_chunk": "each chunk sent once, by two ppermutes an array; "
+                        "gathered whole over a pair of axes",
+          "striped": "one all-to-all an array"}
 
 
 def _kv_bytes(batch, seq, kv_heads, head_dim, value_head_dim, dtype_bytes):

@@ -48,6 +48,38 @@ def _split(x, parts, seq_axis, layout, needs):
                    x.shape[seq_axis + 1:])
 
 
+def dual_chunk_swap(x, axis: str, size: int, mesh, *, inverse=False):
+  """Natural order <-> the dual-chunk layout along axis 1 of ``x``, split
+  over mesh axis ``axis`` of ``size`` devices (the output split as the
+  input): each device holds two of the ``2 * size`` chunks, and each moves
+  once, in two ``ppermute`` s of one chunk a device. (A gather of chunk ids,
+  as :func:`reorder_for_load_balance` is, the partitioner turns into an
+  all-gather of the whole sequence onto every device.)"""
+  last = 2 * size - 1
+  other = lambda j: j if j < size else last - j  # chunk j's device, laid out
+
+  def local(y):
+    a, b = jnp.split(y, 2, axis=1)  # the device's two chunks
+    even = jax.lax.axis_index(axis) % 2 == 0
+    pick = lambda p, q: (jnp.where(even, p, q), jnp.where(even, q, p))
+    if not inverse:  # device e holds chunks 2e, 2e + 1; device d takes
+      # chunk d (of d's parity) and chunk 2N-1-d (of the other)
+      r0 = jax.lax.ppermute(a, axis, [(e, other(2 * e)) for e in range(size)])
+      r1 = jax.lax.ppermute(b, axis, [(e, other(2 * e + 1))
+                                      for e in range(size)])
+      return jnp.concatenate(pick(r0, r1), axis=1)
+    to_even, to_odd = pick(a, b)  # device e's even chunk, then its odd one
+    s0 = jax.lax.ppermute(to_even, axis, [
+        (e, (e if e % 2 == 0 else last - e) // 2) for e in range(size)])
+    s1 = jax.lax.ppermute(to_odd, axis, [
+        (e, (last - e if e % 2 == 0 else e) // 2) for e in range(size)])
+    return jnp.concatenate([s0, s1], axis=1)
+
+  spec = jax.sharding.PartitionSpec(None, axis)
+  return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec,
+                       axis_names={axis})(x)
+
+
 def explicit_axes(mesh) -> tuple[str, ...]:
   """The mesh's axes of type Explicit (jax 0.10's ``make_mesh`` default)."""
   return tuple(a for a, kind in zip(mesh.axis_names, mesh.axis_types)
