@@ -52,7 +52,7 @@ def dual_chunk_swap(x, axis: str, size: int, mesh, *, inverse=False):
   """Natural order <-> the dual-chunk layout along axis 1 of ``x``, split
   over mesh axis ``axis`` of ``size`` devices (the output split as the
   input): each device holds two of the ``2 * size`` chunks, and each moves
-  once, in two ``ppermute`` s of one chunk a device. (A gather of chunk ids,
+  once, in two ppermutes of one chunk a device. (A gather of chunk ids,
   as :func:`reorder_for_load_balance` is, the partitioner turns into an
   all-gather of the whole sequence onto every device.)"""
   last = 2 * size - 1
