@@ -133,6 +133,12 @@ def lognormal_lengths(rng, seq, median=300, sigma=1.0, cap=8192):
   return lengths
 
 
+def document_ids(lengths) -> np.ndarray:
+  """``(1, sum(lengths))`` int32 segment ids of one row packed with
+  documents of these ``lengths``: 0, 1, ... in order."""
+  return np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)[None]
+
+
 def rel_err(got, want) -> float:
   """max |got - want| / max |want|, in float32: the benchmarks' error of a
   sharded result against the single-GPU one."""

@@ -46,7 +46,8 @@ import jax
 import jax.numpy as jnp
 
 import jax_ring
-from common import lognormal_lengths, random_qkv, shape_args, time_fn, write
+from common import (document_ids, lognormal_lengths, random_qkv, shape_args,
+                    time_fn, write)
 
 TABLES = ("default", "sinks", "mla", "packed")
 SINK_SHAPES = ((64, 8, 64), (32, 8, 128))  # (N, K, D): gpt-oss; Llama-like
@@ -189,11 +190,9 @@ def packed_rows(seq, docs, seed=0):
   for n in docs:
     if seq % n == 0:
       lengths = np.full(n, seq // n)
-      yield "equal", np.repeat(np.arange(n, dtype=np.int32), lengths)[None], (
-          lengths)
+      yield "equal", document_ids(lengths), lengths
   lengths = np.array(lognormal_lengths(np.random.default_rng(seed), seq))
-  yield "lognormal", np.repeat(np.arange(len(lengths), dtype=np.int32),
-                               lengths)[None], lengths
+  yield "lognormal", document_ids(lengths), lengths
 
 
 def packed_table(a):

@@ -26,15 +26,14 @@ import numpy as np
 from jax_ring._src.strategies.layout import work_balance
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from common import lognormal_lengths, write  # noqa: E402
+from common import document_ids, lognormal_lengths, write  # noqa: E402
 
 LAYOUTS = ("dual_chunk", "striped", None)
 
 
 def imbalance(lengths, cp, layout) -> float:
   """One row of documents of these ``lengths``: jax_ring's own measure."""
-  ids = np.repeat(np.arange(len(lengths)), lengths)[None]
-  return work_balance(ids, cp, layout)
+  return work_balance(document_ids(lengths), cp, layout)
 
 
 def main():

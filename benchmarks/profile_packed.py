@@ -20,12 +20,12 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jax_ring
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import program_summary, random_qkv, write  # noqa: E402
+from common import (document_ids, program_summary, random_qkv,  # noqa: E402
+                    write)
 from profile_ring import gaps, gpu_events, summarise  # noqa: E402
 
 GAP_US = 20.0
@@ -43,8 +43,7 @@ def main():
   s, n, kh, d = a.seq, 16, 8, 128
   q, k, v, _ = random_qkv(0, s, n, kh, d)
   for docs in a.docs:
-    ids = jnp.asarray(np.repeat(np.arange(docs, dtype=np.int32),
-                                s // docs)[None])
+    ids = jnp.asarray(document_ids([s // docs] * docs))
     loss = lambda q, k, v: jax_ring.dot_product_attention(
         q, k, v, is_causal=True, segment_ids=ids).astype(jnp.float32).sum()
     step = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile()

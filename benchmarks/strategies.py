@@ -30,6 +30,7 @@ there).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 
@@ -42,8 +43,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_ring  # noqa: E402
-from common import (lognormal_lengths, random_qkv, rel_err,  # noqa: E402
-                    ring_args, ring_kwargs, shape_args, time_fn, write)
+from common import (document_ids, lognormal_lengths, random_qkv,  # noqa: E402
+                    rel_err, ring_args, ring_kwargs, shape_args, time_fn,
+                    write)
 
 def default_strategies(cp: int) -> list[str]:
   hybrids = [f"hybrid_{u}x{cp // u}" for u in range(2, cp // 2 + 1)
@@ -95,8 +97,7 @@ def mix_ids(mix: str, seq: int):
   else:
     raise ValueError(f"--mixes {mix!r}: one, lognormal or equalN (N "
                      f"dividing {seq})")
-  return jnp.asarray(np.repeat(np.arange(len(lengths), dtype=np.int32),
-                               lengths)[None])
+  return jnp.asarray(document_ids(lengths))
 
 
 def measure(row, name, cp, causal, q, k, v, do, want, t1, tb1, ring,
@@ -162,7 +163,7 @@ def main():
   causal = True
   rows = []
   for s in a.seq:
-    for kh, mix in ((kh, m) for kh in a.kv_heads for m in a.mixes):
+    for kh, mix in itertools.product(a.kv_heads, a.mixes):
       q, k, v, do = random_qkv(s + kh, s, a.heads, kh, a.head_dim)
       ids = mix_ids(mix, s)
       row = dict(seq=s, cp=cp, heads=a.heads, kv_heads=kh, causal=causal,

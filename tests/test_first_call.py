@@ -107,6 +107,24 @@ def test_load_balanced_inputs_permute_nothing():
       "all-gather"] == 0, counts
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_chunk_swap_is_the_dual_chunk_reorder(cp):
+  """``layout.dual_chunk_swap`` (what natural inputs move by) gives the
+  public reorder's order and its inverse, on a sequence split over cp."""
+  from jax_ring._src.strategies.layout import dual_chunk_swap
+  mesh = _mesh((cp,), ("cp",))
+  x = np.random.default_rng(cp).normal(size=(2, 8 * cp, 3)).astype(
+      np.float32)
+  placed = jax.device_put(x, NamedSharding(mesh, P(None, "cp")))
+  with jax.set_mesh(mesh):
+    laid = jax.jit(lambda y: dual_chunk_swap(y, "cp", cp, mesh))(placed)
+    back = jax.jit(lambda y: dual_chunk_swap(y, "cp", cp, mesh,
+                                             inverse=True))(laid)
+  np.testing.assert_array_equal(
+      np.asarray(laid), np.asarray(jax_ring.reorder_for_load_balance(x, cp)))
+  np.testing.assert_array_equal(np.asarray(back), x)
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(strategy="ulyses"), "context_parallel.strategy must be one of "
      "('ring', 'all_gather', 'ulysses', 'hybrid', 'auto'); got 'ulyses'"),
