@@ -1,8 +1,11 @@
-"""Decoding with jax_ring.models on one GPU: a decode step's time against
-the memory-bandwidth floor, and prefill throughput.
+"""Decoding with jax_ring.models: a decode step's time against the
+memory-bandwidth floor, and prefill throughput, on one GPU or with the KV
+cache's sequence split over several.
 
   python benchmarks/decoding.py [--context 8192 32768 131072]
                                 [--batch 1 8] [--prefill 32768 131072]
+  python benchmarks/decoding.py --devices 4 --context 262144 1048576 \
+      --batch 1 --prefill 1048576 --equal-at 16384
 
 A random Llama-3.2-1B-shaped model (16 layers, hidden 2048, 32 query / 8
 kv heads of 64, vocabulary 128256, tied embeddings) in bfloat16.
@@ -21,6 +24,15 @@ kv heads of 64, vocabulary 128256, tied embeddings) in bfloat16.
   attention), tokens per second, the second call (the first compiles).
 * Check: the logits of a prefill and 8 decode steps against the full
   forward's at the same positions (1024 tokens, bfloat16).
+* ``--devices D``: the model as a user loads it (``save_pretrained``, then
+  ``load_pretrained`` on a ``("data", "context")`` mesh of 1 x D with
+  ``ContextParallel(axis="context", inputs="load_balanced")``), weights
+  replicated, every cache split along its sequence (device d holds slots
+  ``[d L, (d + 1) L)``). The floor is per device: the weights and a D-th
+  of the K/V. Each prefill's own cache is then decoded too
+  (``step_after_prefill_ms``). ``--equal-at N``: one prompt of N tokens
+  generated greedily (16 tokens) by the one-GPU model and by the split
+  one: the tokens and the first logits compared.
 
 Writes benchmarks/results/decoding_<count>x<gpu>.json.
 """
@@ -28,12 +40,14 @@ Writes benchmarks/results/decoding_<count>x<gpu>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from common import program_summary, rel_err, time_fn, write
 from jax_ring import models
@@ -57,18 +71,36 @@ def bandwidth(gib: float = 2.0) -> float:
   return 2 * x.nbytes / t
 
 
-def random_cache(cfg, batch: int, context: int, seed: int) -> gen.KVCache:
-  """A cache holding ``context`` random tokens per row (positions 0..L-1)
-  and at least ``MARGIN`` free slots, the cache's length a multiple of
-  ``SLOT_ALIGN``, as ``Generator.prefill`` makes it."""
-  c = -(-(context + MARGIN) // gen.SLOT_ALIGN) * gen.SLOT_ALIGN
+def random_cache(cfg, batch: int, context: int, seed: int,
+                 mesh=None) -> gen.KVCache:
+  """A cache holding ``context`` random tokens per row and at least
+  ``MARGIN`` free slots, as ``Generator.prefill`` makes it: each device's
+  slots a multiple of ``SLOT_ALIGN``, the first ``context / D`` of device
+  d at positions ``d context / D ...``, the cache split along its slots
+  over the mesh's ``context`` axis (D devices; one without ``mesh``)."""
+  d = 1 if mesh is None else mesh.shape["context"]
+  per = -(-context // d)
+  slots = -(-(per + -(-MARGIN // d)) // gen.SLOT_ALIGN) * gen.SLOT_ALIGN
+  c = d * slots
   shape = (batch, cfg.num_kv_heads, c, cfg.head_dim)
-  keys = jax.random.split(jax.random.key(seed), 2 * cfg.num_layers)
-  kv = [jax.random.normal(k, shape, jnp.bfloat16) for k in keys]
-  positions = jnp.where(jnp.arange(c) < context, jnp.arange(c), -1)
-  return gen.KVCache(kv[::2], kv[1::2],
-                     jnp.broadcast_to(positions, (batch, c)).astype(jnp.int32),
-                     jnp.full((batch,), context, jnp.int32), context, 1)
+
+  def make():
+    keys = jax.random.split(jax.random.key(seed), 2 * cfg.num_layers)
+    kv = [jax.random.normal(k, shape, jnp.bfloat16) for k in keys]
+    local, device = jnp.arange(c) % slots, jnp.arange(c) // slots
+    positions = jnp.where(local < per, device * per + local, -1)
+    return gen.KVCache(kv[::2], kv[1::2],
+                       jnp.broadcast_to(positions, (batch, c)).astype(
+                           jnp.int32),
+                       jnp.full((batch,), context, jnp.int32), per, d)
+
+  if mesh is None:
+    return jax.jit(make)()
+  split = lambda *spec: jax.sharding.NamedSharding(mesh, P(*spec))
+  kv = split(None, None, "context", None)
+  out = gen.KVCache([kv] * cfg.num_layers, [kv] * cfg.num_layers,
+                    split(None, "context"), split(), per, d)
+  return jax.jit(make, out_shardings=out)()
 
 
 def step_seconds(generator, cache, steps: int = 24) -> float:
@@ -86,10 +118,10 @@ def step_seconds(generator, cache, steps: int = 24) -> float:
 
 
 def kernel_profile(generator, cache, steps: int = 5, top: int = 12):
-  """Per decode step: GPU kernels' total microseconds, their count, the
-  ``top`` kernels by time (``jax.profiler`` trace, device planes), and the
-  step program's launches in and out of CUDA graphs
-  (``common.program_summary``)."""
+  """Per decode step, on the busiest GPU: its kernels' total microseconds,
+  their count and the ``top`` kernels by time (``jax.profiler`` trace,
+  device planes); each GPU's total; and the step program's launches in and
+  out of CUDA graphs (``common.program_summary``)."""
   import collections
   import glob
   import tempfile
@@ -105,19 +137,25 @@ def kernel_profile(generator, cache, steps: int = 5, top: int = 12):
     jax.profiler.stop_trace()
     data = jax.profiler.ProfileData.from_file(
         glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)[0])
-  by_name, count = collections.Counter(), 0
+  per_device = []  # each GPU's kernels: {name: us per step}, count
   for plane in data.planes:
     if not plane.name.startswith("/device:GPU"):
       continue
+    by_name, count = collections.Counter(), 0
     for line in plane.lines:
       if "Stream" not in line.name:
         continue
       for ev in line.events:
         by_name[ev.name] += ev.duration_ns / 1e3 / steps
         count += 1
+    per_device.append((by_name, count / steps))
+  by_name, count = max(per_device, key=lambda x: sum(x[0].values()),
+                       default=(collections.Counter(), 0))
   program = program_summary(
       generator.lower_step(cache, tokens, 1).compile().as_text())
-  return dict(kernel_us=sum(by_name.values()), kernels=count / steps,
+  return dict(kernel_us=sum(by_name.values()), kernels=count,
+              kernel_us_per_gpu=[round(sum(x.values()), 1)
+                                 for x, _ in per_device],
               program=program,
               top={k: round(v, 1) for k, v in by_name.most_common(top)})
 
@@ -142,18 +180,118 @@ def check(model, generator) -> float:
   return rel_err(jnp.stack(got), full[len(prompt) - 1:])
 
 
-def main():
+def load_split(model, devices: int):
+  """``model`` saved, then loaded as a user would with its cache's
+  sequence over ``devices`` GPUs: (the model, its 1 x devices mesh)."""
+  import tempfile
+
+  import jax_ring
+  mesh = jax.make_mesh((1, devices), ("data", "context"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                       devices=jax.devices()[:devices])
+  with tempfile.TemporaryDirectory() as tmp, jax.set_mesh(mesh):
+    models.save_pretrained(model, tmp)
+    split = models.load_pretrained(
+        tmp, mesh=mesh, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+        context_parallel=jax_ring.ContextParallel(axis="context",
+                                                  inputs="load_balanced"),
+        rules=models.model_rules(data=None))
+  return split, mesh
+
+
+def equal_to_one(model, split, mesh, length: int, new: int = 16) -> dict:
+  """One random prompt of ``length`` tokens, ``new`` greedy tokens by the
+  one-GPU ``model`` and by the ``split`` one: are they the same, and the
+  relative error of the split prefill's logits."""
+  prompt = np.random.default_rng(2).integers(
+      0, model.cfg.vocab_size, length).tolist()
+  one = gen.Generator(model)
+  first, _ = one.prefill([prompt], max_new_tokens=new)
+  tokens = one.generate([prompt], max_new_tokens=new)[0]
+  with jax.set_mesh(mesh):
+    many = gen.Generator(split)
+    got, _ = many.prefill([prompt], max_new_tokens=new)
+    got_tokens = many.generate([prompt], max_new_tokens=new)[0]
+  same = [a == b for a, b in zip(tokens, got_tokens)]
+  return dict(equal_at=length, new_tokens=new, tokens_equal=all(same),
+              first_difference=None if all(same) else same.index(False),
+              prefill_logits_rel_err=rel_err(got, first))
+
+
+def parse_args():
   p = argparse.ArgumentParser()
   p.add_argument("--context", type=int, nargs="+",
                  default=[8192, 32768, 131072])
   p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
   p.add_argument("--prefill", type=int, nargs="*", default=[32768, 131072])
+  p.add_argument("--devices", type=int, default=1, help="GPUs the cache's "
+                 "sequence is split over")
+  p.add_argument("--equal-at", type=int, default=16384, help="with "
+                 "--devices > 1: the prompt length of the comparison with "
+                 "one GPU (0: none)")
   p.add_argument("--mode", default="default")
   p.add_argument("--profile", action="store_true", help="also a kernel "
                  "profile of the step at each batch's longest context")
   p.add_argument("--dry-run", action="store_true", help="a 2-layer model "
                  "of hidden 64 (CPU: checks that the script runs)")
-  a = p.parse_args()
+  return p.parse_args()
+
+
+def decode_rows(a, cfg, generator, weights, bw, mesh) -> list:
+  """A row per batch x context: the step against its per-device floor."""
+  d = 1 if mesh is None else mesh.shape["context"]
+  rows = []
+  for b in a.batch:
+    base = step_seconds(generator, random_cache(cfg, b, 64, 1, mesh))
+    for ctx in a.context:
+      cache = random_cache(cfg, b, ctx, 2, mesh)
+      kv = 2 * cfg.num_layers * b * ctx * cfg.num_kv_heads * cfg.head_dim * 2
+      t = step_seconds(generator, cache)
+      prof = None
+      if a.profile and ctx == max(a.context):
+        prof = kernel_profile(generator, random_cache(cfg, b, ctx, 3, mesh))
+        print(f"profile, batch {b}, context {ctx}: {prof}", flush=True)
+      del cache
+      floor = (weights + kv / d) / bw
+      rows.append(dict(kind="decode", batch=b, context=ctx, devices=d,
+                       step_ms=t * 1e3, floor_ms=floor * 1e3,
+                       over_floor=t / floor, step_64_ms=base * 1e3,
+                       cache_gib=kv / 2**30, **(
+                           {} if prof is None else dict(profile=prof))))
+      print(rows[-1], flush=True)
+  return rows
+
+
+def prefill_rows(a, cfg, generator, weights, bw, mesh) -> list:
+  """A row per prompt length: prefill tokens/s (the second call), and the
+  decode step on that prefill's cache against its per-device floor."""
+  d = 1 if mesh is None else mesh.shape["context"]
+  rows = []
+  for ctx in a.prefill:
+    prompt = np.random.default_rng(1).integers(0, cfg.vocab_size,
+                                               ctx).tolist()
+    run = lambda: jax.block_until_ready(
+        generator.prefill([prompt], max_new_tokens=MARGIN))
+    t0 = time.perf_counter()
+    run()
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _, cache = run()
+    t = time.perf_counter() - t0
+    step = step_seconds(generator, cache)
+    del cache
+    kv = 2 * cfg.num_layers * ctx * cfg.num_kv_heads * cfg.head_dim * 2
+    floor = (weights + kv / d) / bw
+    rows.append(dict(kind="prefill", batch=1, context=ctx, devices=d,
+                     prefill_s=t, first_prefill_s=first,
+                     tokens_per_s=ctx / t, step_after_prefill_ms=step * 1e3,
+                     floor_ms=floor * 1e3, over_floor=step / floor))
+    print(rows[-1], flush=True)
+  return rows
+
+
+def main():
+  a = parse_args()
   shapes = LLAMA_1B | (dict(hidden_size=64, intermediate_size=128,
                             num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=16,
@@ -161,53 +299,34 @@ def main():
   cfg = models.config_from_hf(shapes, dtype=jnp.bfloat16,
                               param_dtype=jnp.bfloat16)
   model = models.Decoder(cfg, rngs=nnx.Rngs(0))
-  generator = gen.Generator(model)
   bw = bandwidth()
   weights = weight_bytes(model)
   print(f"HBM {bw / 1e12:.2f} TB/s; weights {weights / 2**30:.2f} GiB",
         flush=True)
-  rows = []
-  for b in a.batch:
-    base = step_seconds(generator, random_cache(cfg, b, 64, 1))
-    for ctx in a.context:
-      cache = random_cache(cfg, b, ctx, 2)
-      kv = 2 * cfg.num_layers * b * ctx * cfg.num_kv_heads * cfg.head_dim * 2
-      t = step_seconds(generator, cache)
-      prof = None
-      if a.profile and ctx == max(a.context):
-        prof = kernel_profile(generator, random_cache(cfg, b, ctx, 3))
-        print(f"profile, batch {b}, context {ctx}: {prof}", flush=True)
-      del cache
-      floor = (weights + kv) / bw
-      rows.append(dict(kind="decode", batch=b, context=ctx,
-                       step_ms=t * 1e3, floor_ms=floor * 1e3,
-                       over_floor=t / floor, step_64_ms=base * 1e3,
-                       cache_gib=kv / 2**30, **(
-                           {} if prof is None else dict(profile=prof))))
-      print(rows[-1], flush=True)
-  for ctx in a.prefill:
-    prompt = np.random.default_rng(1).integers(0, cfg.vocab_size,
-                                               ctx).tolist()
-    run = lambda: jax.block_until_ready(
-        generator.prefill([prompt], max_new_tokens=MARGIN))
-    run()
-    t0 = time.perf_counter()
-    run()
-    t = time.perf_counter() - t0
-    rows.append(dict(kind="prefill", batch=1, context=ctx, prefill_s=t,
-                     tokens_per_s=ctx / t))
-    print(rows[-1], flush=True)
-  err = check(model, generator)
-  print(f"prefill + decode logits against the full forward: {err:.2e}")
+  extra = dict(model="Llama-3.2-1B shapes, random, bfloat16",
+               hbm_tb_s=bw / 1e12, weight_gib=weights / 2**30,
+               floor="(weights + K/V of the context / devices) / measured "
+               "HBM bandwidth; step over consecutive donated-cache steps")
+  mesh, scope = None, contextlib.nullcontext()
+  if a.devices > 1:
+    split, mesh = load_split(model, a.devices)
+    if a.equal_at:
+      extra["equal_to_one_gpu"] = equal_to_one(model, split, mesh,
+                                               a.equal_at)
+      print(extra["equal_to_one_gpu"], flush=True)
+    model, scope = split, jax.set_mesh(mesh)
+  with scope:
+    generator = gen.Generator(model)
+    rows = decode_rows(a, cfg, generator, weights, bw, mesh)
+    rows += prefill_rows(a, cfg, generator, weights, bw, mesh)
+  if mesh is None:
+    err = check(model, generator)
+    print(f"prefill + decode logits against the full forward: {err:.2e}")
+    extra["logits_rel_err_vs_full_forward"] = err
   write("decoding", rows,
-        ["kind", "batch", "context", "step_ms", "floor_ms", "over_floor",
-         "step_64_ms", "tokens_per_s"],
-        extra=dict(model="Llama-3.2-1B shapes, random, bfloat16",
-                   hbm_tb_s=bw / 1e12, weight_gib=weights / 2**30,
-                   logits_rel_err_vs_full_forward=err,
-                   floor="(weights + K/V of the context) / measured HBM "
-                   "bandwidth; step over consecutive donated-cache steps"),
-        mode=a.mode)
+        ["kind", "batch", "context", "devices", "step_ms", "floor_ms",
+         "over_floor", "step_64_ms", "step_after_prefill_ms",
+         "tokens_per_s"], extra=extra, mode=a.mode)
 
 
 if __name__ == "__main__":
