@@ -188,13 +188,42 @@ def _cache_spec(cfg: DecoderConfig, x):
                    cfg.rules)
 
 
+class _Graph:
+  """A model's graph and the structure of its arrays, the static argument
+  of the jitted prefill and step. Hashed once, and one object per graph
+  (:meth:`of`), so that a call compares it by identity: a ``GraphDef``'s
+  hash and an ``nnx.State``'s flattening walk the whole model, costing a
+  decode step more host time than its launches."""
+
+  _interned: dict = {}
+
+  def __init__(self, graphdef, treedef):
+    self.graphdef, self.treedef = graphdef, treedef
+    self._hash = hash((graphdef, treedef))
+
+  @classmethod
+  def of(cls, graphdef, treedef) -> "_Graph":
+    return cls._interned.setdefault((graphdef, treedef),
+                                    cls(graphdef, treedef))
+
+  def __hash__(self):
+    return self._hash
+
+  def __eq__(self, other):
+    return self is other or (isinstance(other, _Graph) and (
+        self.graphdef, self.treedef) == (other.graphdef, other.treedef))
+
+  def merge(self, leaves) -> Decoder:
+    return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+
+
 @functools.partial(jax.jit, static_argnums=(0,),
                    static_argnames=("slots_per_device",))
-def _prefill(graphdef, state, tokens, positions, lengths, last, *,
+def _prefill(graph: _Graph, leaves, tokens, positions, lengths, last, *,
              slots_per_device: int):
   """Forward over the prompts (layout order), the cache, and the logits
   of each row's token at layout index ``last (B,)``."""
-  model = nnx.merge(graphdef, state)
+  model = graph.merge(leaves)
   cfg = model.cfg
   b, p = tokens.shape
   d = _devices(cfg)
@@ -224,11 +253,11 @@ def _prefill(graphdef, state, tokens, positions, lengths, last, *,
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _step(graphdef, state, cache: KVCache, tokens, step):
+def _step(graph: _Graph, leaves, cache: KVCache, tokens, step):
   """Decode step ``step``: each row's ``tokens (B,)``, at position
   ``lengths + step``, appended in device ``step mod D``'s next slot; the
   next logits ``(B, V)`` and the cache."""
-  model = nnx.merge(graphdef, state)
+  model = graph.merge(leaves)
   d = _devices(model.cfg)
   slots = cache.capacity // d
   slot = (step % d) * slots + cache.prompt_slots + step // d
@@ -261,7 +290,9 @@ class Generator:
 
   def __init__(self, model: Decoder):
     self.cfg = model.cfg
-    self.graphdef, self.state = nnx.split(model)
+    graphdef, state = nnx.split(model)
+    self._leaves, treedef = jax.tree.flatten(state)
+    self._graph = _Graph.of(graphdef, treedef)
 
   def prefill(self, prompts: Sequence[Sequence[int]], *,
               max_new_tokens: int):
@@ -303,7 +334,7 @@ class Generator:
     slots = -(-slots // SLOT_ALIGN) * SLOT_ALIGN
     tokens, positions = (_layout(cfg, jnp.asarray(x))
                          for x in (tokens, natural))
-    return _prefill(self.graphdef, self.state, tokens, positions,
+    return _prefill(self._graph, self._leaves, tokens, positions,
                     jnp.asarray(lengths), jnp.asarray(last),
                     slots_per_device=slots)
 
@@ -335,16 +366,18 @@ class Generator:
           f"step {step} is past the cache: it holds "
           f"{cache.capacity // d - cache.prompt_slots} new tokens per device "
           f"on {d} device(s); prefill with a larger max_new_tokens")
-    return _step(self.graphdef, self.state, cache,
-                 jnp.asarray(tokens, jnp.int32), jnp.int32(int(step)))
+    # NumPy arguments: the jitted call moves them itself, with less host
+    # time than a jnp.asarray each.
+    return _step(self._graph, self._leaves, cache, tokens.astype(np.int32),
+                 np.int32(step))
 
   def lower_step(self, cache: KVCache, tokens, step: int = 0):
     """The program :meth:`step` runs for ``cache`` and ``tokens (B,)``,
     lowered, not run (``jax.stages.Lowered``: ``.compile().as_text()``
     shows its kernels and collectives; with the cache split, one max- and
     one sum-all-reduce a layer)."""
-    return _step.lower(self.graphdef, self.state, cache,
-                       jnp.asarray(tokens, jnp.int32), jnp.int32(int(step)))
+    return _step.lower(self._graph, self._leaves, cache,
+                       np.asarray(tokens, np.int32), np.int32(step))
 
   def generate(self, prompts: Sequence[Sequence[int]], *,
                max_new_tokens: int, sampling: Sampling = Sampling(),
