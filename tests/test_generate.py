@@ -86,7 +86,7 @@ def test_greedy_tokens_equal_transformers(name, cache, checkpoints):
 
 def test_a_step_over_the_context_axis_moves_only_the_merge():
   """The cache split over 4 devices: a decode step's only collectives are
-  each layer's merge of its attention, one max- and one sum-all-reduce;
+  each layer's merge of its attention, one all-reduce;
   the new token's activations are not split over the context axis (one
   token cannot be), so no norm or projection needs one."""
   mesh = cp_mesh()
@@ -100,7 +100,7 @@ def test_a_step_over_the_context_axis_moves_only_the_merge():
     _, cache = generator.prefill(PROMPTS, max_new_tokens=NEW)
     hlo = generator.lower_step(cache, [3, 4]).compile().as_text()
   assert collectives(hlo) == {"all-gather": 0, "reduce-scatter": 0,
-                              "all-reduce": 2 * cfg.num_layers,
+                              "all-reduce": cfg.num_layers,
                               "collective-permute": 0, "all-to-all": 0}
 
 
