@@ -247,6 +247,8 @@ def decode_rows(a, cfg, generator, weights, bw, mesh) -> list:
   for b in a.batch:
     base, _ = step_seconds(generator, random_cache(cfg, b, 64, 1, mesh))
     for ctx in a.context:
+      print(f"decode: batch {b}, context {ctx} (a first step compiles)",
+            flush=True)
       cache = random_cache(cfg, b, ctx, 2, mesh)
       kv = 2 * cfg.num_layers * b * ctx * cfg.num_kv_heads * cfg.head_dim * 2
       t, host = step_seconds(generator, cache)
@@ -271,6 +273,7 @@ def prefill_rows(a, cfg, generator, weights, bw, mesh) -> list:
   d = 1 if mesh is None else mesh.shape["context"]
   rows = []
   for ctx in a.prefill:
+    print(f"prefill: {ctx} tokens (the first call compiles)", flush=True)
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size,
                                                ctx).tolist()
     run = lambda: jax.block_until_ready(
