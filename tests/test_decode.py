@@ -118,6 +118,34 @@ def test_context_parallel_under_jit_and_eagerly_moves_no_kv(cp):
                                       "all-to-all")), moved
 
 
+def test_large_rows_merge_by_two_reductions():
+  """Parts of more than ``GATHER_BYTES`` over the devices (8 rows x 64
+  heads of 128 values, 4 devices) merge by a max- and a sum-all-reduce of
+  one part's size, not one all-reduce of every device's; the same
+  attention as the reference and as one device."""
+  b, n, hv = 8, 64, 128
+  rng = np.random.default_rng(12)
+  kv_pos = np.stack([rng.permutation(C) for _ in range(b)]).astype(np.int32)
+  q_pos = np.full((b, 1), C, np.int32)
+  q, k, v, _ = ref.random_qkv(12, b, 1, C, n, 8, H, hv=hv)
+  kw = dict(query_positions=q_pos, sinks=np.linspace(-1, 1, n))
+  one = jax_ring.decode_attention(q, k, v, key_positions=kv_pos, **kw)
+  m = mesh(4)
+  with jax.set_mesh(m):
+    k, v, kp = (jax.device_put(x, NamedSharding(m, P(None, "cp")))
+                for x in (k, v, kv_pos))
+    f = jax.jit(lambda q, k, v, kp: jax_ring.decode_attention(
+        q, k, v, key_positions=kp,
+        context_parallel=jax_ring.ContextParallel(axis="cp"), **kw))
+    split = f(q, k, v, kp)
+    moved = collectives(f.lower(q, k, v, kp).compile().as_text())
+  assert moved["all-reduce"] == 2 and moved["all-gather"] == 0, moved
+  want = ref.attention(q, k, v, ref.Case(H**-0.5, dense=np.ones(
+      (b, 1, 1, C), bool)), sinks=kw["sinks"])[0]  # every slot is seen
+  ref.assert_close(split, want, jnp.float32)
+  ref.assert_close(one, want, jnp.float32, "one device")
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(query_positions=np.zeros((B, T + 1), np.int32)),
      "query_positions must be an int array of shape (2, 3); got int32 (2, 4)"),

@@ -17,14 +17,14 @@ Each device reads its own slots once: the scores of T x C are small for
 decoding, so the local part is one fused pass over K and one over V (no
 tiling), giving an unnormalised output, a running max ``m`` and a sum
 ``l`` per row, in float32. Across the axis the parts merge exactly as the
-ring's blocks do, by logsumexp: every device's ``(o, m, l)`` gathered by
-all (one all-reduce of D x B x T x N x (Hv + 2) float32 values, each
-device's at its index, the rest zeros), then on each device ``m* =
-max(m)`` and the sums of ``(o exp(m - m*), l exp(m - m*))``. That one
-collective per layer and step, whatever the cache length, is all that
-moves (a max- and a sum-all-reduce would be two, each a wait on every
-device): K/V never move. Sinks fold into the merged row (``kernel.fold_sinks``); a row that
-sees no slot is 0.
+ring's blocks do, by logsumexp: ``m* = max(m)`` over the devices, then the
+sums of ``(o exp(m - m*), l exp(m - m*))``. For decoding's small rows
+every device's ``(o, m, l)`` is gathered by all in one all-reduce (D x B x
+T x N x (Hv + 2) float32 values, each device's at its index, the rest
+zeros) and merged on each; above ``GATHER_BYTES`` of them, a max- and a
+sum-all-reduce of one part's size. That, per layer and step, whatever the
+cache length, is all that moves: K/V never move. Sinks fold into the
+merged row (``kernel.fold_sinks``); a row that sees no slot is 0.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ from jax_ring._src.core.mask import MASK_VALUE
 
 
 KvLayout = Literal["bskh", "bksh"]
+# The merge's parts, all devices' together, up to which they move in one
+# collective (see _merge).
+GATHER_BYTES = 1 << 20
 # (scores, output) products per cache layout: the cache is read once by each.
 _PRODUCTS = {"bskh": ("btkgh,bckh->bkgtc", "bkgtc,bckh->btkgh"),
              "bksh": ("btkgh,bkch->bkgtc", "bkgtc,bkch->btkgh")}
@@ -194,26 +197,39 @@ def _attend(local, q, k, v, q_pos, kv_pos, sinks, axis_name):
   if axis_name is not None:
     for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):
       validate.mesh_axis(name)
-    # One collective: every device's (o, m, l) at its index of a zero
-    # (D, B, T, N, Hv + 2), summed over the axis (an all-gather whose
-    # result every device holds alike), then merged here. The merged
-    # result does not depend on the shift ``top`` (it cancels), so its
-    # gradient is stopped.
-    hv = o.shape[-1]
-    mine = jnp.concatenate([o, m[..., None], l[..., None]], -1)
-    parts = jnp.zeros((lax.axis_size(axis_name),) + mine.shape, mine.dtype)
-    parts = lax.psum(lax.dynamic_update_index_in_dim(
-        parts, mine, lax.axis_index(axis_name), 0), axis_name)
-    o, m, l = parts[..., :hv], parts[..., hv], parts[..., hv + 1]
-    top = lax.stop_gradient(m.max(0))
-    alpha = jnp.exp(m - top)
-    o, l, m = (o * alpha[..., None]).sum(0), (l * alpha).sum(0), top
+    o, m, l = _merge(o, m, l, axis_name)
   seen = l != 0
   out = jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0)
   if sinks is not None:
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), MASK_VALUE)
     out, _ = kernel.fold_sinks(out, lse, sinks)
   return out.astype(q.dtype)
+
+
+def _merge(o, m, l, axis_name):
+  """Every device's part ``(o, m, l)`` merged over ``axis_name`` by
+  logsumexp. Where all devices' parts together are at most
+  ``GATHER_BYTES``, one collective: each device's part at its index of a
+  zero (D, B, T, N, Hv + 2), summed over the axis, merged on every device
+  (decoding's small rows: a collective's wait costs more than its bytes).
+  Larger, a max- then a sum-all-reduce of one part's size (a large batch:
+  the bytes cost more than a second wait). The result does not depend on
+  the shift ``top`` (it cancels), so its gradient is stopped."""
+  d = lax.axis_size(axis_name)
+  if d * (o.size + 2 * m.size) * 4 > GATHER_BYTES:
+    top = lax.pmax(lax.stop_gradient(m), axis_name)
+    alpha = jnp.exp(m - top)
+    o, l = lax.psum((o * alpha[..., None], l * alpha), axis_name)
+    return o, top, l
+  hv = o.shape[-1]
+  mine = jnp.concatenate([o, m[..., None], l[..., None]], -1)
+  parts = jnp.zeros((d,) + mine.shape, mine.dtype)
+  parts = lax.psum(lax.dynamic_update_index_in_dim(
+      parts, mine, lax.axis_index(axis_name), 0), axis_name)
+  o, m, l = parts[..., :hv], parts[..., hv], parts[..., hv + 1]
+  top = lax.stop_gradient(m.max(0))
+  alpha = jnp.exp(m - top)
+  return (o * alpha[..., None]).sum(0), top, (l * alpha).sum(0)
 
 
 def _context_parallel(local, q, k, v, q_pos, kv_pos, sinks, cp, seq_axis):
