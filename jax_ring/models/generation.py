@@ -25,7 +25,8 @@ axes as the model's tokens are: device d holds slots ``[d L, (d + 1) L)``.
 * Each layer's decode attention is :func:`jax_ring.decode_attention`,
   masked by the slots' positions (causal, the layer's window, its sinks):
   per layer and step, each device's B x N x (H + 2) float32 values are
-  gathered by all (one all-reduce) and merged; the cache never moves.
+  merged over the devices (one all-reduce for small batches); the cache
+  never moves.
 """
 
 from __future__ import annotations
@@ -374,8 +375,8 @@ class Generator:
   def lower_step(self, cache: KVCache, tokens, step: int = 0):
     """The program :meth:`step` runs for ``cache`` and ``tokens (B,)``,
     lowered, not run (``jax.stages.Lowered``: ``.compile().as_text()``
-    shows its kernels and collectives; with the cache split, one
-    all-reduce a layer)."""
+    shows its kernels and collectives; with the cache split over few
+    rows, one all-reduce a layer)."""
     return _step.lower(self._graph, self._leaves, cache,
                        np.asarray(tokens, np.int32), np.int32(step))
 
