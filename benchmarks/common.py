@@ -202,17 +202,21 @@ def results_path(name: str, env: dict) -> pathlib.Path:
   return RESULTS / f"{name}_{env['device_count']}x{kind}.json"
 
 
-def write(name, rows, columns, extra=None, mode="default", path=None):
-  """Print ``rows`` (dicts) as a table of ``columns`` and record them as
-  ``mode`` of this benchmark's results file (:func:`results_path`): the
-  file keeps its other modes (a benchmark's flag comparisons, a memory
-  search beside a throughput run) and the run replaces its own mode's
-  record. With ``JAX_RING_RESULTS_COPY`` set to a folder, the file is
-  also copied there. Returns the path."""
+def write(name, rows, columns, extra=None, mode="default", path=None,
+          show=True):
+  """Print ``rows`` (dicts) as a table of ``columns`` (unless not
+  ``show``) and record them as ``mode`` of this benchmark's results file
+  (:func:`results_path`): the file keeps its other modes (a benchmark's
+  flag comparisons, a memory search beside a throughput run) and the run
+  replaces its own mode's record, so a benchmark may write after each row
+  and keep what it measured if it is stopped. With
+  ``JAX_RING_RESULTS_COPY`` set to a folder, the file is also copied
+  there. Returns the path."""
   env = environment()
   widths = [max(len(c), 10) for c in columns]
-  print(" ".join(c.rjust(w) for c, w in zip(columns, widths)))
-  for r in rows:
+  if show:
+    print(" ".join(c.rjust(w) for c, w in zip(columns, widths)))
+  for r in rows if show else ():
     cells = []
     for c, w in zip(columns, widths):
       v = r.get(c, "")
@@ -227,9 +231,9 @@ def write(name, rows, columns, extra=None, mode="default", path=None):
   path.write_text(json.dumps(dict(
       benchmark=name, device=env["device"], device_count=env["device_count"],
       runs=dict(sorted(runs.items()))), indent=2) + "\n")
-  print(f"wrote {path} ({mode})")
   copy = os.environ.get("JAX_RING_RESULTS_COPY")  # a folder, if set
   if copy and pathlib.Path(copy).resolve() != path.parent.resolve():
     shutil.copy(path, copy)
-    print(f"copied to {copy}")
+  if show:
+    print(f"wrote {path} ({mode})" + (f", copied to {copy}" if copy else ""))
   return path

@@ -34,7 +34,8 @@ kv heads of 64, vocabulary 128256, tied embeddings) in bfloat16.
   generated greedily (16 tokens) by the one-GPU model and by the split
   one: the tokens and the first logits compared.
 
-Writes benchmarks/results/decoding_<count>x<gpu>.json.
+Writes benchmarks/results/decoding_<count>x<gpu>.json after each row (a
+run that is stopped keeps the rows it measured).
 """
 
 from __future__ import annotations
@@ -240,10 +241,10 @@ def parse_args():
   return p.parse_args()
 
 
-def decode_rows(a, cfg, generator, weights, bw, mesh) -> list:
-  """A row per batch x context: the step against its per-device floor."""
+def decode_rows(a, cfg, generator, weights, bw, mesh, rows, save):
+  """A row per batch x context, appended to ``rows`` and saved as it
+  comes: the step against its per-device floor."""
   d = 1 if mesh is None else mesh.shape["context"]
-  rows = []
   for b in a.batch:
     base, _ = step_seconds(generator, random_cache(cfg, b, 64, 1, mesh))
     for ctx in a.context:
@@ -264,14 +265,14 @@ def decode_rows(a, cfg, generator, weights, bw, mesh) -> list:
                        host_ms=host * 1e3, cache_gib=kv / 2**30, **(
                            {} if prof is None else dict(profile=prof))))
       print(rows[-1], flush=True)
-  return rows
+      save()
 
 
-def prefill_rows(a, cfg, generator, weights, bw, mesh) -> list:
-  """A row per prompt length: prefill tokens/s (the second call), and the
-  decode step on that prefill's cache against its per-device floor."""
+def prefill_rows(a, cfg, generator, weights, bw, mesh, rows, save):
+  """A row per prompt length, appended to ``rows`` and saved as it comes:
+  prefill tokens/s (the second call), and the decode step on that
+  prefill's cache against its per-device floor."""
   d = 1 if mesh is None else mesh.shape["context"]
-  rows = []
   for ctx in a.prefill:
     print(f"prefill: {ctx} tokens (the first call compiles)", flush=True)
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size,
@@ -293,7 +294,7 @@ def prefill_rows(a, cfg, generator, weights, bw, mesh) -> list:
                      tokens_per_s=ctx / t, step_after_prefill_ms=step * 1e3,
                      floor_ms=floor * 1e3, over_floor=step / floor))
     print(rows[-1], flush=True)
-  return rows
+    save()
 
 
 def main():
@@ -321,18 +322,21 @@ def main():
                                                a.equal_at)
       print(extra["equal_to_one_gpu"], flush=True)
     model, scope = split, jax.set_mesh(mesh)
+  rows = []
+  save = lambda show=False: write(
+      "decoding", rows,
+      ["kind", "batch", "context", "devices", "step_ms", "floor_ms",
+       "over_floor", "step_64_ms", "host_ms", "step_after_prefill_ms",
+       "tokens_per_s"], extra=extra, mode=a.mode, show=show)
   with scope:
     generator = gen.Generator(model)
-    rows = decode_rows(a, cfg, generator, weights, bw, mesh)
-    rows += prefill_rows(a, cfg, generator, weights, bw, mesh)
+    decode_rows(a, cfg, generator, weights, bw, mesh, rows, save)
+    prefill_rows(a, cfg, generator, weights, bw, mesh, rows, save)
   if mesh is None:
     err = check(model, generator)
     print(f"prefill + decode logits against the full forward: {err:.2e}")
     extra["logits_rel_err_vs_full_forward"] = err
-  write("decoding", rows,
-        ["kind", "batch", "context", "devices", "step_ms", "floor_ms",
-         "over_floor", "step_64_ms", "host_ms", "step_after_prefill_ms",
-         "tokens_per_s"], extra=extra, mode=a.mode)
+  save(show=True)
 
 
 if __name__ == "__main__":
