@@ -9,11 +9,14 @@ cache split along the sequence over ``--context`` devices.
   python examples/generate.py --model DIR --prompts prompts.jsonl \\
       --context 4 --max-new-tokens 256   # a cache split over 4 devices
                                          # (simulated on a CPU)
+  python examples/generate.py --model DIR --prompt-file book.txt \\
+      --context 4                        # one long prompt from a text file
 
 ``--model`` is a directory as transformers saves it (config.json,
 *.safetensors, tokenizer.json) of any family ``jax_ring.models`` loads.
-Prompts come from the command line or, with ``--prompts``, from JSON lines
-``{"prompt": "..."}``; each is tokenized as ``examples/finetune.py``
+Prompts come from the command line, from JSON lines ``{"prompt": "..."}``
+(``--prompts``), or, whole, from one UTF-8 text file (``--prompt-file``,
+for a long context); each is tokenized as ``examples/finetune.py``
 tokenizes a prompt (the tokenizer's own prefix, then the text), and rows
 stop at the checkpoint's EOS. With one prompt the text is printed as it is
 generated; with several, each row's once all have ended. ``--temperature 0`` (the
@@ -46,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "checkpoint directory; default: a tiny random Llama")
   p.add_argument("--prompts", default=None, help='JSON lines of '
                  '{"prompt": "..."}')
+  p.add_argument("--prompt-file", default=None, help="a UTF-8 text file, "
+                 "the whole of it one prompt")
   p.add_argument("--max-new-tokens", type=run_dir.POSITIVE, default=32)
   p.add_argument("--temperature", type=run_dir.number(float, 0.0),
                  default=0.0, help="0: greedy")
@@ -62,9 +67,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                  help="default: bfloat16 on GPUs, float32 on a CPU")
   args = p.parse_args(argv)
-  if args.prompts and args.prompt:
-    p.error("give prompts on the command line or with --prompts, not both")
-  run_dir.check_inputs(p, args.model, prompts=args.prompts)
+  if sum(map(bool, (args.prompt, args.prompts, args.prompt_file))) > 1:
+    p.error("give prompts on the command line, with --prompts or with "
+            "--prompt-file: one of them")
+  run_dir.check_inputs(p, args.model, prompts=args.prompts,
+                       prompt_file=args.prompt_file)
   if args.temperature == 0 and (args.top_k is not None or args.top_p < 1):
     p.error("--top-k and --top-p shape sampling: they need --temperature "
             "> 0 (0 is greedy)")
@@ -97,6 +104,19 @@ def read_prompts(path) -> list[str]:
   return out
 
 
+def read_text(path) -> str:
+  """The whole of a UTF-8 text file (a leading byte-order mark dropped); an
+  empty file, or bytes that are not UTF-8, are an error naming it."""
+  try:
+    text = pathlib.Path(path).read_text(encoding="utf-8-sig")
+  except UnicodeDecodeError as e:
+    raise SystemExit(f"{path}: not UTF-8 text (byte {e.start}: "
+                     f"{e.reason})") from None
+  if not text.strip():
+    raise SystemExit(f"{path}: no text")
+  return text
+
+
 def demo_model(directory: pathlib.Path) -> pathlib.Path:
   """A tiny random Llama and the fine-tuning demo's tokenizer, written to
   ``directory``."""
@@ -126,8 +146,12 @@ def generate(args) -> list[str]:
   from jax_ring import models
   from jax_ring.models import generation as gen
 
-  texts = read_prompts(args.prompts) if args.prompts else (
-      args.prompt or [DEFAULT_PROMPT])
+  if args.prompt_file:
+    texts = [read_text(args.prompt_file)]
+  elif args.prompts:
+    texts = read_prompts(args.prompts)
+  else:
+    texts = args.prompt or [DEFAULT_PROMPT]
   sampling = gen.Sampling(args.temperature, args.top_k, args.top_p)
   with tempfile.TemporaryDirectory() as tmp:
     if not args.model:  # say what the text comes from before any is shown
@@ -174,6 +198,7 @@ class Stream:
   def __init__(self, encoder, prompts, texts):
     self.encoder, self.texts = encoder, texts
     self.ids = [[] for _ in prompts]
+    self.prompt_tokens = sum(map(len, prompts))
     self.done = [False] * len(prompts)
     self.shown = ""
     self.times = [time.perf_counter()]  # the start, then each step's tokens
@@ -204,10 +229,12 @@ class Stream:
     import numpy as np
     # The second step's interval holds the decode step's compile.
     steps = np.diff(self.times[2:])
-    print(f"first token after {self.times[1] - self.times[0]:.2f} s (prefill, "
-          f"compiles included)" + (f"; {steps.size} more decode steps, "
-          f"{np.median(steps) * 1e3:.1f} ms a step (median)" if steps.size
-          else ""), file=sys.stderr)
+    decode = (f"; {steps.size} more decode steps, "
+              f"{np.median(steps) * 1e3:.1f} ms a step (median)"
+              if steps.size else "")
+    print(f"first token after {self.times[1] - self.times[0]:.2f} s (prefill "
+          f"of {self.prompt_tokens:,} tokens, compiles included){decode}",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

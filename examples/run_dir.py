@@ -106,7 +106,7 @@ def check_inputs(p: argparse.ArgumentParser, model: str | None,
             "checkpoint directory)")
   for flag, path in files.items():
     if path and not os.path.isfile(path):
-      p.error(f"--{flag} {path}: no such file")
+      p.error(f"--{flag.replace('_', '-')} {path}: no such file")
 
 
 def check_flags(p: argparse.ArgumentParser, args) -> None:

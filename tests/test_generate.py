@@ -308,8 +308,9 @@ def test_the_example_streams_what_generate_returns(tmp_path, capsys):
   """examples/generate.py on a checkpoint laid out as examples/finetune.py
   writes one (weights, tokenizer.json, EOS in config.json), with the cache
   split over 4 devices: it prints the prompt and the greedy continuation
-  that jax_ring.models.generate gives (the function). Without --model it
-  says first that its model is random."""
+  that jax_ring.models.generate gives (the function), also with the
+  prompt read from a text file. Without --model it says first that its
+  model is random."""
   cp_mesh()
   sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
   import finetune
@@ -321,15 +322,20 @@ def test_the_example_streams_what_generate_returns(tmp_path, capsys):
   text, = example.generate(args)
   printed = capsys.readouterr()
   assert printed.out == prompt + text + "\n"
-  assert re.search(r"first token after \d+\.\d\d s \(prefill, compiles "
-                   r"included\); 4 more decode steps, \d+\.\d ms a step "
-                   r"\(median\)", printed.err), printed.err
+  assert re.search(r"first token after \d+\.\d\d s \(prefill of \d+ "
+                   r"tokens, compiles included\); 4 more decode steps, "
+                   r"\d+\.\d ms a step \(median\)", printed.err), printed.err
   encoder = finetune.Encoder(model_dir)
   ids = encoder.prefix + encoder.tok.encode(prompt,
                                             add_special_tokens=False).ids
   want, = gen.generate(models.load_pretrained(model_dir), [ids],
                        max_new_tokens=6, stop_tokens=[encoder.eos])
   assert text == encoder.tok.decode(want, skip_special_tokens=True)
+  (tmp_path / "prompt.txt").write_text(prompt, encoding="utf-8")
+  assert example.generate(example.parse_args([
+      "--model", str(model_dir), "--context", "4", "--max-new-tokens", "6",
+      "--prompt-file", str(tmp_path / "prompt.txt")])) == [text]
+  capsys.readouterr()
   example.generate(example.parse_args(["--context", "4", "--max-new-tokens",
                                        "2", prompt]))
   assert capsys.readouterr().err.startswith(

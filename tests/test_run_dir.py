@@ -216,6 +216,11 @@ def test_a_run_never_writes_over_what_it_reads(tmp_path):
      "finite number; got inf"),
     (generate, ["--seed", "-5"], "argument --seed: must be >= 0 and <= "
      "4294967295; got -5"),
+    (generate, ["--prompt-file", "/no/file.txt"],
+     "--prompt-file /no/file.txt: no such file"),
+    (generate, ["--prompts", "/no/p.jsonl", "--prompt-file", "/no/b.txt"],
+     "give prompts on the command line, with --prompts or with "
+     "--prompt-file: one of them"),
 ])
 def test_flags_out_of_range_are_the_flags_errors(script, flags, message,
                                                  capsys):
@@ -228,7 +233,8 @@ def test_flags_out_of_range_are_the_flags_errors(script, flags, message,
 
 def test_prompts_files_read_as_the_data_files_are(tmp_path):
   """A leading byte-order mark is read past (as finetune.py reads its
-  data); bytes that are not UTF-8 are named with the file."""
+  data); bytes that are not UTF-8 are named with the file; a prompt file
+  of no text is named."""
   good = tmp_path / "p.jsonl"
   good.write_bytes(b'\xef\xbb\xbf{"prompt": "owl"}\n\n{"prompt": "sun"}\n')
   assert generate.read_prompts(good) == ["owl", "sun"]
@@ -237,6 +243,12 @@ def test_prompts_files_read_as_the_data_files_are(tmp_path):
   with pytest.raises(SystemExit, match=re.escape(
       f"{bad}: not UTF-8 text (byte 12: invalid start byte)")):
     generate.read_prompts(bad)
+  text = tmp_path / "book.txt"  # --prompt-file: the whole file, one prompt
+  text.write_bytes(b"\xef\xbb\xbfowl\n\nsun\n")
+  assert generate.read_text(text) == "owl\n\nsun\n"
+  text.write_bytes(b" \n")
+  with pytest.raises(SystemExit, match=re.escape(f"{text}: no text")):
+    generate.read_text(text)
 
 
 def test_a_mesh_axis_given_twice_is_named():
