@@ -407,9 +407,19 @@ class Generator:
     key = jax.random.key(seed)
     out = [[] for _ in prompts]
     done = np.zeros(len(prompts), bool)
+    key, sub = jax.random.split(key)
+    drawn = _sample(logits, sub, sampling)  # on the device
     for step in range(max_new_tokens):
-      key, sub = jax.random.split(key)
-      tokens = np.asarray(_sample(logits, sub, sampling))
+      # The next step is queued before this one's tokens are read, from
+      # the tokens still on the device: the host's work between steps
+      # (reading, stopping, streaming) overlaps the GPU's. A step queued
+      # past the last one needed is discarded.
+      if step < max_new_tokens - 1:
+        logits, cache = _step(self._graph, self._leaves, cache, drawn,
+                              np.int32(step))
+        key, sub = jax.random.split(key)
+        queued = _sample(logits, sub, sampling)
+      tokens = np.asarray(drawn)
       bad = np.flatnonzero(tokens < 0)
       if bad.size:
         raise ValueError(
@@ -424,7 +434,7 @@ class Generator:
       done |= np.isin(tokens, stop)
       if done.all() or step == max_new_tokens - 1:
         break
-      logits, cache = self.step(cache, tokens, step)
+      drawn = queued
     return out
 
 
