@@ -19,7 +19,8 @@ Prompts come from the command line, from JSON lines ``{"prompt": "..."}``
 for a long context); each is tokenized as ``examples/finetune.py``
 tokenizes a prompt (the tokenizer's own prefix, then the text), and rows
 stop at the checkpoint's EOS. With one prompt the text is printed as it is
-generated; with several, each row's once all have ended. ``--temperature 0`` (the
+generated (after the prompt, unless it came from ``--prompt-file``); with
+several, each row's once all have ended. ``--temperature 0`` (the
 default) is greedy; otherwise ``--top-k``/``--top-p`` sampling from
 ``--seed``. Nothing is written outside the temporary directory of the
 default model, and nothing is downloaded.
@@ -181,7 +182,8 @@ def generate(args) -> list[str]:
     with jax.set_mesh(mesh):
       model = models.load_pretrained(model_dir, mesh=mesh, dtype=dtype,
                                      **options)
-      stream = Stream(encoder, prompts, texts)
+      # A prompt from a file may be a book: it is not echoed.
+      stream = Stream(encoder, prompts, texts, echo=not args.prompt_file)
       out = gen.generate(model, prompts, max_new_tokens=args.max_new_tokens,
                          sampling=sampling, seed=args.seed,
                          stop_tokens=[encoder.eos] if encoder.eos is not None
@@ -195,8 +197,8 @@ class Stream:
   prompts' at the end; then, on stderr, the time to the first token
   (prefill, compiles included) and the median decode step."""
 
-  def __init__(self, encoder, prompts, texts):
-    self.encoder, self.texts = encoder, texts
+  def __init__(self, encoder, prompts, texts, echo=True):
+    self.encoder, self.texts, self.echo = encoder, texts, echo
     self.ids = [[] for _ in prompts]
     self.prompt_tokens = sum(map(len, prompts))
     self.done = [False] * len(prompts)
@@ -211,7 +213,7 @@ class Stream:
       self.ids[row].append(int(token))
       self.done[row] = int(token) == self.encoder.eos
     if len(self.ids) == 1:
-      if step == 0:
+      if step == 0 and self.echo:
         print(self.texts[0], end="", flush=True)
       text = self.text(0)
       print(text[len(self.shown):], end="", flush=True)

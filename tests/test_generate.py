@@ -308,9 +308,9 @@ def test_the_example_streams_what_generate_returns(tmp_path, capsys):
   """examples/generate.py on a checkpoint laid out as examples/finetune.py
   writes one (weights, tokenizer.json, EOS in config.json), with the cache
   split over 4 devices: it prints the prompt and the greedy continuation
-  that jax_ring.models.generate gives (the function), also with the
-  prompt read from a text file. Without --model it says first that its
-  model is random."""
+  that jax_ring.models.generate gives (the function); with the prompt
+  read from a text file, the same text, the prompt not echoed. Without
+  --model it says first that its model is random."""
   cp_mesh()
   sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
   import finetune
@@ -322,7 +322,7 @@ def test_the_example_streams_what_generate_returns(tmp_path, capsys):
   text, = example.generate(args)
   printed = capsys.readouterr()
   assert printed.out == prompt + text + "\n"
-  assert re.search(r"first token after \d+\.\d\d s \(prefill of \d+ "
+  assert re.search(r"first token after \d+\.\d\d s \(prefill of [\d,]+ "
                    r"tokens, compiles included\); 4 more decode steps, "
                    r"\d+\.\d ms a step \(median\)", printed.err), printed.err
   encoder = finetune.Encoder(model_dir)
@@ -335,7 +335,7 @@ def test_the_example_streams_what_generate_returns(tmp_path, capsys):
   assert example.generate(example.parse_args([
       "--model", str(model_dir), "--context", "4", "--max-new-tokens", "6",
       "--prompt-file", str(tmp_path / "prompt.txt")])) == [text]
-  capsys.readouterr()
+  assert capsys.readouterr().out == text + "\n"  # the file is not echoed
   example.generate(example.parse_args(["--context", "4", "--max-new-tokens",
                                        "2", prompt]))
   assert capsys.readouterr().err.startswith(
