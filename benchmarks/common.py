@@ -216,12 +216,10 @@ def write(name, rows, columns, extra=None, mode="default", path=None,
   widths = [max(len(c), 10) for c in columns]
   if show:
     print(" ".join(c.rjust(w) for c, w in zip(columns, widths)))
-  for r in rows if show else ():
-    cells = []
-    for c, w in zip(columns, widths):
-      v = r.get(c, "")
-      cells.append((f"{v:.3f}" if isinstance(v, float) else str(v)).rjust(w))
-    print(" ".join(cells))
+    for r in rows:
+      cells = [r.get(c, "") for c in columns]
+      print(" ".join((f"{v:.3f}" if isinstance(v, float) else str(v)).rjust(w)
+                     for v, w in zip(cells, widths)))
   path = pathlib.Path(path) if path else results_path(name, env)
   data = json.loads(path.read_text()) if path.exists() else {}
   runs = data.get("runs", {})

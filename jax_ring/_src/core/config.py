@@ -149,9 +149,10 @@ class ContextParallel:
       into the ``load_balance`` layout and the output back, inside its
       compiled program (dual-chunk over one axis: each chunk sent once, by
       two ppermutes an array; striped: one all-to-all an array; a pair of
-      axes: gathered whole; ``jax_ring.explain`` lists them). ``"load_balanced"``: the arrays
-      are already in the layout (``jax_ring.reorder_for_load_balance``
-      with cp_size the axis size, for a pair of axes the ring axis size;
+      axes: gathered whole; ``jax_ring.explain`` lists them).
+      ``"load_balanced"``: the arrays are already in the layout
+      (``jax_ring.reorder_for_load_balance`` with cp_size the axis size,
+      for a pair of axes the ring axis size;
       ``jax_ring.flax.prepare_lm_batch`` puts batches so), and nothing is
       permuted: the fast path for a model whose every layer attends.
       Contiguous shards (``load_balance=None``) are natural order either
