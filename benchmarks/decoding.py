@@ -33,6 +33,8 @@ kv heads of 64, vocabulary 128256, tied embeddings) in bfloat16.
   (``step_after_prefill_ms``). ``--equal-at N``: one prompt of N tokens
   generated greedily (16 tokens) by the one-GPU model and by the split
   one: the tokens and the first logits compared.
+* ``--kernels xla pallas``: each ``decode_attention`` implementation
+  timed, one after the other, on the same shapes.
 
 Writes benchmarks/results/decoding_<count>x<gpu>.json after each row (a
 run that is stopped keeps the rows it measured).
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import time
 
 import jax
@@ -233,6 +236,9 @@ def parse_args():
   p.add_argument("--equal-at", type=int, default=16384, help="with "
                  "--devices > 1: the prompt length of the comparison with "
                  "one GPU (0: none)")
+  p.add_argument("--kernels", nargs="+", default=["xla"],
+                 choices=["xla", "pallas"], help="decode_attention "
+                 "implementations, each timed on the same caches")
   p.add_argument("--mode", default="default")
   p.add_argument("--profile", action="store_true", help="also a kernel "
                  "profile of the step at each batch's longest context")
@@ -241,15 +247,19 @@ def parse_args():
   return p.parse_args()
 
 
-def decode_rows(a, cfg, generator, weights, bw, mesh, rows, save):
-  """A row per batch x context, appended to ``rows`` and saved as it
-  comes: the step against its per-device floor."""
+def decode_rows(a, cfg, model, weights, bw, mesh, rows, save):
+  """A row per batch x context x decode kernel, appended to ``rows`` and
+  saved as it comes: the step against its per-device floor, the kernels
+  timed one after the other on the same shapes."""
   d = 1 if mesh is None else mesh.shape["context"]
-  for b in a.batch:
+  generators = {k: gen.Generator(model, decode_implementation=k)
+                for k in a.kernels}
+  for b, kernel in itertools.product(a.batch, a.kernels):
+    generator = generators[kernel]
     base, _ = step_seconds(generator, random_cache(cfg, b, 64, 1, mesh))
     for ctx in a.context:
-      print(f"decode: batch {b}, context {ctx} (a first step compiles)",
-            flush=True)
+      print(f"decode ({kernel}): batch {b}, context {ctx} (a first step "
+            f"compiles)", flush=True)
       cache = random_cache(cfg, b, ctx, 2, mesh)
       kv = 2 * cfg.num_layers * b * ctx * cfg.num_kv_heads * cfg.head_dim * 2
       t, host = step_seconds(generator, cache)
@@ -259,8 +269,8 @@ def decode_rows(a, cfg, generator, weights, bw, mesh, rows, save):
         print(f"profile, batch {b}, context {ctx}: {prof}", flush=True)
       del cache
       floor = (weights + kv / d) / bw
-      rows.append(dict(kind="decode", batch=b, context=ctx, devices=d,
-                       step_ms=t * 1e3, floor_ms=floor * 1e3,
+      rows.append(dict(kind="decode", kernel=kernel, batch=b, context=ctx,
+                       devices=d, step_ms=t * 1e3, floor_ms=floor * 1e3,
                        over_floor=t / floor, step_64_ms=base * 1e3,
                        host_ms=host * 1e3, cache_gib=kv / 2**30, **(
                            {} if prof is None else dict(profile=prof))))
@@ -325,12 +335,13 @@ def main():
   rows = []
   save = lambda show=False: write(
       "decoding", rows,
-      ["kind", "batch", "context", "devices", "step_ms", "floor_ms",
-       "over_floor", "step_64_ms", "host_ms", "step_after_prefill_ms",
-       "tokens_per_s"], extra=extra, mode=a.mode, show=show)
+      ["kind", "kernel", "batch", "context", "devices", "step_ms",
+       "floor_ms", "over_floor", "step_64_ms", "host_ms",
+       "step_after_prefill_ms", "tokens_per_s"], extra=extra, mode=a.mode,
+      show=show)
   with scope:
+    decode_rows(a, cfg, model, weights, bw, mesh, rows, save)
     generator = gen.Generator(model)
-    decode_rows(a, cfg, generator, weights, bw, mesh, rows, save)
     prefill_rows(a, cfg, generator, weights, bw, mesh, rows, save)
   if mesh is None:
     err = check(model, generator)

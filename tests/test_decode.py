@@ -219,13 +219,14 @@ def test_two_sided_window_without_causality_and_empty_sizes():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() < 2,
-                    reason="needs 2 or more GPUs")
-def test_bfloat16_cache_over_every_gpu_matches_reference():
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs GPUs")
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_bfloat16_cache_over_every_gpu_matches_reference(implementation):
   """A bfloat16 cache of 8k slots a row in no particular order, split over
   every GPU of the machine (``context_parallel`` under jit), with a window,
   soft cap and sinks: the float64 reference, and the one-GPU call to
-  bfloat16's rounding."""
+  bfloat16's rounding; each implementation (the Pallas kernel on a
+  kv-head-major cache)."""
   gpus, c, t = jax.device_count(), 8192, 2
   rng = np.random.default_rng(10)
   kv_pos = np.stack([rng.permutation(c) for _ in range(B)]).astype(np.int32)
@@ -240,20 +241,25 @@ def test_bfloat16_cache_over_every_gpu_matches_reference():
   vis = (kv_pos[:, None, :] >= 0) & (d <= 0) & (d >= -3000)
   want = ref.attention(q, k, v, ref.Case(128**-0.5, dense=vis[:, None],
                                          soft_cap=20.0), sinks=SINKS)[0]
+  slots = P(None, "cp")
+  if implementation == "pallas":
+    k, v = (jnp.swapaxes(x, 1, 2) for x in (k, v))
+    kw.update(kv_layout="bksh", implementation="pallas")
+    slots = P(None, None, "cp")
   one = jax_ring.decode_attention(q, k, v, query_positions=q_pos,
                                   key_positions=kv_pos, **kw)
   m = jax.make_mesh((gpus,), ("cp",),
                     axis_types=(jax.sharding.AxisType.Auto,))
   cpc = jax_ring.ContextParallel(axis="cp")
   with jax.set_mesh(m):
-    k, v, kv_pos = (jax.device_put(x, NamedSharding(m, P(None, "cp")))
-                    for x in (k, v, kv_pos))
+    k, v = (jax.device_put(x, NamedSharding(m, slots)) for x in (k, v))
+    kv_pos = jax.device_put(kv_pos, NamedSharding(m, P(None, "cp")))
     f = jax.jit(lambda q, k, v, kp: jax_ring.decode_attention(
         q, k, v, query_positions=q_pos, key_positions=kp,
         context_parallel=cpc, **kw))
     split = f(q, k, v, kv_pos)
     assert collectives(f.lower(q, k, v, kv_pos).compile().as_text())[
-        "all-reduce"] == 1
+        "all-reduce"] == (gpus > 1)
   ref.assert_close(one, want, jnp.bfloat16, "one GPU")
   ref.assert_close(split, want, jnp.bfloat16, f"{gpus} GPUs")
   ref.assert_close(split, np.asarray(one, np.float32), jnp.bfloat16,

@@ -34,10 +34,10 @@ CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(**COMMON),
     # prompt 9 + 7 new tokens against a window of 5
     "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=5,
-                                                  head_dim=8),
+                                                  head_dim=16),
     # soft caps that bite, query_pre_attn_scalar, a window on one layer of 2
     "gemma2": lambda: transformers.Gemma2Config(
-        **COMMON, head_dim=8, query_pre_attn_scalar=12, sliding_window=5,
+        **COMMON, head_dim=16, query_pre_attn_scalar=12, sliding_window=5,
         attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
 }
 PROMPTS = [[3, 14, 15, 9, 2, 6, 5, 35, 8], [27, 18, 28]]
@@ -81,6 +81,18 @@ def test_greedy_tokens_equal_transformers(name, cache, checkpoints):
           path, mesh=mesh, rules=models.model_rules(),
           context_parallel=jax_ring.ContextParallel(axis="context"))
       got = gen.generate(model, PROMPTS, max_new_tokens=NEW)
+  assert got == want
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])  # head dims of 16
+def test_the_pallas_decode_kernel_gives_the_same_tokens(name, checkpoints):
+  """``Generator(decode_implementation="pallas")`` on one device
+  (interpreted off GPUs), a window, soft caps: transformers' greedy
+  tokens."""
+  path, want = checkpoints[name]
+  got = gen.Generator(models.load_pretrained(path),
+                      decode_implementation="pallas").generate(
+                          PROMPTS, max_new_tokens=NEW)
   assert got == want
 
 

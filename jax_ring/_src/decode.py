@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_ring._src.core import kernel, validate
+from jax_ring._src.core import kernel, registry, validate
 from jax_ring._src.core.config import AttentionConfig, ContextParallel
 from jax_ring._src.core.mask import MASK_VALUE
 
@@ -57,7 +57,8 @@ def decode_attention(query, key, value, *, query_positions, key_positions,
                      is_causal=True, local_window_size=None, scale=None,
                      logits_soft_cap=None, sinks=None, axis_name=None,
                      context_parallel: ContextParallel | None = None,
-                     kv_layout: KvLayout = "bskh"):
+                     kv_layout: KvLayout = "bskh",
+                     implementation: Literal["xla", "pallas"] | None = None):
   """Attention of ``query`` against the cached ``key``/``value``, masked by
   the tokens' positions.
 
@@ -85,6 +86,13 @@ def decode_attention(query, key, value, *, query_positions, key_positions,
       K/V) or ``"bksh"`` (kv-head-major: with B > 1, the layout each of
       the two products reads as one batched matrix; a ``"bskh"`` cache is
       transposed, which XLA may do by copying it whole).
+    implementation: each device's part as ``"xla"`` (two batched products
+      and the softmax between them; None, the default, is this) or
+      ``"pallas"``: one Pallas (Triton) kernel over the cache, split over
+      its slots, for ``kv_layout="bksh"`` with each device's slots a
+      multiple of 128 (interpreted off GPUs: exact, slow, one device
+      only). A choice that cannot serve the call is a ValueError naming
+      why.
 
   Returns:
     ``(B, T, N, Hv)`` in the query's dtype.
@@ -123,10 +131,48 @@ def decode_attention(query, key, value, *, query_positions, key_positions,
                      "context_parallel (on global arrays), not both")
   local = functools.partial(_local, band=band, scale=scale, cap=cap,
                             layout=kv_layout)
+  if implementation not in (None, "xla"):
+    kern = registry.DECODE_KERNELS.get(implementation)
+    if kern is None or kv_layout != "bksh":
+      raise ValueError(
+          f"decode_attention: implementation must be None, 'xla' or one of "
+          f"{sorted(registry.DECODE_KERNELS)} (with kv_layout='bksh'); got "
+          f"{implementation!r} with kv_layout={kv_layout!r}")
+    interpret = jax.default_backend() != "gpu"
+    if interpret and (axis_name, context_parallel) != (None, None):
+      raise ValueError(
+          f"decode_attention: implementation={implementation!r} runs "
+          f"interpreted off GPUs, which jax cannot do inside shard_map "
+          f"(axis_name or context_parallel); implementation='xla' can")
+    local = _xla_gradient(
+        functools.partial(kern.local, band=band, scale=scale, cap=cap,
+                          interpret=interpret), local)
   if context_parallel is None:
     return _attend(local, query, key, value, q_pos, kv_pos, sinks, axis_name)
   return _context_parallel(local, query, key, value, q_pos, kv_pos, sinks,
                            context_parallel, 1 if kv_layout == "bskh" else 2)
+
+
+def _xla_gradient(kernel_local, xla_local):
+  """``kernel_local``, differentiated as ``xla_local`` (the same function
+  of ``q, k, v``; a kernel has no derivative of its own). The positions
+  take no cotangent."""
+
+  @jax.custom_vjp
+  def local(q, k, v, q_pos, kv_pos):
+    return kernel_local(q, k, v, q_pos, kv_pos)
+
+  def forward(q, k, v, q_pos, kv_pos):
+    return local(q, k, v, q_pos, kv_pos), (q, k, v, q_pos, kv_pos)
+
+  def backward(res, cotangent):
+    q, k, v, q_pos, kv_pos = res
+    _, vjp = jax.vjp(lambda q, k, v: xla_local(q, k, v, q_pos, kv_pos),
+                     q, k, v)
+    return (*vjp(cotangent), None, None)
+
+  local.defvjp(forward, backward)
+  return local
 
 
 def _positions(name, x, shape):

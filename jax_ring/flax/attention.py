@@ -441,11 +441,11 @@ class Attention(nnx.Module):
         context_parallel=cfg.context_parallel)
 
   def decode(self, q, k, v, query_positions, key_positions,
-             kv_layout="bskh"):
+             kv_layout="bskh", implementation=None):
     """``jax_ring.decode_attention`` with the layer's options (its window,
     scale, soft cap, sinks and context parallelism): ``q (B, T, N, H)``
     against a cache ``k``, ``v`` whose slots hold ``key_positions``;
-    ``(B, T, N, H)``."""
+    ``(B, T, N, H)``. ``implementation``: decode_attention's."""
     cfg = self.config
     return decode_attention(
         q, k, v, query_positions=query_positions,
@@ -453,7 +453,8 @@ class Attention(nnx.Module):
         local_window_size=cfg.local_window_size, scale=cfg.scale,
         logits_soft_cap=cfg.logits_soft_cap,
         sinks=self.sinks[...].astype(jnp.float32) if cfg.sinks else None,
-        context_parallel=cfg.context_parallel, kv_layout=kv_layout)
+        context_parallel=cfg.context_parallel, kv_layout=kv_layout,
+        implementation=implementation)
 
   def output(self, out):
     """``(B, S, N, H)`` -> ``(B, S, E)``: the output projection."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -253,8 +253,10 @@ def _prefill(graph: _Graph, leaves, tokens, positions, lengths, last, *,
   return model.logits(x[jnp.arange(b), last]), cache
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _step(graph: _Graph, leaves, cache: KVCache, tokens, step):
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,),
+                   static_argnames=("implementation",))
+def _step(graph: _Graph, leaves, cache: KVCache, tokens, step, *,
+          implementation=None):
   """Decode step ``step``: each row's ``tokens (B,)``, at position
   ``lengths + step``, appended in device ``step mod D``'s next slot; the
   next logits ``(B, V)`` and the cache."""
@@ -273,7 +275,7 @@ def _step(graph: _Graph, leaves, cache: KVCache, tokens, step):
                                             slot, 2)
             for c, x in ((cache.k, k), (cache.v, v)))
     out = block.attn.decode(q, k, v, positions[:, None], kv_pos,
-                            kv_layout="bksh")
+                            kv_layout="bksh", implementation=implementation)
     x = block.finish(x, out)
     ks.append(k)
     vs.append(v)
@@ -287,10 +289,13 @@ class Generator:
   and its arrays once, here, so that each step is one compiled call (a
   module passed to a jitted function is traversed on every call). Use it
   as the model is used: under ``jax.set_mesh`` when it is context-parallel;
-  the model's weights are read when it is made."""
+  the model's weights are read when it is made. ``decode_implementation``
+  is the step's ``decode_attention(implementation=...)``."""
 
-  def __init__(self, model: Decoder):
+  def __init__(self, model: Decoder, *,
+               decode_implementation: Literal["xla", "pallas"] | None = None):
     self.cfg = model.cfg
+    self.decode_implementation = decode_implementation
     graphdef, state = nnx.split(model)
     self._leaves, treedef = jax.tree.flatten(state)
     self._graph = _Graph.of(graphdef, treedef)
@@ -370,7 +375,7 @@ class Generator:
     # NumPy arguments: the jitted call moves them itself, with less host
     # time than a jnp.asarray each.
     return _step(self._graph, self._leaves, cache, tokens.astype(np.int32),
-                 np.int32(step))
+                 np.int32(step), implementation=self.decode_implementation)
 
   def lower_step(self, cache: KVCache, tokens, step: int = 0):
     """The program :meth:`step` runs for ``cache`` and ``tokens (B,)``,
@@ -378,7 +383,8 @@ class Generator:
     shows its kernels and collectives; with the cache split over few
     rows, one all-reduce a layer)."""
     return _step.lower(self._graph, self._leaves, cache,
-                       np.asarray(tokens, np.int32), np.int32(step))
+                       np.asarray(tokens, np.int32), np.int32(step),
+                       implementation=self.decode_implementation)
 
   def generate(self, prompts: Sequence[Sequence[int]], *,
                max_new_tokens: int, sampling: Sampling = Sampling(),

@@ -52,6 +52,22 @@ BACKENDS: dict[str, Backend] = {}
 UNAVAILABLE: dict[str, str] = {}
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeKernel:
+  """A kernel for each device's part of ``decode_attention``:
+  ``local(q, k, v, q_pos, kv_pos, *, band, scale, cap, interpret)`` with
+  the contract of ``decode._local`` (the kv-head-major cache), raising a
+  ValueError for shapes it cannot serve; ``interpret`` runs it where it
+  has no lowering (a CPU: exact, slow)."""
+
+  name: str
+  local: Callable
+
+
+# name -> decode kernel ("xla", decode.py's own products, is not here).
+DECODE_KERNELS: dict[str, DecodeKernel] = {}
+
+
 def register(backend: Backend) -> None:
   """Add a backend, preferred over those registered before it."""
   BACKENDS[backend.name] = backend

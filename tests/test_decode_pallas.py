@@ -1,0 +1,115 @@
+"""``decode_attention(implementation="pallas")``: the Pallas kernel (on a
+CPU, interpreted) against the float64 reference, forward and gradients,
+for every mask it serves; rows that see nothing and NaN; the calls it
+refuses, by name. The split cache runs it on GPUs (the GPU lane)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ring
+import reference as ref
+
+# 256 slots (two of the kernel's blocks) in no particular order, a quarter
+# empty; T = 3 new tokens; GQA 4:2; Hv unlike H.
+B, T, C, N, K, H, HV = 2, 3, 256, 4, 2, 32, 16
+RNG = np.random.default_rng(1)
+KV_POS = np.stack([RNG.permutation(C) for _ in range(B)]).astype(np.int32)
+KV_POS[RNG.random((B, C)) < 0.25] = -1
+Q_POS = np.array([[200, 201, 202], [256, 257, 258]], np.int32)
+SINKS = np.array([0.5, -1.0, 1.5, 0.0], np.float32)
+CASES = {  # name -> (options, causal, window (left, right))
+    "causal": (dict(), True, None),
+    "window_cap_sinks": (dict(local_window_size=(40, 0), logits_soft_cap=2.0,
+                              sinks=SINKS), True, (40, 0)),
+    "two_sided": (dict(is_causal=False, local_window_size=(30, 20)), False,
+                  (30, 20)),
+}
+
+
+def visible(q_pos, causal, window):
+  d = KV_POS[:, None, :] - q_pos[:, :, None]
+  vis = np.broadcast_to(KV_POS[:, None, :] >= 0, d.shape).copy()
+  if causal:
+    vis &= d <= 0
+  if window:
+    vis &= (d >= -window[0]) & (d <= window[1])
+  return vis
+
+
+def call(q, k, v, kw, q_pos=Q_POS):
+  return jax_ring.decode_attention(
+      q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), query_positions=q_pos,
+      key_positions=KV_POS, kv_layout="bksh", implementation="pallas", **kw)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pallas_matches_reference_with_gradients(name):
+  kw, causal, window = CASES[name]
+  q, k, v, dout = ref.random_qkv(3, B, T, C, N, K, H, hv=HV)
+  case = ref.Case(H**-0.5, dense=visible(Q_POS, causal, window)[:, None],
+                  soft_cap=kw.get("logits_soft_cap"))
+  want, _, grads = ref.attention(q, k, v, case, sinks=kw.get("sinks"),
+                                 dout=dout)
+  f = jax.jit(lambda q, k, v: call(q, k, v, kw))
+  ref.assert_close(f(q, k, v), want, jnp.float32)
+  got = jax.grad(lambda q, k, v: (f(q, k, v) * dout).sum(),
+                 argnums=(0, 1, 2))(q, k, v)
+  for x, name in zip(got, "qkv"):
+    ref.assert_close(x, grads[name], jnp.float32, "d" + name)
+
+
+def test_bfloat16_cache():
+  q, k, v, _ = ref.random_qkv(4, B, T, C, N, K, H, jnp.bfloat16, hv=HV)
+  out = call(q, k, v, {})
+  assert out.dtype == jnp.bfloat16
+  case = ref.Case(H**-0.5, dense=visible(Q_POS, True, None)[:, None])
+  ref.assert_close(out, ref.attention(q, k, v, case)[0], jnp.bfloat16)
+
+
+def test_no_visible_slot_is_zero_and_nan_propagates():
+  q, k, v, _ = ref.random_qkv(5, B, T, C, N, K, H, hv=HV)
+  q_pos = Q_POS.copy()
+  q_pos[0, 0] = -5  # sees no slot
+  out = np.asarray(call(q.at[1, 0, 2, 0].set(jnp.nan), k, v, {}, q_pos))
+  np.testing.assert_array_equal(out[0, 0], 0.0)
+  nan = np.isnan(out)
+  assert nan[1, 0, 2].all() and nan.sum() == HV
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(kv_layout="bskh"), "implementation must be None, 'xla' or one of "
+     "['pallas'] (with kv_layout='bksh'); got 'pallas' with "
+     "kv_layout='bskh'"),
+    (dict(slots=200), "cannot serve 200 cache slots per device, not a "
+     "multiple of 128; implementation='xla' can"),
+    (dict(implementation="triton"), "implementation must be None, 'xla' or "
+     "one of ['pallas']"),
+])
+def test_calls_it_cannot_serve_are_named(change, message):
+  slots = change.pop("slots", C)
+  q, k, v, _ = ref.random_qkv(6, B, T, slots, N, K, H)
+  layout = change.get("kv_layout", "bksh")
+  if layout == "bksh":
+    k, v = (jnp.swapaxes(x, 1, 2) for x in (k, v))
+  with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(
+      "]", r"\]").replace("(", r"\(").replace(")", r"\)")):
+    jax_ring.decode_attention(
+        q, k, v, query_positions=Q_POS, key_positions=KV_POS[:, :slots],
+        **{"implementation": "pallas", "kv_layout": "bksh", **change})
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="off GPUs only")
+def test_interpreted_inside_shard_map_is_refused():
+  q, k, v, _ = ref.random_qkv(7, B, T, C, N, K, H)
+  m = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2],
+                    axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.set_mesh(m), pytest.raises(ValueError, match="interpreted off "
+                                      "GPUs, which jax cannot do inside "
+                                      "shard_map"):
+    jax_ring.decode_attention(
+        q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2),
+        query_positions=Q_POS, key_positions=KV_POS, kv_layout="bksh",
+        implementation="pallas",
+        context_parallel=jax_ring.ContextParallel(axis="cp"))
