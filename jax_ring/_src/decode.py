@@ -86,13 +86,9 @@ def decode_attention(query, key, value, *, query_positions, key_positions,
       K/V) or ``"bksh"`` (kv-head-major: with B > 1, the layout each of
       the two products reads as one batched matrix; a ``"bskh"`` cache is
       transposed, which XLA may do by copying it whole).
-    implementation: each device's part as ``"xla"`` (two batched products
-      and the softmax between them; None, the default, is this) or
-      ``"pallas"``: one Pallas (Triton) kernel over the cache, split over
-      its slots, for ``kv_layout="bksh"`` with each device's slots a
-      multiple of 128 (interpreted off GPUs: exact, slow, one device
-      only). A choice that cannot serve the call is a ValueError naming
-      why.
+    implementation: each device's part: ``"xla"`` (None: two products
+      and a softmax) or ``"pallas"``, one fused kernel for ``"bksh"``
+      (``_src/backends/pallas_decode.py`` says what it serves).
 
   Returns:
     ``(B, T, N, Hv)`` in the query's dtype.
@@ -132,25 +128,32 @@ def decode_attention(query, key, value, *, query_positions, key_positions,
   local = functools.partial(_local, band=band, scale=scale, cap=cap,
                             layout=kv_layout)
   if implementation not in (None, "xla"):
-    kern = registry.DECODE_KERNELS.get(implementation)
-    if kern is None or kv_layout != "bksh":
-      raise ValueError(
-          f"decode_attention: implementation must be None, 'xla' or one of "
-          f"{sorted(registry.DECODE_KERNELS)} (with kv_layout='bksh'); got "
-          f"{implementation!r} with kv_layout={kv_layout!r}")
-    interpret = jax.default_backend() != "gpu"
-    if interpret and (axis_name, context_parallel) != (None, None):
-      raise ValueError(
-          f"decode_attention: implementation={implementation!r} runs "
-          f"interpreted off GPUs, which jax cannot do inside shard_map "
-          f"(axis_name or context_parallel); implementation='xla' can")
-    local = _xla_gradient(
-        functools.partial(kern.local, band=band, scale=scale, cap=cap,
-                          interpret=interpret), local)
+    local = _kernel_local(implementation, local, kv_layout, axis_name,
+                          context_parallel, band=band, scale=scale, cap=cap)
   if context_parallel is None:
     return _attend(local, query, key, value, q_pos, kv_pos, sinks, axis_name)
   return _context_parallel(local, query, key, value, q_pos, kv_pos, sinks,
                            context_parallel, 1 if kv_layout == "bskh" else 2)
+
+
+def _kernel_local(implementation, xla_local, kv_layout, axis_name,
+                  context_parallel, **options):
+  """The registered kernel ``implementation`` as the local part (its
+  gradient ``xla_local``'s), or a ValueError naming why it cannot be."""
+  kern = registry.DECODE_KERNELS.get(implementation)
+  if kern is None or kv_layout != "bksh":
+    raise ValueError(
+        f"decode_attention: implementation must be None, 'xla' or one of "
+        f"{sorted(registry.DECODE_KERNELS)} (with kv_layout='bksh'); got "
+        f"{implementation!r} with kv_layout={kv_layout!r}")
+  interpret = jax.default_backend() != "gpu"
+  if interpret and (axis_name, context_parallel) != (None, None):
+    raise ValueError(
+        f"decode_attention: implementation={implementation!r} runs "
+        f"interpreted off GPUs, which jax cannot do inside shard_map "
+        f"(axis_name or context_parallel); implementation='xla' can")
+  return _xla_gradient(functools.partial(kern.local, interpret=interpret,
+                                         **options), xla_local)
 
 
 def _xla_gradient(kernel_local, xla_local):

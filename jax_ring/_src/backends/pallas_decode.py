@@ -13,7 +13,7 @@ time: scores in float32, the mask by position (``key_positions >= 0``
 and the band), a running max and sum, and the output accumulated in
 float32, the probabilities cast to the cache's dtype for the second
 product, as the XLA path casts them. Each K/V block is read once for its
-G heads. S is picked so that about ``WAVES`` x 132 programs run (every
+G heads. S is picked so that about ``WAVES`` programs per SM run (every
 SM streams at batch 1). The S partial ``(o, m, l)`` merge by logsumexp in
 XLA, as devices merge: the result is ``decode._local``'s, unnormalised.
 
@@ -38,7 +38,6 @@ from jax_ring._src.core.mask import MASK_VALUE
 ROWS = 16  # query rows a program holds, at least: Triton's smallest dot
 BLOCK = 128  # slots a step of a program's loop reads
 WAVES = 2  # programs per SM the split aims for
-SMS = 132  # an H100's SMs
 
 
 def supports(q_shape, k_shape, v_shape, layout: str) -> str | None:
@@ -57,11 +56,11 @@ def supports(q_shape, k_shape, v_shape, layout: str) -> str | None:
   return None
 
 
-def splits(b: int, k: int, c: int) -> int:
+def splits(b: int, k: int, c: int, sms: int) -> int:
   """S: the largest divisor of ``c / BLOCK`` up to the programs that fill
-  the GPU (``WAVES x SMS / (B K)``)."""
+  the GPU's ``sms`` multiprocessors (``WAVES x sms / (B K)``)."""
   blocks = c // BLOCK
-  want = max(1, WAVES * SMS // (b * k))
+  want = max(1, WAVES * sms // (b * k))
   return max(s for s in range(1, min(blocks, want) + 1) if blocks % s == 0)
 
 
@@ -130,7 +129,8 @@ def local(q, k, v, q_pos, kv_pos, *, band, scale, cap, interpret=False):
       b, kh, rows, h)
   qr = jnp.pad(qr, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
   rp = jnp.pad(jnp.repeat(q_pos, g, axis=1), ((0, 0), (0, padded - rows)))
-  s = splits(b, kh, c)
+  # The GPU's multiprocessors (none to fill when interpreted).
+  s = splits(b, kh, c, getattr(jax.devices()[0], "core_count", 1))
   share = c // s
   head = lambda i, j: (i // kh, i % kh, j, 0)
   kernel = functools.partial(_kernel, scale=scale, cap=cap, band=band,
