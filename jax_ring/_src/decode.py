@@ -87,8 +87,7 @@ def decode_attention(query, key, value, *, query_positions, key_positions,
       the two products reads as one batched matrix; a ``"bskh"`` cache is
       transposed, which XLA may do by copying it whole).
     implementation: each device's part: ``"xla"`` (None: two products
-      and a softmax) or ``"pallas"``, one fused kernel for ``"bksh"``
-      (``_src/backends/pallas_decode.py`` says what it serves).
+      and a softmax) or ``"pallas"``, one kernel (pallas_decode.py).
 
   Returns:
     ``(B, T, N, Hv)`` in the query's dtype.
@@ -127,7 +126,7 @@ def decode_attention(query, key, value, *, query_positions, key_positions,
                      "context_parallel (on global arrays), not both")
   local = functools.partial(_local, band=band, scale=scale, cap=cap,
                             layout=kv_layout)
-  if implementation not in (None, "xla"):
+  if implementation not in (None, "xla"):  # its gradient: the XLA path's
     local = _kernel_local(implementation, local, kv_layout, axis_name,
                           context_parallel, band=band, scale=scale, cap=cap)
   if context_parallel is None:
