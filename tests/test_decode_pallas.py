@@ -10,6 +10,7 @@ import pytest
 
 import jax_ring
 import reference as ref
+from jax_ring._src.backends import pallas_decode
 
 # 256 slots (two of the kernel's blocks) in no particular order, a quarter
 # empty; T = 3 new tokens; GQA 4:2; Hv unlike H.
@@ -113,3 +114,18 @@ def test_interpreted_inside_shard_map_is_refused():
         query_positions=Q_POS, key_positions=KV_POS, kv_layout="bksh",
         implementation="pallas",
         context_parallel=jax_ring.ContextParallel(axis="cp"))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_the_kernel_lowers_to_triton_for_gpus(dtype):
+  """The kernel lowered for CUDA, as a GPU runs it, on any machine: every
+  operation in it has a Triton lowering (the Triton compiler itself runs
+  on GPUs only)."""
+  spec = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)
+  f = jax.jit(lambda *a: pallas_decode.local(
+      *a, band=(100, 5), scale=0.125, cap=30.0, interpret=False))
+  args = (spec((2, 3, 8, 128)), spec((2, 2, 2048, 128)),
+          spec((2, 2, 2048, 64)), spec((2, 3), jnp.int32),
+          spec((2, 2048), jnp.int32))
+  text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 1
