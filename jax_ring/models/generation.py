@@ -422,7 +422,8 @@ class Generator:
       # past the last one needed is discarded.
       if step < max_new_tokens - 1:
         logits, cache = _step(self._graph, self._leaves, cache, drawn,
-                              np.int32(step))
+                              np.int32(step),
+                              implementation=self.decode_implementation)
         key, sub = jax.random.split(key)
         queued = _sample(logits, sub, sampling)
       tokens = np.asarray(drawn)
