@@ -46,7 +46,8 @@ document starts its queries at ``kv_start + shift``. That is exact when no
 document's first key lies before its first query's diagonal, which the
 striped layout guarantees. :func:`layout` checks that, and that each id is
 one run of queries and one range of keys, at run time; a batch that does
-not fit goes to the ``xla`` backend (one ``lax.cond``).
+not fit goes to the ``xla`` backend (the calls' loop then runs once,
+through it).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ring._src.backends import xla
 from jax_ring._src.backends.cudnn import ffi
@@ -304,27 +306,36 @@ def diagonal_shift(config, mask) -> int | None:
   return mask.kv_offset - mask.q_offset
 
 
-def each_call(docs: Docs, t: int, s: int, one, acc):
+def each_call(docs: Docs, t: int, s: int, one, acc, fits, fallback):
   """``acc`` through ``one(acc, cls, first, geometry, m)`` for every call
-  the documents need: per class, a loop over its calls, the number of
-  virtual batches picked from the class's menu by ``lax.switch``."""
+  the documents need, all in one loop: iteration ``w`` is the ``w``-th
+  call (class by class), its class and its number of virtual batches (class
+  0's menu) picked by one ``lax.switch``. Where the ids do not fit
+  (``fits``, ``()`` bool) the loop runs once, through ``fallback(acc)``.
+  One loop and one branch a call: on a GPU, each loop test and each branch
+  waits for the device (a block with no documents waits once)."""
   geo = geometries(t, s, docs.cls.shape[0])
   counts = class_counts(docs, len(geo))
-  for c, g in enumerate(geo):
-    menu = g.batches
-    pick = jnp.minimum(jnp.searchsorted(jnp.asarray(menu), counts[c],
-                                        method="compare_all"),
-                       len(menu) - 1)
-    branches = [functools.partial(one, cls=c, geometry=g, m=m) for m in menu]
+  tops = jnp.asarray([g.batches[-1] for g in geo], jnp.int32)
+  calls = -(-counts // tops)
+  ends = jnp.cumsum(calls)
+  offsets = jnp.asarray(np.cumsum([0] + [len(g.batches) for g in geo[:-1]]),
+                        jnp.int32)
+  picks = jnp.stack([jnp.minimum(jnp.searchsorted(
+      jnp.asarray(g.batches), counts[c], method="compare_all"),
+      len(g.batches) - 1) for c, g in enumerate(geo)])
+  calls_of = [functools.partial(one, cls=c, geometry=g, m=m)
+              for c, g in enumerate(geo) for m in g.batches]
 
-    def body(i, acc, branches=branches, top=menu[-1]):
-      if len(branches) == 1:
-        return branches[0](acc, first=i * top)
-      return jax.lax.switch(pick, [
-          lambda acc, f=f: f(acc, first=i * top) for f in branches], acc)
+  def body(w, acc):
+    c = jnp.minimum(jnp.sum(ends <= w), len(geo) - 1)
+    first = (w - ends[c] + calls[c]) * tops[c]
+    return jax.lax.switch(
+        jnp.where(fits, 1 + offsets[c] + picks[c], 0),
+        [fallback] + [lambda acc, f=f: f(acc, first=first) for f in calls_of],
+        acc)
 
-    acc = jax.lax.fori_loop(0, -(-counts[c] // menu[-1]), body, acc)
-  return acc
+  return jax.lax.fori_loop(0, jnp.where(fits, ends[-1], 1), body, acc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,15 +381,12 @@ def forward(q, k, v, mask, config, bnd: Band):
     return vma.like((out, jnp.where((c.batch < m)[:, :, None], lse, acc[1])),
                     *acc)
 
-  def run():
-    init = (jnp.zeros((b, t, n, v.shape[3]), q.dtype),
-            jnp.full((b, t, n), MASK_VALUE, jnp.float32))
-    # Inside shard_map the carry varies as the calls' results do.
-    init = vma.like(init, q, k, v, blk.q_ids, blk.kv_ids)
-    return each_call(blk.docs, t, s, one, init)
-
-  return jax.lax.cond(blk.fits, run,
-                      lambda: xla.forward(q, k, v, None, mask, config))
+  init = (jnp.zeros((b, t, n, v.shape[3]), q.dtype),
+          jnp.full((b, t, n), MASK_VALUE, jnp.float32))
+  # Inside shard_map the carry varies as the calls' results do.
+  init = vma.like(init, q, k, v, blk.q_ids, blk.kv_ids)
+  return each_call(blk.docs, t, s, one, init, blk.fits, lambda acc: vma.like(
+      xla.forward(q, k, v, None, mask, config), *acc))
 
 
 def backward(q, k, v, mask, out, lse, dout, config, bnd: Band):
@@ -400,13 +408,11 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd: Band):
         **ffi.attrs(config, blk.inner, False, m, geometry.length))
     return vma.like(tuple(grads), *acc)
 
-  def run():
-    init = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
-    init = vma.like(init, q, k, v, out, lse, dout, blk.q_ids, blk.kv_ids)
-    return each_call(blk.docs, t, s, one, init)
-
-  return jax.lax.cond(blk.fits, run, lambda: xla.backward(
-      q, k, v, None, mask, out, lse, dout, None, config)[:3])
+  init = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
+  init = vma.like(init, q, k, v, out, lse, dout, blk.q_ids, blk.kv_ids)
+  return each_call(blk.docs, t, s, one, init, blk.fits, lambda acc: vma.like(
+      tuple(xla.backward(q, k, v, None, mask, out, lse, dout, None,
+                         config)[:3]), *acc))
 
 
 def unsupported_ids(config, query, key, value, mask) -> str | None:
