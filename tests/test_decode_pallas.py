@@ -79,6 +79,31 @@ def test_no_visible_slot_is_zero_and_nan_propagates():
   assert nan[1, 0, 2].all() and nan.sum() == HV
 
 
+def test_uneven_split_of_the_slots(monkeypatch):
+  """Five blocks of slots over two programs of three blocks each: the
+  last program's block past the cache is masked, not read twice; the
+  split a 1M-token cache over 4 GPUs takes (2049 blocks) is as even."""
+  assert pallas_decode.splits(1, 8, 2049 * 128, 132) == (33, 63)
+  monkeypatch.setattr(pallas_decode, "WAVES", 8)  # interpreted: 1 "SM"
+  assert pallas_decode.splits(B, K, 640, 1) == (2, 3)
+  rng = np.random.default_rng(8)
+  kv_pos = np.stack([rng.permutation(640) for _ in range(B)]).astype(
+      np.int32)
+  kv_pos[rng.random((B, 640)) < 0.25] = -1
+  q_pos = np.array([[500, 501, 502], [637, 638, 639]], np.int32)
+  q, k, v, dout = ref.random_qkv(9, B, T, 640, N, K, H, hv=HV)
+  vis = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= q_pos[:, :, None])
+  want, _, grads = ref.attention(q, k, v, ref.Case(
+      H**-0.5, dense=vis[:, None]), dout=dout)
+  f = lambda q, k, v: jax_ring.decode_attention(
+      q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), query_positions=q_pos,
+      key_positions=kv_pos, kv_layout="bksh", implementation="pallas")
+  ref.assert_close(f(q, k, v), want, jnp.float32)
+  got = jax.grad(lambda *a: (f(*a) * dout).sum(), argnums=(0, 1, 2))(q, k, v)
+  for x, name in zip(got, "qkv"):
+    ref.assert_close(x, grads[name], jnp.float32, "d" + name)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(kv_layout="bskh"), "implementation must be None, 'xla' or one of "
      "['pallas'] (with kv_layout='bksh'); got 'pallas' with "

@@ -8,8 +8,8 @@ C, H)``, ``v (B, K, C, Hv)``.
 
 The grid is ``(B K, S)``: program ``(b k, s)`` holds the T x G query rows
 of kv head k (padded to ``ROWS``, the smallest row count Triton's matrix
-product takes) and streams its S-th share of the slots, ``BLOCK`` at a
-time: scores in float32, the mask by position (``key_positions >= 0``
+product takes) and streams its share of the slots (``steps`` blocks,
+:func:`splits`), ``BLOCK`` at a time: scores in float32, the mask by position (``key_positions >= 0``
 and the band), a running max and sum, and the output accumulated in
 float32, the probabilities cast to the cache's dtype for the second
 product, as the XLA path casts them. Each K/V block is read once for its
@@ -56,16 +56,19 @@ def supports(q_shape, k_shape, v_shape, layout: str) -> str | None:
   return None
 
 
-def splits(b: int, k: int, c: int, sms: int) -> int:
-  """S: the largest divisor of ``c / BLOCK`` up to the programs that fill
-  the GPU's ``sms`` multiprocessors (``WAVES x sms / (B K)``)."""
+def splits(b: int, k: int, c: int, sms: int) -> tuple[int, int]:
+  """``(S, steps)``: S programs per row and kv head, each reading ``steps``
+  blocks of ``BLOCK`` slots, about ``WAVES x sms`` programs in all (at
+  most one per block). ``S x steps`` may pass the cache's ``c / BLOCK``
+  blocks: a program's blocks past the end re-read the last one, masked."""
   blocks = c // BLOCK
-  want = max(1, WAVES * sms // (b * k))
-  return max(s for s in range(1, min(blocks, want) + 1) if blocks % s == 0)
+  want = max(1, min(blocks, WAVES * sms // (b * k)))
+  steps = -(-blocks // want)
+  return -(-blocks // steps), steps
 
 
 def _kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, o_ref, m_ref, l_ref, *,
-            scale, cap, band, steps, unroll):
+            scale, cap, band, steps, blocks, unroll):
   q = q_ref[...]  # (R, H)
   q_pos = qp_ref[...]  # (R,)
   left, right = band
@@ -77,13 +80,15 @@ def _kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, o_ref, m_ref, l_ref, *,
 
   def step(i, carry):
     o, m, l, bad = carry
-    at = pl.ds(pl.multiple_of(i * BLOCK, BLOCK), BLOCK)
-    k, v, kv_pos = k_ref[at, :], v_ref[at, :], kp_ref[at]
+    at = pl.program_id(1) * steps + i  # this program's i-th block
+    sl = pl.ds(pl.multiple_of(jnp.minimum(at, blocks - 1) * BLOCK, BLOCK),
+               BLOCK)
+    k, v, kv_pos = k_ref[sl, :], v_ref[sl, :], kp_ref[sl]
     s = dot(q, k.T) * scale
     if cap is not None:
       s = cap * jnp.tanh(s / cap)
     d = kv_pos[None, :] - q_pos[:, None]
-    vis = kv_pos[None, :] >= 0
+    vis = (kv_pos[None, :] >= 0) & (at < blocks)
     if right is not None:
       vis &= d <= right
     if left is not None:
@@ -130,11 +135,11 @@ def local(q, k, v, q_pos, kv_pos, *, band, scale, cap, interpret=False):
   qr = jnp.pad(qr, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
   rp = jnp.pad(jnp.repeat(q_pos, g, axis=1), ((0, 0), (0, padded - rows)))
   # The GPU's multiprocessors (none to fill when interpreted).
-  s = splits(b, kh, c, getattr(jax.devices()[0], "core_count", 1))
-  share = c // s
-  head = lambda i, j: (i // kh, i % kh, j, 0)
+  s, steps = splits(b, kh, c, getattr(jax.devices()[0], "core_count", 1))
+  head = lambda i, j: (i // kh, i % kh, 0, 0)  # programs index the slots
   kernel = functools.partial(_kernel, scale=scale, cap=cap, band=band,
-                             steps=share // BLOCK, unroll=interpret)
+                             steps=steps, blocks=c // BLOCK,
+                             unroll=interpret)
   operands = vma.match(qr, k, v, rp, kv_pos)
   # Inside shard_map the results vary as the operands do.
   mat = getattr(jax.typeof(operands[1]), "mat", None)
@@ -146,10 +151,10 @@ def local(q, k, v, q_pos, kv_pos, *, band, scale, cap, interpret=False):
       in_specs=[
           pl.BlockSpec((None, None, padded, h), lambda i, j: (
               i // kh, i % kh, 0, 0)),
-          pl.BlockSpec((None, None, share, h), head),
-          pl.BlockSpec((None, None, share, hv), head),
+          pl.BlockSpec((None, None, c, h), head),
+          pl.BlockSpec((None, None, c, hv), head),
           pl.BlockSpec((None, padded), lambda i, j: (i // kh, 0)),
-          pl.BlockSpec((None, share), lambda i, j: (i // kh, j)),
+          pl.BlockSpec((None, c), lambda i, j: (i // kh, 0)),
       ],
       out_specs=[
           pl.BlockSpec((None, None, None, padded, hv), lambda i, j: (
