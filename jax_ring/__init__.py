@@ -5,7 +5,8 @@ Public API (everything else lives in ``jax_ring._src``):
 * :func:`dot_product_attention`: a drop-in superset of
   ``jax.nn.dot_product_attention``.
 * :func:`decode_attention`: new tokens against a KV cache masked by
-  position, on one device or with the cache split over a mesh axis.
+  position, on one device or with the cache split over a mesh axis;
+  :func:`explain_decode`: which kernel it runs, and why.
 * Inside ``shard_map``, one function per context-parallel strategy:
   :func:`ring_attention`, :func:`all_gather_attention`,
   :func:`ulysses_attention`, :func:`hybrid_attention`; and the load-balance reorder helpers
@@ -20,7 +21,7 @@ Public API (everything else lives in ``jax_ring._src``):
 import jax_ring._src.backends  # noqa: F401  (the block backends register)
 from jax_ring._src.api import dot_product_attention
 from jax_ring._src.auto import explain
-from jax_ring._src.decode import decode_attention
+from jax_ring._src.decode import decode_attention, explain_decode
 from jax_ring._src.core.config import AttentionConfig, ContextParallel
 from jax_ring._src.core.kernel import attention, attention_backward
 from jax_ring._src.core.mask import MASK_VALUE, BlockMask
@@ -43,6 +44,7 @@ __all__ = [
     "decode_attention",
     "dot_product_attention",
     "explain",
+    "explain_decode",
     "hybrid_attention",
     "reorder_for_load_balance",
     "reorder_from_load_balance",

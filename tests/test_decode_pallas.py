@@ -81,9 +81,10 @@ def test_no_visible_slot_is_zero_and_nan_propagates():
 
 def test_uneven_split_of_the_slots(monkeypatch):
   """Five blocks of slots over two programs of three blocks each: the
-  last program's block past the cache is masked, not read twice; the
-  split a 1M-token cache over 4 GPUs takes (2049 blocks) is as even."""
-  assert pallas_decode.splits(1, 8, 2049 * 128, 132) == (33, 63)
+  last program's block past the cache is masked, not read twice. A 1M
+  cache over 4 GPUs (2056 blocks a device, 8 x 257) takes 33 programs a
+  kv head on 132 SMs."""
+  assert pallas_decode.splits(1, 8, 2056 * 128, 132) == (33, 63)
   monkeypatch.setattr(pallas_decode, "WAVES", 8)  # interpreted: 1 "SM"
   assert pallas_decode.splits(B, K, 640, 1) == (2, 3)
   rng = np.random.default_rng(8)
@@ -155,3 +156,43 @@ def test_the_kernel_lowers_to_triton_for_gpus(dtype):
           spec((2, 1152), jnp.int32))
   text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+def test_explain_decode_names_the_kernel_and_why():
+  q, k = (1, 1, 32, 64), (1, 1 << 20, 8, 64)  # global, bskh
+  kh = (1, 8, 1 << 20, 64)  # the same cache kv-head-major
+  pick = lambda *a, **kw: jax_ring.explain_decode(*a, **kw)
+  got = pick(q, kh, kv_layout="bksh", cp_size=4, platform="gpu")
+  assert (got.kernel, got.local_key_shape) == ("pallas", (1, 8, 1 << 18, 64))
+  assert "'pallas'" in str(got)
+  assert pick(q, kh, kv_layout="bksh", platform="cpu").kernel == "xla"
+  bskh = pick(q, k, cp_size=4, platform="gpu")
+  assert bskh.kernel == "xla" and "kv_layout='bskh'" in bskh.reason
+  odd = pick(q, (1, 8, 4 * 1000, 64), kv_layout="bksh", cp_size=4,
+             platform="gpu")
+  assert odd.kernel == "xla" and "1000 cache slots per device" in odd.reason
+  with pytest.raises(ValueError, match="cannot serve 1000 cache slots"):
+    pick(q, (1, 8, 4000, 64), kv_layout="bksh", cp_size=4,
+         implementation="pallas")
+  with pytest.raises(ValueError, match="must divide over cp_size 3"):
+    pick(q, kh, kv_layout="bksh", cp_size=3)
+  with pytest.raises(ValueError, match="implementation must be None"):
+    pick(q, k, implementation="pallas")
+
+
+def test_the_default_on_gpus_is_the_kernel(monkeypatch):
+  """``implementation=None`` traced as on a GPU lowers to the kernel where
+  it serves the shapes (one Triton call), to XLA's products where not."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
+
+  def lowered(slots):
+    f = jax.jit(lambda q, k, v, qp, kp: jax_ring.decode_attention(
+        q, k, v, query_positions=qp, key_positions=kp, kv_layout="bksh"))
+    return f.trace(spec((1, 1, 8, 64)), spec((1, 2, slots, 64)),
+                   spec((1, 2, slots, 64)), spec((1, 1), jnp.int32),
+                   spec((1, slots), jnp.int32)).lower(
+                       lowering_platforms=("cuda",)).as_text()
+
+  assert lowered(512).count("__gpu$xla.gpu.triton") == 1
+  assert "triton" not in lowered(500)

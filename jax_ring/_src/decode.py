@@ -29,6 +29,7 @@ merged row (``kernel.fold_sinks``); a row that sees no slot is 0.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Literal
@@ -86,8 +87,10 @@ def decode_attention(query, key, value, *, query_positions, key_positions,
       K/V) or ``"bksh"`` (kv-head-major: with B > 1, the layout each of
       the two products reads as one batched matrix; a ``"bskh"`` cache is
       transposed, which XLA may do by copying it whole).
-    implementation: each device's part: ``"xla"`` (None: two products
-      and a softmax) or ``"pallas"``, one kernel (pallas_decode.py).
+    implementation: each device's part: ``"xla"`` (two products and a
+      softmax) or ``"pallas"`` (one kernel, pallas_decode.py). None: the
+      Pallas kernel on GPUs where it serves the part's shapes, else XLA;
+      :func:`explain_decode` says which, and why.
 
   Returns:
     ``(B, T, N, Hv)`` in the query's dtype.
@@ -124,27 +127,33 @@ def decode_attention(query, key, value, *, query_positions, key_positions,
   if axis_name is not None and context_parallel is not None:
     raise ValueError("decode_attention takes axis_name (inside shard_map) or "
                      "context_parallel (on global arrays), not both")
-  local = functools.partial(_local, band=band, scale=scale, cap=cap,
-                            layout=kv_layout)
-  if implementation not in (None, "xla"):  # its gradient: the XLA path's
-    local = _kernel_local(implementation, local, kv_layout, axis_name,
-                          context_parallel, band=band, scale=scale, cap=cap)
+  local = _local_part(implementation, kv_layout, axis_name, context_parallel,
+                      band=band, scale=scale, cap=cap)
   if context_parallel is None:
     return _attend(local, query, key, value, q_pos, kv_pos, sinks, axis_name)
   return _context_parallel(local, query, key, value, q_pos, kv_pos, sinks,
                            context_parallel, 1 if kv_layout == "bskh" else 2)
 
 
+def _local_part(implementation, kv_layout, axis_name, context_parallel,
+                **options):
+  """Each device's part as ``implementation`` computes it; a kernel's
+  gradient is the XLA path's."""
+  xla_local = functools.partial(_local, layout=kv_layout, **options)
+  if implementation is None:
+    return _default_local(xla_local, kv_layout, **options)
+  if implementation == "xla":
+    return xla_local
+  return _kernel_local(implementation, xla_local, kv_layout, axis_name,
+                       context_parallel, **options)
+
+
 def _kernel_local(implementation, xla_local, kv_layout, axis_name,
                   context_parallel, **options):
   """The registered kernel ``implementation`` as the local part (its
   gradient ``xla_local``'s), or a ValueError naming why it cannot be."""
-  kern = registry.DECODE_KERNELS.get(implementation)
-  if kern is None or kv_layout != "bksh":
-    raise ValueError(
-        f"decode_attention: implementation must be None, 'xla' or one of "
-        f"{sorted(registry.DECODE_KERNELS)} (with kv_layout='bksh'); got "
-        f"{implementation!r} with kv_layout={kv_layout!r}")
+  _check_implementation(implementation, kv_layout)
+  kern = registry.DECODE_KERNELS[implementation]
   interpret = jax.default_backend() != "gpu"
   if interpret and (axis_name, context_parallel) != (None, None):
     raise ValueError(
@@ -153,6 +162,106 @@ def _kernel_local(implementation, xla_local, kv_layout, axis_name,
         f"(axis_name or context_parallel); implementation='xla' can")
   return _xla_gradient(functools.partial(kern.local, interpret=interpret,
                                          **options), xla_local)
+
+
+def _default_local(xla_local, kv_layout, **options):
+  """The local part ``implementation=None`` runs: :func:`_choose`'s, from
+  the shapes each device holds (known when it is traced)."""
+
+  def local(q, k, v, q_pos, kv_pos):
+    name, _ = _choose(q.shape, k.shape, v.shape, kv_layout, None,
+                      jax.default_backend())
+    if name != "xla":
+      kern = registry.DECODE_KERNELS[name]
+      return _xla_gradient(functools.partial(kern.local, **options),
+                           xla_local)(q, k, v, q_pos, kv_pos)
+    return xla_local(q, k, v, q_pos, kv_pos)
+
+  return local
+
+
+def _choose(q_shape, k_shape, v_shape, kv_layout, implementation,
+            platform) -> tuple[str, str]:
+  """``(kernel, why)`` for one device's part of these (local) shapes."""
+  if implementation is not None:
+    return implementation, "asked for (implementation=...)"
+  if platform != "gpu":
+    return "xla", (f"the default on {platform} (the decode kernels "
+                   f"compile for GPUs)")
+  if not registry.DECODE_KERNELS:
+    return "xla", "no decode kernel is available with this jax"
+  if kv_layout != "bksh":
+    return "xla", ("kv_layout='bskh': the kernels read a kv-head-major "
+                   "cache (kv_layout='bksh', as Generator keeps it)")
+  whys = []
+  for name, kern in registry.DECODE_KERNELS.items():
+    why = kern.supports(q_shape, k_shape, v_shape, kv_layout)
+    if why is None:
+      return name, "it serves these shapes"
+    whys.append(f"{name} cannot serve {why}")
+  return "xla", "; ".join(whys)
+
+
+def _check_implementation(implementation, kv_layout):
+  if implementation in (None, "xla"):
+    return
+  if implementation not in registry.DECODE_KERNELS or kv_layout != "bksh":
+    raise ValueError(
+        f"decode_attention: implementation must be None, 'xla' or one of "
+        f"{sorted(registry.DECODE_KERNELS)} (with kv_layout='bksh'); got "
+        f"{implementation!r} with kv_layout={kv_layout!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeChoice:
+  """What :func:`decode_attention` runs for each device's part: ``kernel``
+  (``"xla"`` or a decode kernel's name), ``reason``, and the part's
+  ``local_key_shape`` ``(B, K, C / devices, H)``."""
+
+  kernel: str
+  reason: str
+  local_key_shape: tuple[int, ...]
+
+  def __str__(self):
+    return (f"decode_attention runs {self.kernel!r} on each device's part "
+            f"(key {self.local_key_shape}, kv-head-major): {self.reason}")
+
+
+def explain_decode(query_shape, key_shape, value_shape=None, *,
+                   kv_layout: KvLayout = "bskh", cp_size: int = 1,
+                   implementation: str | None = None,
+                   platform: str | None = None) -> DecodeChoice:
+  """Which kernel ``decode_attention`` runs for these global shapes (as it
+  takes them, in ``kv_layout``; ``value_shape`` default key's) with the
+  cache's slots split over ``cp_size`` devices, on ``platform`` (default
+  ``jax.default_backend()``), and why. Refuses what the call refuses about
+  the layout, the implementation and the split, with its ValueError."""
+  value_shape = key_shape if value_shape is None else value_shape
+  if kv_layout not in _PRODUCTS:
+    raise ValueError(f"kv_layout must be 'bskh' or 'bksh'; got {kv_layout!r}")
+  for name, shape in (("query", query_shape), ("key", key_shape),
+                      ("value", value_shape)):
+    if len(shape) != 4:
+      raise ValueError(f"explain_decode: {name} must have rank 4; got "
+                       f"shape {tuple(shape)}")
+  _check_implementation(implementation, kv_layout)
+  as_bksh = lambda s: tuple(s) if kv_layout == "bksh" else (
+      s[0], s[2], s[1], s[3])
+  (b, k, c, h), (_, _, _, hv) = as_bksh(key_shape), as_bksh(value_shape)
+  if cp_size < 1 or c % cp_size:
+    raise ValueError(f"decode_attention: the cache's slots, key "
+                     f"{tuple(key_shape)}, must divide over cp_size "
+                     f"{cp_size}")
+  local_k, local_v = (b, k, c // cp_size, h), (b, k, c // cp_size, hv)
+  if implementation not in (None, "xla"):
+    why = registry.DECODE_KERNELS[implementation].supports(
+        tuple(query_shape), local_k, local_v, kv_layout)
+    if why is not None:  # the kernel's own refusal
+      raise ValueError(f"decode_attention(implementation={implementation!r})"
+                       f" cannot serve {why}; implementation='xla' can")
+  kernel_, why = _choose(tuple(query_shape), local_k, local_v, kv_layout,
+                         implementation, platform or jax.default_backend())
+  return DecodeChoice(kernel_, why, local_k)
 
 
 def _xla_gradient(kernel_local, xla_local):

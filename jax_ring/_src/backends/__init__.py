@@ -7,4 +7,7 @@ a decode-attention kernel."""
 
 from jax_ring._src.backends import cudnn  # noqa: F401  (registers "cudnn")
 from jax_ring._src.backends import xla  # noqa: F401  (registers "xla")
-from jax_ring._src.backends import pallas_decode  # noqa: F401  (decode)
+try:  # a jax without Pallas's Triton backend: decoding uses XLA alone
+  from jax_ring._src.backends import pallas_decode  # noqa: F401  (decode)
+except ImportError:
+  pass

@@ -181,4 +181,5 @@ def local(q, k, v, q_pos, kv_pos, *, band, scale, cap, interpret=False):
   return back(o), back(m), back(l)
 
 
-registry.DECODE_KERNELS["pallas"] = registry.DecodeKernel("pallas", local)
+registry.DECODE_KERNELS["pallas"] = registry.DecodeKernel("pallas", local,
+                                                         supports)

@@ -58,10 +58,13 @@ class DecodeKernel:
   ``local(q, k, v, q_pos, kv_pos, *, band, scale, cap, interpret)`` with
   the contract of ``decode._local`` (the kv-head-major cache), raising a
   ValueError for shapes it cannot serve; ``interpret`` runs it where it
-  has no lowering (a CPU: exact, slow)."""
+  has no lowering (a CPU: exact, slow). ``supports(q_shape, k_shape,
+  v_shape, layout)``: why it cannot serve one device's part of these
+  shapes, or None."""
 
   name: str
   local: Callable
+  supports: Callable
 
 
 # name -> decode kernel ("xla", decode.py's own products, is not here).
