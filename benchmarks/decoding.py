@@ -33,8 +33,10 @@ kv heads of 64, vocabulary 128256, tied embeddings) in bfloat16.
   (``step_after_prefill_ms``). ``--equal-at N``: one prompt of N tokens
   generated greedily (16 tokens) by the one-GPU model and by the split
   one: the tokens and the first logits compared.
-* ``--kernels xla pallas``: each ``decode_attention`` implementation
-  timed, one after the other, on the same shapes.
+* ``--kernels``: each ``decode_attention`` implementation timed, one
+  after the other, on the same shapes (default: ``pallas xla`` on GPUs,
+  the kernel the default path runs against the XLA baseline; ``xla``
+  elsewhere).
 
 Writes benchmarks/results/decoding_<count>x<gpu>.json after each row (a
 run that is stopped keeps the rows it measured).
@@ -236,9 +238,10 @@ def parse_args():
   p.add_argument("--equal-at", type=int, default=16384, help="with "
                  "--devices > 1: the prompt length of the comparison with "
                  "one GPU (0: none)")
-  p.add_argument("--kernels", nargs="+", default=["xla"],
+  p.add_argument("--kernels", nargs="+", default=None,
                  choices=["xla", "pallas"], help="decode_attention "
-                 "implementations, each timed on the same caches")
+                 "implementations, each timed on the same caches (default: "
+                 "pallas xla on GPUs, xla elsewhere)")
   p.add_argument("--mode", default="default")
   p.add_argument("--profile", action="store_true", help="also a kernel "
                  "profile of the step at each batch's longest context")
@@ -309,6 +312,8 @@ def prefill_rows(a, cfg, generator, weights, bw, mesh, rows, save):
 
 def main():
   a = parse_args()
+  a.kernels = a.kernels or (["pallas", "xla"] if jax.default_backend() ==
+                            "gpu" else ["xla"])
   shapes = LLAMA_1B | (dict(hidden_size=64, intermediate_size=128,
                             num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=16,
