@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import re
 import time
 
 import jax
@@ -128,9 +129,11 @@ def step_seconds(generator, cache, steps: int = 24) -> tuple[float, float]:
 
 def kernel_profile(generator, cache, steps: int = 5, top: int = 12):
   """Per decode step, on the busiest GPU: its kernels' total microseconds,
-  their count and the ``top`` kernels by time (``jax.profiler`` trace,
-  device planes); each GPU's total; and the step program's launches in and
-  out of CUDA graphs (``common.program_summary``)."""
+  their count, the ``top`` kernels by time and every kind of kernel
+  (``by_kind``: the name less its numbering, ``[count, us]`` a step;
+  ``jax.profiler`` trace, device planes); each GPU's total; and the step
+  program's launches in and out of CUDA graphs
+  (``common.program_summary``)."""
   import collections
   import glob
   import tempfile
@@ -150,21 +153,27 @@ def kernel_profile(generator, cache, steps: int = 5, top: int = 12):
   for plane in data.planes:
     if not plane.name.startswith("/device:GPU"):
       continue
-    by_name, count = collections.Counter(), 0
+    by_name, kinds, count = collections.Counter(), {}, 0
     for line in plane.lines:
       if "Stream" not in line.name:
         continue
       for ev in line.events:
         by_name[ev.name] += ev.duration_ns / 1e3 / steps
+        kind = kinds.setdefault(re.sub(r"[._]\d+$", "", re.sub(
+            r"(_\d+)+(_fusion)?(_\d+)*$", r"\2", ev.name[:60])), [0, 0.0])
+        kind[0] += 1 / steps
+        kind[1] += ev.duration_ns / 1e3 / steps
         count += 1
-    per_device.append((by_name, count / steps))
-  by_name, count = max(per_device, key=lambda x: sum(x[0].values()),
-                       default=(collections.Counter(), 0))
+    per_device.append((by_name, count / steps, kinds))
+  by_name, count, kinds = max(per_device, key=lambda x: sum(x[0].values()),
+                              default=(collections.Counter(), 0, {}))
   program = program_summary(
       generator.lower_step(cache, tokens, 1).compile().as_text())
   return dict(kernel_us=sum(by_name.values()), kernels=count,
               kernel_us_per_gpu=[round(sum(x.values()), 1)
-                                 for x, _ in per_device],
+                                 for x, _, _ in per_device],
+              by_kind={k: [round(n, 1), round(us, 1)] for k, (n, us) in
+                       sorted(kinds.items(), key=lambda x: -x[1][1])},
               program=program,
               top={k: round(v, 1) for k, v in by_name.most_common(top)})
 
