@@ -182,7 +182,8 @@ def test_explain_decode_names_the_kernel_and_why():
 
 def test_the_default_on_gpus_is_the_kernel(monkeypatch):
   """``implementation=None`` traced as on a GPU lowers to the kernel where
-  it serves the shapes (one Triton call), to XLA's products where not."""
+  it serves the shapes (one Triton call), to XLA's products where not,
+  and inside the split cache's shard_map."""
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
 
@@ -196,3 +197,16 @@ def test_the_default_on_gpus_is_the_kernel(monkeypatch):
 
   assert lowered(512).count("__gpu$xla.gpu.triton") == 1
   assert "triton" not in lowered(500)
+  # The cache split over two devices: each runs the kernel on its slots.
+  m = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2],
+                    axis_types=(jax.sharding.AxisType.Auto,))
+  split = jax_ring.ContextParallel(axis="cp")
+  with jax.set_mesh(m):
+    text = jax.jit(lambda q, k, v, qp, kp: jax_ring.decode_attention(
+        q, k, v, query_positions=qp, key_positions=kp, kv_layout="bksh",
+        context_parallel=split)).trace(
+            spec((1, 1, 8, 64)), spec((1, 2, 1024, 64)),
+            spec((1, 2, 1024, 64)), spec((1, 1), jnp.int32),
+            spec((1, 1024), jnp.int32)).lower(
+                lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 1 and "all_reduce" in text
