@@ -45,8 +45,15 @@ def call(q, k, v, kw, q_pos=Q_POS):
       key_positions=KV_POS, kv_layout="bksh", implementation="pallas", **kw)
 
 
+# The kernel's cases: here (interpreted off GPUs), and compiled for the GPU
+# in its lane (``-m gpu``).
+LANES = pytest.mark.parametrize("lane", [
+    "here", pytest.param("gpu", marks=pytest.mark.gpu)])
+
+
+@LANES
 @pytest.mark.parametrize("name", list(CASES))
-def test_pallas_matches_reference_with_gradients(name):
+def test_pallas_matches_reference_with_gradients(name, lane):
   kw, causal, window = CASES[name]
   q, k, v, dout = ref.random_qkv(3, B, T, C, N, K, H, hv=HV)
   case = ref.Case(H**-0.5, dense=visible(Q_POS, causal, window)[:, None],
@@ -61,7 +68,8 @@ def test_pallas_matches_reference_with_gradients(name):
     ref.assert_close(x, grads[name], jnp.float32, "d" + name)
 
 
-def test_bfloat16_cache():
+@LANES
+def test_bfloat16_cache(lane):
   q, k, v, _ = ref.random_qkv(4, B, T, C, N, K, H, jnp.bfloat16, hv=HV)
   out = call(q, k, v, {})
   assert out.dtype == jnp.bfloat16
@@ -69,7 +77,8 @@ def test_bfloat16_cache():
   ref.assert_close(out, ref.attention(q, k, v, case)[0], jnp.bfloat16)
 
 
-def test_no_visible_slot_is_zero_and_nan_propagates():
+@LANES
+def test_no_visible_slot_is_zero_and_nan_propagates(lane):
   q, k, v, _ = ref.random_qkv(5, B, T, C, N, K, H, hv=HV)
   q_pos = Q_POS.copy()
   q_pos[0, 0] = -5  # sees no slot
@@ -79,14 +88,17 @@ def test_no_visible_slot_is_zero_and_nan_propagates():
   assert nan[1, 0, 2].all() and nan.sum() == HV
 
 
-def test_uneven_split_of_the_slots(monkeypatch):
+@LANES
+def test_uneven_split_of_the_slots(monkeypatch, lane):
   """Five blocks of slots over two programs of three blocks each: the
   last program's block past the cache is masked, not read twice. A 1M
   cache over 4 GPUs (2056 blocks a device, 8 x 257) takes 33 programs a
   kv head on 132 SMs."""
   assert pallas_decode.splits(1, 8, 2056 * 128, 132) == (33, 63)
-  monkeypatch.setattr(pallas_decode, "WAVES", 8)  # interpreted: 1 "SM"
+  assert pallas_decode.splits(B, K, 640, 1) == (1, 5)
+  monkeypatch.setattr(pallas_decode, "WAVES", 8)
   assert pallas_decode.splits(B, K, 640, 1) == (2, 3)
+  monkeypatch.setattr(pallas_decode, "splits", lambda *_: (2, 3))  # GPUs
   rng = np.random.default_rng(8)
   kv_pos = np.stack([rng.permutation(640) for _ in range(B)]).astype(
       np.int32)
