@@ -314,6 +314,10 @@ def test_bad_prompts_steps_and_caches_are_named(checkpoints):
       "the cache is not this model's: it needs 3 layers of (1, 2, 1024, 8); "
       "got 2 of (1, 2, 1024, 8)")):
     gen.Generator(other).step(cache, [3], 0)
+  with pytest.raises(ValueError, match=re.escape(
+      "decode_implementation must be None, 'xla' or one of ['pallas']; got "
+      "'triton'")):
+    gen.Generator(other, decode_implementation="triton")
 
 
 def test_the_example_streams_what_generate_returns(tmp_path, capsys):

@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jax_ring._src.core import registry
 from jax_ring._src.strategies.layout import reorder_for_load_balance
 from jax_ring.flax.attention import (BATCH, HEAD_DIM, KV_HEADS, LENGTH,
                                      constrain)
@@ -294,6 +295,10 @@ class Generator:
 
   def __init__(self, model: Decoder, *,
                decode_implementation: Literal["xla", "pallas"] | None = None):
+    if decode_implementation not in (None, "xla", *registry.DECODE_KERNELS):
+      raise ValueError(
+          f"Generator: decode_implementation must be None, 'xla' or one of "
+          f"{sorted(registry.DECODE_KERNELS)}; got {decode_implementation!r}")
     self.cfg = model.cfg
     self.decode_implementation = decode_implementation
     graphdef, state = nnx.split(model)
