@@ -170,7 +170,7 @@ def _default_local(xla_local, kv_layout, **options):
 
   def local(q, k, v, q_pos, kv_pos):
     name, _ = _choose(q.shape, k.shape, v.shape, kv_layout, None,
-                      jax.default_backend())
+                      _platform())
     if name != "xla":
       kern = registry.DECODE_KERNELS[name]
       return _xla_gradient(functools.partial(kern.local, **options),
@@ -180,14 +180,22 @@ def _default_local(xla_local, kv_layout, **options):
   return local
 
 
+def _platform() -> str:
+  """``jax.default_backend()``, with AMD GPUs told apart ("rocm"): the
+  decode kernels are built and tested for NVIDIA's."""
+  platform = jax.default_backend()
+  version = getattr(jax.devices()[0].client, "platform_version", "")
+  return "rocm" if platform == "gpu" and "rocm" in version.lower() else platform
+
+
 def _choose(q_shape, k_shape, v_shape, kv_layout, implementation,
             platform) -> tuple[str, str]:
   """``(kernel, why)`` for one device's part of these (local) shapes."""
   if implementation is not None:
     return implementation, "asked for (implementation=...)"
   if platform != "gpu":
-    return "xla", (f"the default on {platform} (the decode kernels "
-                   f"compile for GPUs)")
+    return "xla", (f"the default on {platform} (the decode kernels are "
+                   f"built for NVIDIA GPUs)")
   if not registry.DECODE_KERNELS:
     return "xla", "no decode kernel is available with this jax"
   if kv_layout != "bksh":
@@ -234,7 +242,7 @@ def explain_decode(query_shape, key_shape, value_shape=None, *,
   """Which kernel ``decode_attention`` runs for these global shapes (as it
   takes them, in ``kv_layout``; ``value_shape`` default key's) with the
   cache's slots split over ``cp_size`` devices, on ``platform`` (default
-  ``jax.default_backend()``), and why. Refuses what the call refuses about
+  ``jax.default_backend()``, ``"rocm"`` for AMD GPUs), and why. Refuses what the call refuses about
   the layout, the implementation and the split, with its ValueError."""
   value_shape = key_shape if value_shape is None else value_shape
   if kv_layout not in _PRODUCTS:
@@ -260,7 +268,7 @@ def explain_decode(query_shape, key_shape, value_shape=None, *,
       raise ValueError(f"decode_attention(implementation={implementation!r})"
                        f" cannot serve {why}; implementation='xla' can")
   kernel_, why = _choose(tuple(query_shape), local_k, local_v, kv_layout,
-                         implementation, platform or jax.default_backend())
+                         implementation, platform or _platform())
   return DecodeChoice(kernel_, why, local_k)
 
 
