@@ -242,8 +242,9 @@ def explain_decode(query_shape, key_shape, value_shape=None, *,
   """Which kernel ``decode_attention`` runs for these global shapes (as it
   takes them, in ``kv_layout``; ``value_shape`` default key's) with the
   cache's slots split over ``cp_size`` devices, on ``platform`` (default
-  ``jax.default_backend()``, ``"rocm"`` for AMD GPUs), and why. Refuses what the call refuses about
-  the layout, the implementation and the split, with its ValueError."""
+  ``jax.default_backend()``, ``"rocm"`` for AMD GPUs), and why. Refuses
+  what the call refuses about the layout, the implementation and the
+  split, with its ValueError."""
   value_shape = key_shape if value_shape is None else value_shape
   if kv_layout not in _PRODUCTS:
     raise ValueError(f"kv_layout must be 'bskh' or 'bksh'; got {kv_layout!r}")

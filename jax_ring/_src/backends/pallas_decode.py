@@ -9,8 +9,9 @@ C, H)``, ``v (B, K, C, Hv)``.
 The grid is ``(B K, S)``: program ``(b k, s)`` holds the T x G query rows
 of kv head k (padded to ``ROWS``, the smallest row count Triton's matrix
 product takes) and streams its share of the slots (``steps`` blocks,
-:func:`splits`), ``BLOCK`` at a time: scores in float32, the mask by position (``key_positions >= 0``
-and the band), a running max and sum, and the output accumulated in
+:func:`splits`), ``BLOCK`` at a time: scores in float32, the mask by
+position (``key_positions >= 0`` and the band), a running max and sum,
+and the output accumulated in
 float32, the probabilities cast to the cache's dtype for the second
 product, as the XLA path casts them. Each K/V block is read once for its
 G heads. S is picked so that about ``WAVES`` programs per SM run (every
