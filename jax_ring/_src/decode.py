@@ -160,8 +160,30 @@ def _kernel_local(implementation, xla_local, kv_layout, axis_name,
         f"decode_attention: implementation={implementation!r} runs "
         f"interpreted off GPUs, which jax cannot do inside shard_map "
         f"(axis_name or context_parallel); implementation='xla' can")
-  return _xla_gradient(functools.partial(kern.local, interpret=interpret,
+  return _with_kernel(kern, xla_local, interpret=interpret, **options)
+
+
+def _with_kernel(kern, xla_local, *, interpret=False, **options):
+  """Decode kernel ``kern`` as the local part, once it has accepted the
+  shapes each device holds (:func:`_refuse_unserved`); its gradient
+  ``xla_local``'s."""
+  part = _xla_gradient(functools.partial(kern.local, interpret=interpret,
                                          **options), xla_local)
+
+  def local(q, k, v, q_pos, kv_pos):
+    _refuse_unserved(kern, q.shape, k.shape, v.shape)
+    return part(q, k, v, q_pos, kv_pos)
+
+  return local
+
+
+def _refuse_unserved(kern, q_shape, k_shape, v_shape):
+  """A ValueError naming what ``kern`` cannot serve of one device's part
+  (kv-head-major shapes), if anything."""
+  why = kern.supports(q_shape, k_shape, v_shape, "bksh")
+  if why is not None:
+    raise ValueError(f"decode_attention(implementation={kern.name!r}) "
+                     f"cannot serve {why}; implementation='xla' can")
 
 
 def _default_local(xla_local, kv_layout, **options):
@@ -172,9 +194,8 @@ def _default_local(xla_local, kv_layout, **options):
     name, _ = _choose(q.shape, k.shape, v.shape, kv_layout, None,
                       _platform())
     if name != "xla":
-      kern = registry.DECODE_KERNELS[name]
-      return _xla_gradient(functools.partial(kern.local, **options),
-                           xla_local)(q, k, v, q_pos, kv_pos)
+      return _with_kernel(registry.DECODE_KERNELS[name], xla_local,
+                          **options)(q, k, v, q_pos, kv_pos)
     return xla_local(q, k, v, q_pos, kv_pos)
 
   return local
@@ -263,11 +284,8 @@ def explain_decode(query_shape, key_shape, value_shape=None, *,
                      f"{cp_size}")
   local_k, local_v = (b, k, c // cp_size, h), (b, k, c // cp_size, hv)
   if implementation not in (None, "xla"):
-    why = registry.DECODE_KERNELS[implementation].supports(
-        tuple(query_shape), local_k, local_v, kv_layout)
-    if why is not None:  # the kernel's own refusal
-      raise ValueError(f"decode_attention(implementation={implementation!r})"
-                       f" cannot serve {why}; implementation='xla' can")
+    _refuse_unserved(registry.DECODE_KERNELS[implementation],
+                     tuple(query_shape), local_k, local_v)
   kernel_, why = _choose(tuple(query_shape), local_k, local_v, kv_layout,
                          implementation, platform or _platform())
   return DecodeChoice(kernel_, why, local_k)

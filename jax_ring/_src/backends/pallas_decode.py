@@ -120,11 +120,8 @@ def _kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, o_ref, m_ref, l_ref, *,
 
 def local(q, k, v, q_pos, kv_pos, *, band, scale, cap, interpret=False):
   """``decode._local`` for a kv-head-major cache: ``(o (B, T, N, Hv)``
-  unnormalised, ``m, l (B, T, N))`` in float32."""
-  why = supports(q.shape, k.shape, v.shape, "bksh")
-  if why is not None:
-    raise ValueError(f"decode_attention(implementation='pallas') cannot "
-                     f"serve {why}; implementation='xla' can")
+  unnormalised, ``m, l (B, T, N))`` in float32, for shapes
+  :func:`supports` accepts (decode_attention checks them first)."""
   b, t, n, h = q.shape
   kh, c, hv = k.shape[1], k.shape[2], v.shape[-1]
   g = n // kh

@@ -56,11 +56,11 @@ UNAVAILABLE: dict[str, str] = {}
 class DecodeKernel:
   """A kernel for each device's part of ``decode_attention``:
   ``local(q, k, v, q_pos, kv_pos, *, band, scale, cap, interpret)`` with
-  the contract of ``decode._local`` (the kv-head-major cache), raising a
-  ValueError for shapes it cannot serve; ``interpret`` runs it where it
-  has no lowering (a CPU: exact, slow). ``supports(q_shape, k_shape,
-  v_shape, layout)``: why it cannot serve one device's part of these
-  shapes, or None."""
+  the contract of ``decode._local`` (the kv-head-major cache), for the
+  shapes ``supports`` accepts; ``interpret`` runs it where it has no
+  lowering (a CPU: exact, slow). ``supports(q_shape, k_shape, v_shape,
+  layout)``: why it cannot serve one device's part of these shapes, or
+  None (``decode_attention`` asks before every call)."""
 
   name: str
   local: Callable
