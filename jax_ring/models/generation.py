@@ -268,14 +268,15 @@ def _step(graph: _Graph, leaves, cache: KVCache, tokens, step, *,
   positions = cache.lengths + step
   kv_pos = lax.dynamic_update_slice_in_dim(cache.positions,
                                            positions[:, None], slot, 1)
-  x = model.embed_tokens(tokens[:, None])
+  x, rows = _two_rows(model.embed_tokens(tokens[:, None]))
+  query_positions = jnp.repeat(positions[:, None], rows, 1)
   ks, vs = [], []
   for i, block in enumerate(model.layers):
-    q, k, v = block.project(x, positions[:, None])
-    k, v = (lax.dynamic_update_slice_in_dim(c[i], jnp.swapaxes(x, 1, 2),
-                                            slot, 2)
+    q, k, v = block.project(x, query_positions)
+    k, v = (lax.dynamic_update_slice_in_dim(
+        c[i], jnp.swapaxes(x[:, :1], 1, 2), slot, 2)
             for c, x in ((cache.k, k), (cache.v, v)))
-    out = block.attn.decode(q, k, v, positions[:, None], kv_pos,
+    out = block.attn.decode(q, k, v, query_positions, kv_pos,
                             kv_layout="bksh", implementation=implementation)
     x = block.finish(x, out)
     ks.append(k)
@@ -283,6 +284,20 @@ def _step(graph: _Graph, leaves, cache: KVCache, tokens, step, *,
   x = model.final_norm(x)
   return model.logits(x[:, 0]), KVCache(ks, vs, kv_pos, cache.lengths,
                                           cache.prompt_slots, cache.devices)
+
+
+def _two_rows(x):
+  """``x (B, 1, E)`` -> ``(x, 1)``; for B = 1, ``x`` and a zero row after
+  it, ``((1, 2, E), 2)``: the step carries the spare row through every
+  layer (its own query, never appended to the cache) and drops it at the
+  logits. XLA:GPU lowers a product of one row with a matrix of under 10M
+  elements (a 1B model's attention projections) as an elementwise product
+  written out whole and then reduced, three passes over the weights and
+  two kernels; with two rows it is a matrix product, one pass. The
+  barrier keeps XLA from seeing that the spare row starts at zero."""
+  if x.shape[0] != 1:
+    return x, 1
+  return lax.optimization_barrier(jnp.pad(x, ((0, 0), (0, 1), (0, 0)))), 2
 
 
 class Generator:
