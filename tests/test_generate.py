@@ -84,6 +84,34 @@ def test_greedy_tokens_equal_transformers(name, cache, checkpoints):
   assert got == want
 
 
+@pytest.mark.parametrize("name", ["qwen2", "gemma2"])
+def test_one_prompt_gives_transformers_tokens(name, checkpoints):
+  """Batch 1 on one device, where the step carries a spare query row
+  through the layers: transformers' greedy tokens."""
+  path, want = checkpoints[name]
+  got = gen.generate(models.load_pretrained(path), PROMPTS[:1],
+                     max_new_tokens=NEW)
+  assert got == want[:1]
+
+
+def test_a_one_row_step_projects_two_rows():
+  """At batch 1 every product with a layer's weights sees two rows (one
+  of them the spare), so none is a one-row product; only the logits'
+  product takes the one row kept."""
+  shapes = dict(COMMON, model_type="llama", rms_norm_eps=1e-5)
+  cfg = models.config_from_hf(shapes, dtype=jnp.float32,
+                              param_dtype=jnp.float32)
+  generator = gen.Generator(models.Decoder(cfg, rngs=nnx.Rngs(0)))
+  _, cache = generator.prefill(PROMPTS[:1], max_new_tokens=NEW)
+  text = generator.lower_step(cache, [3]).as_text()
+  lhs = re.findall(r"dot_general.*?: \(tensor<([0-9x]+)xf32>", text)
+  one_row = [s for s in lhs if s.split("x")[:2] == ["1", "1"]
+             or s.split("x")[:1] == ["1"] and len(s.split("x")) == 2]
+  # 4 attention and 3 MLP products a layer, and the logits'
+  assert len(lhs) >= 7 * cfg.num_layers + 1, lhs
+  assert one_row == ["1x32"], one_row
+
+
 @pytest.mark.parametrize("name", ["mistral", "gemma2"])  # head dims of 16
 def test_the_pallas_decode_kernel_gives_the_same_tokens(name, checkpoints):
   """``Generator(decode_implementation="pallas")`` on one device
