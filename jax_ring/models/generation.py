@@ -268,7 +268,7 @@ def _step(graph: _Graph, leaves, cache: KVCache, tokens, step, *,
   positions = cache.lengths + step
   kv_pos = lax.dynamic_update_slice_in_dim(cache.positions,
                                            positions[:, None], slot, 1)
-  x, rows = _two_rows(model.embed_tokens(tokens[:, None]))
+  x, rows = _two_rows(model.embed_tokens(tokens[:, None]), model.cfg)
   query_positions = jnp.repeat(positions[:, None], rows, 1)
   ks, vs = [], []
   for i, block in enumerate(model.layers):
@@ -286,7 +286,7 @@ def _step(graph: _Graph, leaves, cache: KVCache, tokens, step, *,
                                           cache.prompt_slots, cache.devices)
 
 
-def _two_rows(x):
+def _two_rows(x, cfg: DecoderConfig):
   """``x (B, 1, E)`` -> ``(x, 1)``; for B = 1, ``x`` and a zero row after
   it, ``((1, 2, E), 2)``: the step carries the spare row through every
   layer (its own query, never appended to the cache) and drops it at the
@@ -294,8 +294,16 @@ def _two_rows(x):
   elements (a 1B model's attention projections) as an elementwise product
   written out whole and then reduced, three passes over the weights and
   two kernels; with two rows it is a matrix product, one pass. The
-  barrier keeps XLA from seeing that the spare row starts at zero."""
-  if x.shape[0] != 1:
+  barrier keeps XLA from seeing that the spare row starts at zero.
+
+  Not where the rules would split two rows over two devices (the model's
+  ``length`` over an axis of 2): each would then hold one row, and the
+  layers would gather and reduce across them."""
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = dict(cfg.rules or ()).get(LENGTH) if not mesh.empty else None
+  names = () if axes is None else axes if isinstance(axes, tuple) else (
+      axes,)
+  if x.shape[0] != 1 or math.prod(mesh.shape[a] for a in names) == 2:
     return x, 1
   return lax.optimization_barrier(jnp.pad(x, ((0, 0), (0, 1), (0, 0)))), 2
 
