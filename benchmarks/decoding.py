@@ -33,6 +33,14 @@ kv heads of 64, vocabulary 128256, tied embeddings) in bfloat16.
   (``step_after_prefill_ms``). ``--equal-at N``: one prompt of N tokens
   generated greedily (16 tokens) by the one-GPU model and by the split
   one: the tokens and the first logits compared.
+* ``--host``: where a batch-1 step's host time goes, at 64 tokens of
+  context: ``Generator.step`` (its checks, then the program); the step's
+  program called directly with NumPy arguments; with the token and the
+  step number already on the device (the same two arrays every call,
+  then a new step array each call); and a program that does nothing with
+  the same arguments, the cache donated and returned (the cost of passing
+  them). Each: the host's microseconds a call, and a call's microseconds
+  end to end over consecutive calls.
 * ``--kernels``: each ``decode_attention`` implementation timed, one
   after the other, on the same shapes (default: ``pallas xla`` on GPUs,
   the kernel the default path runs against the XLA baseline; ``xla``
@@ -125,6 +133,45 @@ def step_seconds(generator, cache, steps: int = 24) -> tuple[float, float]:
   host = time.perf_counter() - t0
   jax.block_until_ready(logits)
   return (time.perf_counter() - t0) / steps, host / steps
+
+
+def host_rows(cfg, generator, mesh, rows, save, calls: int = 48):
+  """Rows ``kind="host"``, one per way of calling a batch-1 step at 64
+  tokens of context (see the module's ``--host``), appended to ``rows``
+  and saved."""
+  tokens = np.array([7], np.int32)
+  on_device = jnp.asarray(tokens), jnp.int32(3)
+  steps = [jnp.int32(i) for i in range(calls + 3)]
+  graph, leaves = generator._graph, generator._leaves
+  step = lambda *a: gen._step(graph, leaves, *a,
+                              implementation=generator.decode_implementation)
+  nothing = jax.jit(lambda leaves, cache, t, s: (t + s, cache),
+                    donate_argnums=(1,))
+  ways = {
+      "Generator.step": lambda c, i: generator.step(c, tokens, i),
+      "program, NumPy arguments": lambda c, i: step(c, tokens, np.int32(i)),
+      "program, the same device arguments": lambda c, i: step(c, *on_device),
+      "program, a new step array a call": lambda c, i: step(
+          c, on_device[0], steps[i]),
+      "nothing, the same arguments": lambda c, i: nothing(
+          leaves, c, tokens, np.int32(i)),
+  }
+  cache = random_cache(cfg, 1, 64, 4, mesh)
+  for way, call in ways.items():
+    for i in range(3):
+      out, cache = call(cache, i)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for i in range(3, 3 + calls):
+      out, cache = call(cache, i)
+    host = time.perf_counter() - t0
+    jax.block_until_ready(out)
+    total = time.perf_counter() - t0
+    rows.append(dict(kind="host", way=way, batch=1, context=64,
+                     host_us=host / calls * 1e6,
+                     call_us=total / calls * 1e6))
+    print(rows[-1], flush=True)
+    save()
 
 
 def kernel_profile(generator, cache, steps: int = 5, top: int = 12):
@@ -254,6 +301,8 @@ def parse_args():
   p.add_argument("--mode", default="default")
   p.add_argument("--profile", action="store_true", help="also a kernel "
                  "profile of the step at each batch's longest context")
+  p.add_argument("--host", action="store_true", help="also where a "
+                 "batch-1 step's host time goes (rows kind=host)")
   p.add_argument("--dry-run", action="store_true", help="a 2-layer model "
                  "of hidden 64 (CPU: checks that the script runs)")
   return p.parse_args()
@@ -351,11 +400,14 @@ def main():
       "decoding", rows,
       ["kind", "kernel", "batch", "context", "devices", "step_ms",
        "floor_ms", "over_floor", "step_64_ms", "host_ms",
-       "step_after_prefill_ms", "tokens_per_s"], extra=extra, mode=a.mode,
+       "step_after_prefill_ms", "tokens_per_s", "way", "host_us",
+       "call_us"], extra=extra, mode=a.mode,
       show=show)
   with scope:
     decode_rows(a, cfg, model, weights, bw, mesh, rows, save)
     generator = gen.Generator(model)
+    if a.host:
+      host_rows(cfg, generator, mesh, rows, save)
     prefill_rows(a, cfg, generator, weights, bw, mesh, rows, save)
   if mesh is None:
     err = check(model, generator)
