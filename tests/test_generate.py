@@ -125,7 +125,8 @@ def test_the_pallas_decode_kernel_gives_the_same_tokens(name, checkpoints):
 
 
 @pytest.mark.parametrize("data, context, rows", [(2, 4, 2), (1, 2, 1),
-                                                  (1, 4, 1)])
+                                                  (1, 4, 1)],
+                         ids=["dp2_cp4_b2", "dp1_cp2_b1", "dp1_cp4_b1"])
 def test_a_step_over_the_context_axis_moves_only_the_merge(data, context,
                                                            rows):
   """The cache split over 2 or 4 devices: a decode step's only collectives
