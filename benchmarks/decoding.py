@@ -135,16 +135,19 @@ def step_seconds(generator, cache, steps: int = 24) -> tuple[float, float]:
   return (time.perf_counter() - t0) / steps, host / steps
 
 
-def host_rows(cfg, generator, mesh, rows, save, calls: int = 48):
+def host_rows(cfg, model, generator, mesh, rows, save, calls: int = 48):
   """Rows ``kind="host"``, one per way of calling a batch-1 step at 64
   tokens of context (see the module's ``--host``), appended to ``rows``
-  and saved."""
+  and saved. The program is ``Generator.lower_step``'s, compiled, called
+  with the model's arrays (``nnx.state``, flattened as the Generator
+  holds them)."""
   tokens = np.array([7], np.int32)
   on_device = jnp.asarray(tokens), jnp.int32(3)
   steps = [jnp.int32(i) for i in range(calls + 3)]
-  graph, leaves = generator._graph, generator._leaves
-  step = lambda *a: gen._step(graph, leaves, *a,
-                              implementation=generator.decode_implementation)
+  leaves = jax.tree.leaves(nnx.state(model))
+  cache = random_cache(cfg, 1, 64, 4, mesh)
+  program = generator.lower_step(cache, tokens, 0).compile()
+  step = lambda *a: program(leaves, *a)
   nothing = jax.jit(lambda leaves, cache, t, s: (t + s, cache),
                     donate_argnums=(1,))
   ways = {
@@ -156,7 +159,6 @@ def host_rows(cfg, generator, mesh, rows, save, calls: int = 48):
       "nothing, the same arguments": lambda c, i: nothing(
           leaves, c, tokens, np.int32(i)),
   }
-  cache = random_cache(cfg, 1, 64, 4, mesh)
   for way, call in ways.items():
     for i in range(3):
       out, cache = call(cache, i)
@@ -407,7 +409,7 @@ def main():
     decode_rows(a, cfg, model, weights, bw, mesh, rows, save)
     generator = gen.Generator(model)
     if a.host:
-      host_rows(cfg, generator, mesh, rows, save)
+      host_rows(cfg, model, generator, mesh, rows, save)
     prefill_rows(a, cfg, generator, weights, bw, mesh, rows, save)
   if mesh is None:
     err = check(model, generator)
