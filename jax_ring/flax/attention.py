@@ -304,6 +304,19 @@ def constrain(x, logical_axes, rules: LogicalRules):
   return jax.lax.with_sharding_constraint(x, spec)
 
 
+def split_devices(logical_axis: str, size: int, rules: LogicalRules) -> int:
+  """How many devices :func:`constrain` splits a dimension of ``size``
+  named ``logical_axis`` over, under the mesh in scope (1: it stays
+  whole)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if not rules or mesh.empty:
+    return 1
+  axes = _fewer(dict(rules).get(logical_axis), size, mesh)
+  names = () if axes is None else axes if isinstance(axes, tuple) else (
+      axes,)
+  return math.prod(mesh.shape[a] for a in names)
+
+
 def _fewer(axes, size: int, mesh):
   """``axes`` for a dimension of ``size``, or None where it has fewer
   entries than they have devices (a decode step's one token over the

@@ -45,7 +45,7 @@ from jax import lax
 from jax_ring._src.core import registry
 from jax_ring._src.strategies.layout import reorder_for_load_balance
 from jax_ring.flax.attention import (BATCH, HEAD_DIM, KV_HEADS, LENGTH,
-                                     constrain)
+                                     constrain, split_devices)
 from jax_ring.flax.data import reorder_size
 from jax_ring.models.config import DecoderConfig
 from jax_ring.models.decoder import Decoder
@@ -296,14 +296,10 @@ def _two_rows(x, cfg: DecoderConfig):
   two kernels; with two rows it is a matrix product, one pass. The
   barrier keeps XLA from seeing that the spare row starts at zero.
 
-  Not where the rules would split two rows over two devices (the model's
-  ``length`` over an axis of 2): each would then hold one row, and the
-  layers would gather and reduce across them."""
-  mesh = jax.sharding.get_abstract_mesh()
-  axes = dict(cfg.rules or ()).get(LENGTH) if not mesh.empty else None
-  names = () if axes is None else axes if isinstance(axes, tuple) else (
-      axes,)
-  if x.shape[0] != 1 or math.prod(mesh.shape[a] for a in names) == 2:
+  Not where the model's rules would split two rows (its ``length`` over
+  two devices): each device would hold one row, and the layers would
+  gather and reduce across them."""
+  if x.shape[0] != 1 or split_devices(LENGTH, 2, cfg.rules) > 1:
     return x, 1
   return lax.optimization_barrier(jnp.pad(x, ((0, 0), (0, 1), (0, 0)))), 2
 
