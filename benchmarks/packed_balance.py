@@ -13,6 +13,8 @@ pairs, not timings. Mixes per row: ``equal-n``, n documents of S / n tokens; and
 ``lognormal``, lengths drawn from a lognormal of median 300 tokens and
 sigma 1, capped at 8,192, filling the row (the last cut to fit), over
 ``--rows`` random rows (mean, 90th percentile and worst row reported).
+``documents``: contiguous shards after ``jax_ring.balance_documents``
+reorders each row's documents for the cp devices.
 """
 
 from __future__ import annotations
@@ -23,17 +25,23 @@ import sys
 
 import numpy as np
 
+import jax_ring
 from jax_ring._src.strategies.layout import work_balance
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from common import document_ids, lognormal_lengths, write  # noqa: E402
 
-LAYOUTS = ("dual_chunk", "striped", None)
+LAYOUTS = ("dual_chunk", "striped", None, "documents")
 
 
 def imbalance(lengths, cp, layout) -> float:
-  """One row of documents of these ``lengths``: jax_ring's own measure."""
-  return work_balance(document_ids(lengths), cp, layout)
+  """One row of documents of these ``lengths``: jax_ring's own measure
+  (``"documents"``: contiguous, in ``balance_documents``' order)."""
+  ids = document_ids(lengths)
+  if layout == "documents":
+    ids = np.take_along_axis(ids, jax_ring.balance_documents(ids, cp), 1)
+    layout = None
+  return work_balance(ids, cp, layout)
 
 
 def main():
@@ -65,7 +73,7 @@ def main():
         rows.append(row)
   write("packed_balance", rows,
         ["seq", "cp", "mix", "dual_chunk", "dual_chunk_max", "striped",
-         "striped_max", "contiguous"],
+         "striped_max", "contiguous", "documents", "documents_max"],
         extra=dict(work="visible (query, key) pairs of causal attention "
                    "within each document", measure="most-loaded device "
                    "over the mean; lognormal: mean over rows, _p90 and "

@@ -1,14 +1,21 @@
-"""Where a packed row's forward+backward time goes on one GPU: a
-jax.profiler trace of ``jax_ring.dot_product_attention`` on a row of
-equal documents, summarised from its kernel events (the per-call mean of
-wall, busy, attention and other kernels, idle; GPU 0's events and its
-waits, the idle stretches of over 20 us that a host round trip leaves;
-the program's launches, loops and conditionals in and out of CUDA graphs
-(``common.program_summary``); then the kernels by time), printed and
+"""Where a packed row's forward+backward time goes: a jax.profiler trace
+of ``jax_ring.dot_product_attention`` on a row of documents, summarised
+from its kernel events (the per-call mean over GPUs of wall, busy,
+attention, NCCL and other kernels, idle; GPU 0's events and its waits,
+the idle stretches of over 20 us that a host round trip leaves; the
+program's launches, loops and conditionals in and out of CUDA graphs
+(``common.program_summary``); then GPU 0's kernels by time), printed and
 written to ``results/profile_packed_<n>x<GPU>.json`` (``--mode`` names
 the run; ``XLA_FLAGS`` is recorded).
 
   python benchmarks/profile_packed.py --docs 1 64 4096 [--seq 32768]
+  python benchmarks/profile_packed.py --strategy ulysses --mixes lognormal \
+      --seq 65536 --heads 32
+
+``--docs N`` is the mix ``equalN``; ``--mixes`` takes strategies.py's
+names. ``--strategy`` runs the row over every local GPU as strategies.py
+does (the automatic path; dual-chunk layout, or contiguous shards for a
+name ending ``_contiguous``); without it, on one GPU.
 """
 
 from __future__ import annotations
@@ -20,44 +27,69 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jax_ring
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import (document_ids, program_summary, random_qkv,  # noqa: E402
-                    write)
+from common import program_summary, random_qkv, write  # noqa: E402
 from profile_ring import gaps, gpu_events, summarise  # noqa: E402
+from strategies import mix_ids, setup  # noqa: E402
 
 GAP_US = 20.0
 
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--docs", type=int, nargs="+", default=[1, 64, 4096])
+  p.add_argument("--docs", type=int, nargs="+", default=[])
+  p.add_argument("--mixes", nargs="+", default=[])
   p.add_argument("--seq", type=int, default=32768)
+  p.add_argument("--heads", type=int, default=16)
+  p.add_argument("--kv-heads", type=int, default=8)
+  p.add_argument("--strategy", default=None,
+                 help="a strategies.py name, over every local GPU")
   p.add_argument("--calls", type=int, default=5)
   p.add_argument("--top", type=int, default=14)
   p.add_argument("--mode", default="default")
+  p.add_argument("--timeline", default=None, metavar="DIR",
+                 help="write GPU 0's kernel timeline of each row there")
   a = p.parse_args()
   rows = []
-  s, n, kh, d = a.seq, 16, 8, 128
+  s, n, kh, d = a.seq, a.heads, a.kv_heads, 128
+  mixes = [f"equal{x}" for x in a.docs] + a.mixes or ["equal1", "equal64",
+                                                      "equal4096"]
+  cp = jax.device_count() if a.strategy else 1
   q, k, v, _ = random_qkv(0, s, n, kh, d)
-  for docs in a.docs:
-    ids = jnp.asarray(document_ids([s // docs] * docs))
-    loss = lambda q, k, v: jax_ring.dot_product_attention(
-        q, k, v, is_causal=True, segment_ids=ids).astype(jnp.float32).sum()
-    step = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile()
+  for mix in mixes:
+    ids = mix_ids(mix, s)
+    docs = 1 if ids is None else len(np.unique(np.asarray(ids)))
+    cpc, args = None, (q, k, v)
+    if a.strategy:
+      cpc, sh, to, _ = setup(a.strategy.removesuffix("_contiguous"), cp,
+                             None if a.strategy.endswith("_contiguous") else
+                             "dual_chunk")
+      args = tuple(jax.device_put(to(x), sh) for x in args)
+      ids = None if ids is None else jax.device_put(to(ids), sh)
+    loss = lambda q, k, v, ids=ids, cpc=cpc: jax_ring.dot_product_attention(
+        q, k, v, is_causal=True, segment_ids=ids,
+        context_parallel=cpc).astype(jnp.float32).sum()
+    step = jax.jit(jax.grad(loss, (0, 1, 2))).lower(*args).compile()
     program = program_summary(step.as_text())
-    jax.block_until_ready(step(q, k, v))
+    jax.block_until_ready(step(*args))
     with tempfile.TemporaryDirectory() as tmp:
       with jax.profiler.trace(tmp):
         for _ in range(a.calls):
-          out = step(q, k, v)
+          out = step(*args)
         jax.block_until_ready(out)
       trace = next(os.path.join(r, f) for r, _, fs in os.walk(tmp)
                    for f in fs if f.endswith(".trace.json.gz"))
       per = gpu_events(trace)
-      mean, detail, _ = summarise(per, a.calls)
+      mean, detail, timeline = summarise(per, a.calls)
+    if a.timeline:
+      with open(os.path.join(a.timeline, f"timeline_{a.mode}_{mix}.txt"),
+                "w") as f:
+        f.writelines(f"{t:10.1f} {d:8.1f} {st[:12]:12} {k:5} {n}\n"
+                     for t, d, st, k, n in timeline)
     # GPU 0's launches, and its waits of over GAP_US (each host round trip
     # of a run-time branch or loop test leaves one), per call.
     evs = [(b, e) for b, e, _, _ in next(iter(sorted(per.items())))[1]]
@@ -66,15 +98,16 @@ def main():
                 waits_ms=waited / 1e3 / a.calls)
     top = [dict(ms=ms, count=count, name=name)
            for ms, count, name in detail[:a.top]]
-    rows.append(dict(documents=docs, seq=s, **mean, program=program,
-                     top_kernels=top))
-    print(f"\n{docs} documents of {s // docs}: " + ", ".join(
+    rows.append(dict(mix=mix, documents=docs, seq=s, cp=cp,
+                     strategy=a.strategy or "one GPU", **mean,
+                     program=program, top_kernels=top))
+    print(f"\n{mix}, {docs} documents, {a.strategy or 'one GPU'}: " + ", ".join(
         f"{key} {val:.3f}" for key, val in mean.items()) + f"; {program}")
     for ms, count, name in detail[:a.top]:
       print(f"  {ms:8.3f} ms {count:4d}x  {name}")
-  write("profile_packed", rows, ["documents", "wall_ms", "busy_ms",
-                                 "attn_ms", "other_ms", "idle_ms", "events",
-                                 "waits", "waits_ms"],
+  write("profile_packed", rows, ["mix", "documents", "strategy", "wall_ms",
+                                 "busy_ms", "attn_ms", "comm_ms", "other_ms",
+                                 "idle_ms", "events", "waits", "waits_ms"],
         dict(heads=n, kv_heads=kh, head_dim=d, dtype="bfloat16",
              calls=a.calls, waits=f"GPU 0's idle stretches over {GAP_US} us "
              "a call"), mode=a.mode)

@@ -20,7 +20,10 @@ strategy's, for the forward and for forward+backward.
 ``--mixes`` adds packed rows (segment ids, causal within each document):
 ``one`` (the default: one causal document, no ids), ``lognormal``
 (median 300 tokens, sigma 1, capped at 8,192) and ``equalN`` (N equal
-documents). A packed row's efficiency is against the single GPU on the
+documents); ``<mix>_balanced``: its documents in
+``jax_ring.balance_documents``' order for cp contiguous shards. A name
+ending ``_contiguous`` (``ring_contiguous``) runs that strategy on
+contiguous shards instead of the dual-chunk layout. A packed row's efficiency is against the single GPU on the
 same ids; ``<name>_fwdbwd_eff_vs_one`` divides it by the strategy's
 efficiency on one document of the same length (target >= 0.9). Writes
 benchmarks/results/strategies_<count>x<gpu>.json (``--mode``: the run's name
@@ -88,6 +91,10 @@ def setup(name, cp, lb, **ring):
 
 def mix_ids(mix: str, seq: int):
   """``(1, seq)`` int32 segment ids of a ``--mixes`` name (None: ``one``)."""
+  if mix.endswith("_balanced"):
+    ids = np.asarray(mix_ids(mix.removesuffix("_balanced"), seq))
+    order = jax_ring.balance_documents(ids, jax.device_count())
+    return jnp.asarray(np.take_along_axis(ids, order, 1))
   if mix == "one":
     return None
   if mix == "lognormal":
@@ -103,8 +110,10 @@ def mix_ids(mix: str, seq: int):
 def measure(row, name, cp, causal, q, k, v, do, want, t1, tb1, ring,
             ids=None):
   """Time one strategy's forward and forward+backward into ``row``."""
-  cpc, sh, to, back = setup(name, cp, "dual_chunk" if causal else None,
-                            **ring)
+  contiguous = name.endswith("_contiguous")
+  cpc, sh, to, back = setup(name.removesuffix("_contiguous"), cp,
+                            "dual_chunk" if causal and not contiguous else
+                            None, **ring)
   args = [jax.device_put(to(x), sh) for x in (q, k, v, do)]
   seg = None if ids is None else jax.device_put(to(ids), sh)
   attn = lambda q, k, v: jax_ring.dot_product_attention(
@@ -167,7 +176,7 @@ def main():
       q, k, v, do = random_qkv(s + kh, s, a.heads, kh, a.head_dim)
       ids = mix_ids(mix, s)
       row = dict(seq=s, cp=cp, heads=a.heads, kv_heads=kh, causal=causal,
-                 mix=mix, documents=1 if ids is None else int(ids[0, -1]) + 1)
+                 mix=mix, documents=1 if ids is None else len(np.unique(ids)))
       single = lambda q, k, v, ids=ids: jax_ring.dot_product_attention(
           q, k, v, is_causal=causal, segment_ids=ids,
           implementation=a.implementation)

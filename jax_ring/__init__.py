@@ -10,7 +10,9 @@ Public API (everything else lives in ``jax_ring._src``):
 * Inside ``shard_map``, one function per context-parallel strategy:
   :func:`ring_attention`, :func:`all_gather_attention`,
   :func:`ulysses_attention`, :func:`hybrid_attention`; and the load-balance reorder helpers
-  :func:`reorder_for_load_balance`, :func:`reorder_from_load_balance`.
+  :func:`reorder_for_load_balance`, :func:`reorder_from_load_balance`;
+  :func:`balance_documents`, an order of packed rows' documents that
+  spreads their work over contiguous shards.
 * :class:`ContextParallel` for the automatic path, and :func:`explain`:
   what ``strategy="auto"`` picks for the forward and the backward, and why.
 * :class:`AttentionConfig`, :class:`BlockMask`, :func:`attention` and
@@ -26,6 +28,7 @@ from jax_ring._src.core.config import AttentionConfig, ContextParallel
 from jax_ring._src.core.kernel import attention, attention_backward
 from jax_ring._src.core.mask import MASK_VALUE, BlockMask
 from jax_ring._src.strategies.all_gather import all_gather_attention
+from jax_ring._src.strategies.documents import balance_documents
 from jax_ring._src.strategies.hybrid import hybrid_attention
 from jax_ring._src.strategies.layout import (reorder_for_load_balance,
                                              reorder_from_load_balance)
@@ -41,6 +44,7 @@ __all__ = [
     "all_gather_attention",
     "attention",
     "attention_backward",
+    "balance_documents",
     "decode_attention",
     "dot_product_attention",
     "explain",

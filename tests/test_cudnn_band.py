@@ -365,10 +365,11 @@ def test_recording_notes_each_traced_call_with_its_graph_key(monkeypatch):
   assert ffi.RECORD is None
   assert "u8[256]" in str(fwd)  # the workspace: one more result of the call
   # A packed block of 8 tokens: one class of length 8, whose menu of
-  # virtual batches a row (1, 4, 8) is one call each, in one switch.
+  # virtual batches a row (1, 4, 8) is one call each, in one switch: the
+  # first call's, on fresh buffers, then the loop's, into them.
   assert [(c["backward"], c["slots"], c["ragged_len"]) for c in calls] == [
-      (False, 0, 0), (True, 0, 0), (False, 1, 8), (False, 4, 8),
-      (False, 8, 8)]
+      (False, 0, 0), (True, 0, 0)] + [(False, 1, 8), (False, 4, 8),
+                                      (False, 8, 8)] * 2
   assert calls[0] == dict(backward=False, q=(b, t, n, h), k=(b, t, k, h),
                           v=(b, t, k, h), dtype="bfloat16", scale=0.25,
                           row_start=0, col_start=0, right_bound=0,
@@ -403,7 +404,8 @@ def test_a_value_head_dim_unlike_the_keys_reaches_the_calls(monkeypatch):
       grads = jax.eval_shape(lambda: cudnn.backward(
           *args(mask), out, lse, out, None, cfg))
       assert [g.shape for g in grads[:3]] == [q.shape, kk.shape, v.shape]
-  assert [c["v"] for c in calls] == [v.shape] * 8  # packed: 3 + 3
+  # packed: 3 + 3 a direction, the first call's and the loop's
+  assert [c["v"] for c in calls] == [v.shape] * 14
   with pytest.raises(ValueError, match="stacked dK/dV need key and value of "
                      "one shape"):
     cudnn.backward_dkv(*args(BlockMask()), out, lse, out, None, cfg)

@@ -96,3 +96,45 @@ def test_explain_says_whether_cudnns_packed_path_serves_the_rows():
   assert not jax_ring.explain(
       (1, 64, 4, 16), (1, 64, 4, 16), cp_size=4,
       segment_ids=rows[2]).defaults["cudnn_packed"][0]
+
+
+def test_balance_documents_keeps_each_document_whole_and_evens_the_work():
+  """``balance_documents``' order moves whole documents, each in its own
+  order, never leaves a row less even than it came, and on a long-tailed
+  mix (lognormal lengths, median 300, sigma 1, capped at 2,048: no
+  document holds a device's share of the work, which no order of whole
+  documents could even out) of 64k rows over 4 contiguous shards brings
+  the most-loaded device within 5% of the mean. The attention of the
+  ordered row is the user's, reordered: documents attend only within
+  themselves."""
+  rng = np.random.default_rng(3)
+  s, cp = 65536, 4
+  rows = []
+  for _ in range(5):
+    lengths = np.clip(rng.lognormal(np.log(300), 1.0, 2000).astype(int), 1,
+                      2048)
+    n = np.searchsorted(np.cumsum(lengths), s)  # the last one cut to fit
+    lengths = np.append(lengths[:n], s - lengths[:n].sum())
+    rows.append(np.repeat(np.arange(lengths.size), lengths))
+  ids = np.stack(rows).astype(np.int32)
+  order = jax_ring.balance_documents(ids, cp)
+  new = np.take_along_axis(ids, order, 1)
+  before, after = [], []
+  for row, o, n in zip(ids, order, new):
+    assert sorted(o) == list(range(s))
+    for doc in np.unique(row):  # whole, in its own order, one run
+      at = o[n == doc]
+      assert (at == np.flatnonzero(row == doc)).all()
+      assert np.all(np.diff(np.flatnonzero(n == doc)) == 1)
+    before.append(work_balance(row[None], cp, None))
+    after.append(work_balance(n[None], cp, None))
+  assert all(a <= b * (1 + 1e-6) for a, b in zip(after, before))
+  assert max(before) > 1.1 and max(after) < 1.05, (before, after)
+
+
+def test_balance_documents_refuses_an_id_in_two_runs():
+  ids = np.asarray([[1, 1, 2, 2, 1, 1, 3, 3]])
+  with pytest.raises(ValueError, match="segment_ids: id 1 is two runs"):
+    jax_ring.balance_documents(ids, 2)
+  with pytest.raises(ValueError, match="cp_size=3 must divide the row's 8"):
+    jax_ring.balance_documents(ids[:, [0, 2, 6, 6, 6, 6, 6, 6]], 3)

@@ -597,3 +597,59 @@ def test_automatic_path_picks_the_backend_on_shard_shapes(monkeypatch):
   case = ref.Case(H**-0.5, is_causal=True, q_segment_ids=np.asarray(ids),
                   kv_segment_ids=np.asarray(ids))
   check((un_(out), tuple(un_(g) for g in grads)), q, k, v, do, case)
+
+
+def _docs(lengths, ids=None):
+  ids = np.arange(len(lengths)) if ids is None else np.asarray(ids)
+  return np.repeat(ids, lengths)[None].astype(np.int32)
+
+
+# Packed rows on contiguous shards under the defaults skip the steps no
+# document reaches (``ring.reach``): documents that stay inside shards, ones
+# that cross a boundary, one that spans the row, and an id in two runs
+# (shards 0 and 3); exact whichever steps run.
+@pytest.mark.parametrize("ids", [
+    _docs((6,) * 8), _docs((5, 11, 9, 7, 4, 12)), _docs((S,)),
+    _docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 7])],
+    ids=["inside", "cross", "one", "an_id_twice"])
+def test_ring_skips_steps_no_document_reaches(ids):
+  cp, load_balance = 4, None
+  q, k, v, do = rank_coded_qkv(16, cp, load_balance=load_balance)
+  ids = np.broadcast_to(ids, (B, S))
+  spec = P(None, "cp")
+  f = jax.shard_map(
+      lambda q, k, v, ids: jax_ring.ring_attention(
+          q, k, v, axis_name="cp", is_causal=True, load_balance=load_balance,
+          segment_ids=ids, implementation="xla"),
+      mesh=mesh(cp), in_specs=(spec,) * 4, out_specs=spec)
+  got = layout_vjp(f, cp, load_balance, q, k, v, do, jnp.asarray(ids))
+  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True, q_segment_ids=ids,
+                                   kv_segment_ids=ids))
+
+
+# Natural-order ids (each a row of S = 48); shards of 12 (contiguous) or
+# chunks of 6 (dual-chunk). Ids in any order, and one id in two runs.
+@pytest.mark.parametrize("load_balance, cases", [
+    (None, [(_docs((6,) * 8), [1, 0, 0, 0]),
+            (_docs((5, 11, 9, 7, 4, 12)), [1, 1, 0, 0]),  # crosses 12, 24
+            (_docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 4]), [1, 0, 0, 0]),
+            (_docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 7]), [1, 0, 0, 1]),
+            (_docs((S,)), [1, 1, 1, 1])]),
+    ("dual_chunk", [(_docs((6,) * 8), [1, 0, 0, 0]),
+                    (_docs((5, 11, 9, 7, 4, 12)), [1, 1, 1, 1])])],
+    ids=["contiguous", "dual_chunk"])
+def test_ring_reach_marks_the_steps_documents_cross(load_balance, cases):
+  from jax_ring._src.core.config import ShardPlan
+  from jax_ring._src.core.mask import TokenMask
+  from jax_ring._src.strategies.ring import reach
+  cp = 4
+  plan = ShardPlan("cp", cp, load_balance)
+  f = jax.jit(jax.shard_map(
+      lambda ids: reach.needed_steps(TokenMask.of(ids, ids, None, None), plan,
+                                     True)[None],
+      mesh=mesh(cp), in_specs=P(None, "cp"), out_specs=P("cp")))
+  for ids, want in cases:
+    if load_balance:
+      ids = np.asarray(jax_ring.reorder_for_load_balance(ids, cp))
+    got = np.asarray(f(jnp.asarray(ids))).reshape(cp, cp)
+    assert (got == np.asarray(want, bool)[None]).all(), (ids, got)

@@ -306,14 +306,20 @@ def diagonal_shift(config, mask) -> int | None:
   return mask.kv_offset - mask.q_offset
 
 
-def each_call(docs: Docs, t: int, s: int, one, acc, fits, fallback):
+def each_call(docs: Docs, t: int, s: int, one, acc, fits, fallback,
+              fresh: bool = False):
   """``acc`` through ``one(acc, cls, first, geometry, m)`` for every call
   the documents need, all in one loop: iteration ``w`` is the ``w``-th
   call (class by class), its class and its number of virtual batches (class
   0's menu) picked by one ``lax.switch``. Where the ids do not fit
   (``fits``, ``()`` bool) the loop runs once, through ``fallback(acc)``.
   One loop and one branch a call: on a GPU, each loop test and each branch
-  waits for the device (a block with no documents waits once)."""
+  waits for the device (a block with no documents waits once).
+
+  ``fresh``: every token is some call's (one id array, no shift), so the
+  first call writes fresh buffers instead of zeroed ones: it runs before
+  the loop, on ``()``, and ``one`` and ``fallback`` given ``()`` return
+  the whole ``acc``."""
   geo = geometries(t, s, docs.cls.shape[0])
   counts = class_counts(docs, len(geo))
   tops = jnp.asarray([g.batches[-1] for g in geo], jnp.int32)
@@ -335,7 +341,11 @@ def each_call(docs: Docs, t: int, s: int, one, acc, fits, fallback):
         [fallback] + [lambda acc, f=f: f(acc, first=first) for f in calls_of],
         acc)
 
-  return jax.lax.fori_loop(0, jnp.where(fits, ends[-1], 1), body, acc)
+  start = 0
+  if fresh:
+    acc, start = body(0, ()), 1
+  return jax.lax.fori_loop(start, jnp.maximum(
+      jnp.where(fits, ends[-1], 1), start), body, acc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,28 +375,32 @@ def forward(q, k, v, mask, config, bnd: Band):
   blk = block(mask, config, bnd)
   b, t, n, _ = q.shape
   s = k.shape[1]
+  refs = (q, k, v, blk.q_ids, blk.kv_ids)  # inside shard_map: what varies
+  fresh = mask.same_ids and diagonal_shift(config, mask) is None
+  lse0 = jnp.full((b, t, n), MASK_VALUE, jnp.float32)
 
   def one(acc, cls, first, geometry, m):
     c = select(blk.docs, cls, first, m, t, s)
-    out, stats = ffi.sdpa(
-        "jax_ring_sdpa_fwd_into",
-        (jax.ShapeDtypeStruct(acc[0].shape, q.dtype),
-         jax.ShapeDtypeStruct((b * m, n, geometry.length), jnp.float32)),
-        q, k, v, *call_rows(c, q, k, v), acc[0], aliases={9: 0},
-        **ffi.attrs(config, blk.inner, False, m, geometry.length))
+    shapes = (jax.ShapeDtypeStruct((b, t, n, v.shape[3]), q.dtype),
+              jax.ShapeDtypeStruct((b * m, n, geometry.length), jnp.float32))
+    args = (q, k, v, *call_rows(c, q, k, v))
+    at = ffi.attrs(config, blk.inner, False, m, geometry.length)
+    if acc:
+      out, stats = ffi.sdpa("jax_ring_sdpa_fwd_into", shapes, *args, acc[0],
+                            aliases={9: 0}, **at)
+    else:  # the first call on fresh buffers (each_call's ``fresh``)
+      out, stats = ffi.sdpa("jax_ring_sdpa_fwd", shapes, *args, **at)
     bi = jnp.arange(b)[:, None]
     lse = stats.reshape(b, m, n, -1)[bi, jnp.minimum(c.batch, m - 1), :,
                                      c.row]  # (B, T, N)
     # Inside shard_map a call's results vary as the carry does.
-    return vma.like((out, jnp.where((c.batch < m)[:, :, None], lse, acc[1])),
-                    *acc)
+    return vma.like((out, jnp.where((c.batch < m)[:, :, None], lse,
+                                    acc[1] if acc else lse0)), *refs)
 
-  init = (jnp.zeros((b, t, n, v.shape[3]), q.dtype),
-          jnp.full((b, t, n), MASK_VALUE, jnp.float32))
-  # Inside shard_map the carry varies as the calls' results do.
-  init = vma.like(init, q, k, v, blk.q_ids, blk.kv_ids)
+  init = () if fresh else vma.like((jnp.zeros((b, t, n, v.shape[3]),
+                                              q.dtype), lse0), *refs)
   return each_call(blk.docs, t, s, one, init, blk.fits, lambda acc: vma.like(
-      xla.forward(q, k, v, None, mask, config), *acc))
+      xla.forward(q, k, v, None, mask, config), *refs), fresh)
 
 
 def backward(q, k, v, mask, out, lse, dout, config, bnd: Band):
@@ -394,25 +408,30 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd: Band):
   blk = block(mask, config, bnd)
   b, t, n, _ = q.shape
   s = k.shape[1]
+  refs = (q, k, v, out, lse, dout, blk.q_ids, blk.kv_ids)
+  fresh = mask.same_ids and diagonal_shift(config, mask) is None
 
   def one(acc, cls, first, geometry, m):
     c = select(blk.docs, cls, first, m, t, s)
     bi = jnp.arange(b)[:, None]
     stats = jnp.zeros((b, m, n, geometry.length), jnp.float32).at[
         bi, c.batch, :, c.row].set(lse.astype(jnp.float32), mode="drop")
-    grads = ffi.sdpa(
-        "jax_ring_sdpa_bwd_into",
-        tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)),
-        q, k, v, out, stats.reshape(b * m, n, -1), dout,
-        *call_rows(c, q, k, v), *acc, aliases={12: 0, 13: 1, 14: 2},
-        **ffi.attrs(config, blk.inner, False, m, geometry.length))
-    return vma.like(tuple(grads), *acc)
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    args = (q, k, v, out, stats.reshape(b * m, n, -1), dout,
+            *call_rows(c, q, k, v))
+    at = ffi.attrs(config, blk.inner, False, m, geometry.length)
+    if acc:
+      grads = ffi.sdpa("jax_ring_sdpa_bwd_into", shapes, *args, *acc,
+                       aliases={12: 0, 13: 1, 14: 2}, **at)
+    else:  # the first call on fresh buffers (each_call's ``fresh``)
+      grads = ffi.sdpa("jax_ring_sdpa_bwd", shapes, *args, **at)
+    return vma.like(tuple(grads), *refs)
 
-  init = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
-  init = vma.like(init, q, k, v, out, lse, dout, blk.q_ids, blk.kv_ids)
+  init = () if fresh else vma.like(
+      (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)), *refs)
   return each_call(blk.docs, t, s, one, init, blk.fits, lambda acc: vma.like(
       tuple(xla.backward(q, k, v, None, mask, out, lse, dout, None,
-                         config)[:3]), *acc))
+                         config)[:3]), *refs), fresh)
 
 
 def unsupported_ids(config, query, key, value, mask) -> str | None:

@@ -16,7 +16,9 @@ while the gathered K/V fit ``config.GATHER_KV_MAX_BYTES``, else the
 neighbour sends (:func:`_sends`), whose loop peels the last step so that
 no send is wasted. Causal steps after the first pick their block with a ``lax.cond``
 on ``src < r`` (``blocks`` has the blocks; ``striped`` those of the
-striped layout). Partial results merge in float32 and the output is cast
+striped layout). Packed rows on contiguous shards under the default sends
+run only the steps some document reaches (``reach``, :func:`_reached_loop`),
+each fetching its K/V in its own branch. Partial results merge in float32 and the output is cast
 to the input dtype once, at the end.
 
 The backward is given the global ``out`` and ``lse``; dq accumulates
@@ -44,7 +46,7 @@ from jax_ring._src.core.config import (AttentionConfig, ContextParallel,
 from jax_ring._src.core.mask import TokenMask
 from jax_ring._src.strategies import base, kv as kv_lib, layout
 from jax_ring._src.strategies.layout import LoadBalance
-from jax_ring._src.strategies.ring import blocks, striped
+from jax_ring._src.strategies.ring import blocks, reach, striped
 
 
 def _shift(x, plan: ShardPlan, by: int):
@@ -118,6 +120,43 @@ def _gathered_loop(plan, first, later, kv, carry, own_last=False):
   return first(kv, carry) if own_last else carry
 
 
+def _reached_loop(plan, own, later, k, v, ids, need):
+  """``own(kv)`` on the own K/V (held as the pair ``(k, v)``, not
+  stacked), then ``later(step, kv, carry)`` only for the steps that ``need
+  (cp,)`` marks (the same on every device: ``reach``), each in a
+  ``lax.cond`` that fetches the step's K/V (``blocks.held_kv``'s form)
+  straight from device ``r - step`` in one permute; two K/V held at a
+  time. The float32 carry starts only where a later step runs, so
+  documents that all stay inside their shards cost one block and nothing
+  more. Returns in the own block's dtypes."""
+  first = own(((k, v), ids))
+  kv = (kv_lib.pack(k, v), ids)
+
+  def rest(first):
+    carry = as_f32(first)
+    for step in range(1, plan.cp_size):
+      carry = lax.cond(
+          need[step],
+          lambda c, step=step: later(step, _shift(kv, plan, step), c),
+          lambda c: c, carry)
+    return jax.tree.map(lambda a, b: a.astype(b.dtype), carry, first)
+
+  return lax.cond(need[1:].any(), rest, lambda first: first, first)
+
+
+def _skips(plan: ShardPlan, tm: TokenMask, cfg: AttentionConfig) -> bool:
+  """Whether the ring skips the steps no document reaches
+  (:func:`_reached_loop`): packed rows on contiguous shards, no window, the
+  unrolled loop and the default K/V sends (a named ``kv_sends`` keeps its
+  loop). Not under dual-chunk: there a document that crosses a chunk
+  boundary reaches a device on each side, so most steps run, unoverlapped
+  (measured slower than the gathered K/V: docs/decisions.md, "Packed rows
+  on the ring")."""
+  return (tm.q_segment_ids is not None and plan.cp_size > 1 and
+          plan.kv_sends is None and plan.loop == "unrolled" and
+          plan.load_balance is None and cfg.local_window is None)
+
+
 def _kv_loop(plan: ShardPlan):
   """The loop that brings each step's K/V (``plan.kv_sends``)."""
   return dict(neighbour=_ring_loop, gather=_gathered_loop)[plan.kv_sends]
@@ -164,6 +203,7 @@ def block_cfgs(cfg: AttentionConfig):
 
 def forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   """(out in q's dtype, lse f32) of this device's queries."""
+  skips = _skips(plan, tm, cfg)
   plan = _sends(plan, k, v)
   r = lax.axis_index(plan.axis_name)
   src_of = lambda step: (r - step) % plan.cp_size
@@ -196,13 +236,20 @@ def forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
           kind, q, tm, kv, qc, kc, cfgs), plan, cfg.is_causal, r, src, kv)
       return base.merge(*carry, *part)
 
-  out, lse = _kv_loop(plan)(plan, first, later, kv0, None)
+  if skips:
+    out, lse = _reached_loop(
+        plan, lambda kv: blocks.kind_fwd("diag" if cfg.is_causal else "full",
+                                         q, tm, kv, qc, qc, cfgs, tm.same_ids),
+        later, k, v, tm.kv_ids(), reach.needed_steps(tm, plan, cfg.is_causal))
+  else:
+    out, lse = _kv_loop(plan)(plan, first, later, kv0, None)
   return out.astype(q.dtype), lse
 
 
 def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
               plan: ShardPlan):
   """(dq, dk, dv) of this device's shards, given the global out and lse."""
+  skips = _skips(plan, tm, cfg)
   plan = _sends(plan, k, v)
   r = lax.axis_index(plan.axis_name)
   src_of = lambda step: (r - step) % plan.cp_size
@@ -257,7 +304,10 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   loop = _gathered_loop if plan.backward_kv == "gather" else _kv_loop(plan)
   kv0 = blocks.held_kv(k, v, tm)
   own = lambda kv, carry: _add(carry, first_bwd(kv))
-  if parts_back:
+  if skips:
+    dq, dkv = _reached_loop(plan, first_bwd, later_parts, k, v, tm.kv_ids(),
+                            reach.needed_steps(tm, plan, cfg.is_causal))
+  elif parts_back:
     # The own step's part stays here: run last, it hides the last part's
     # send. Not where this backward gathers K/V itself (the automatic
     # path): there the own step runs first, beside the gather.

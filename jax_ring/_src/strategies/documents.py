@@ -1,0 +1,137 @@
+"""A document order for packed rows under contiguous shards: whole documents
+moved within the row so that every device's causal work is about even.
+
+A packed row's documents may come in any order (each attends only within
+itself, and positions restart per document), so reordering whole
+documents changes no output, only which device holds which. In the user's
+order a few long documents can put most of the quadratic work on one or
+two devices (``explain``'s ``balance``); in this order the ring's steps
+also stay few, since most documents then sit inside one shard and the
+ring skips the steps no document reaches (``ring.reach``).
+
+Host NumPy, for the input pipeline, before the data reaches any device:
+the permutation moves tokens, and moving them on the devices would cost an
+all-to-all of every array a step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _runs(row):
+  """``(starts, lengths)`` of the row's runs of equal ids."""
+  edge = np.flatnonzero(row[1:] != row[:-1]) + 1
+  starts = np.concatenate([[0], edge])
+  return starts, np.diff(np.append(starts, row.size))
+
+
+def _order(lengths, cp_size: int, capacity: int) -> list[int]:
+  """The documents' order: shard by shard, a cut every ``capacity`` tokens,
+  each cut's work (all tokens before it) aimed at its share of the row's
+  total, which no order changes. While the heaviest document that can
+  still meet the cut fits before it, it goes next; then the document whose
+  head, crossing the cut, brings the work closest to the target (or the
+  closest whole one). A token's work is its offset in its document + 1, so
+  a document split at a cut leaves its light head before it and its heavy
+  tail after."""
+  work = lengths * (lengths + 1) / 2
+  share = work.sum() / cp_size
+  left = np.ones(lengths.size, bool)
+  order, pos, done = [], 0, 0.0
+  for d in range(1, cp_size):
+    cut, target = d * capacity, d * share
+    while pos < cut and left.any():
+      room, short = cut - pos, target - done
+      rest = room - lengths
+      # What the tokens left before the cut can still take: at least one
+      # pair each, at most one document's head over all of them.
+      able = left & (lengths <= room) & (short - work >= rest) & (
+          short - work <= rest * (rest + 1) / 2)
+      if able.any():
+        i = int(np.flatnonzero(able)[np.argmax(work[able])])
+      else:
+        miss = np.where(lengths > room, np.abs(short - room * (room + 1) / 2),
+                        np.abs(short - work))
+        i = int(np.argmin(np.where(left, miss, np.inf)))
+      order.append(i)
+      left[i] = False
+      pos, done = pos + lengths[i], done + work[i]
+  return order + list(np.flatnonzero(left))
+
+
+def _binned(lengths, cp_size: int, capacity: int) -> list[int]:
+  """The documents' order from bins: the longest first, each to the
+  least-loaded device with room for it whole; each device's documents
+  longest first, and those no device could hold whole poured into the
+  space left, crossing a cut where they must."""
+  work, room = np.zeros(cp_size), np.full(cp_size, capacity)
+  where = np.full(lengths.size, -1)
+  longest = np.argsort(-lengths, kind="stable")
+  for i in longest:
+    fits = np.flatnonzero(room >= lengths[i])
+    if fits.size:
+      d = fits[np.argmin(work[fits])]
+      where[i], room[d] = d, room[d] - lengths[i]
+      work[d] += lengths[i] * (lengths[i] + 1) / 2
+  spill = [i for i in longest if where[i] < 0]
+  order, pos = [], 0
+  for d in range(cp_size):
+    for i in longest[where[longest] == d]:
+      order.append(int(i))
+      pos += lengths[i]
+    while spill and pos < (d + 1) * capacity:
+      order.append(int(spill[0]))
+      pos += lengths[spill.pop(0)]
+  return order + spill
+
+
+def _peak(lengths, cp_size: int, capacity: int) -> float:
+  """The most-loaded shard's work for documents of ``lengths`` in this
+  order, a cut every ``capacity`` tokens."""
+  start = np.cumsum(lengths) - lengths
+  cuts = np.arange(cp_size + 1) * capacity
+  lo = np.clip(cuts[:-1][None] - start[:, None], 0, lengths[:, None])
+  hi = np.clip(cuts[1:][None] - start[:, None], 0, lengths[:, None])
+  return float((hi * (hi + 1) - lo * (lo + 1)).sum(0).max() / 2)
+
+
+def _row_order(row, cp_size: int):
+  starts, lengths = _runs(row)
+  ids = row[starts]
+  if np.unique(ids).size != ids.size:
+    twice = ids[np.flatnonzero(np.bincount(np.unique(ids, return_inverse=True)
+                                           [1]) > 1)[0]]
+    raise ValueError(
+        f"segment_ids: id {twice} is two runs of tokens in a row; reordering "
+        "documents could join two of them into one. Give each document its "
+        "own id")
+  c = row.size // cp_size
+  # Two constructions, and the row's own order: the evenest.
+  order = min((_order(lengths, cp_size, c), _binned(lengths, cp_size, c),
+               list(range(lengths.size))),
+              key=lambda o: _peak(lengths[o], cp_size, c))
+  return np.concatenate([np.arange(starts[i], starts[i] + lengths[i])
+                         for i in order])
+
+
+def balance_documents(segment_ids, cp_size: int) -> np.ndarray:
+  """``(B, S)`` int32: an order of each row's tokens (``x[b, order[b]]``)
+  that keeps every document whole and in its own order, and spreads the
+  documents' causal work over ``cp_size`` contiguous shards.
+
+  Documents are the runs of equal ids; each id must be one run (else a
+  ``ValueError``: reordering could join two runs of one id). Apply the
+  same order to every per-token array (tokens, positions, segment ids,
+  labels, loss masks) and shard the result contiguously
+  (``ContextParallel(load_balance=None)``); the loss, a sum over tokens,
+  needs nothing put back. ``jax_ring.explain(..., segment_ids=ordered)``
+  reports the balance reached.
+  """
+  ids = np.asarray(segment_ids)
+  if ids.ndim != 2:
+    raise ValueError(f"segment_ids must be (B, S); got shape {ids.shape}")
+  if cp_size < 1 or ids.shape[1] % cp_size:
+    raise ValueError(f"cp_size={cp_size} must divide the row's "
+                     f"{ids.shape[1]} tokens")
+  return np.stack([_row_order(r, cp_size) for r in ids]).astype(np.int32)
