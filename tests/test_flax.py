@@ -230,6 +230,29 @@ def test_lm_batch_positions_labels_and_loss_mask():
   np.testing.assert_array_equal(sft.loss_mask, [[0, 1, 0, 0, 1, 0, 0, 0]])
 
 
+def test_ordered_documents_move_every_field_with_its_tokens():
+  """``order_documents`` (and ``prepare_lm_batch(even_documents=True)``):
+  one order of whole documents for every field, so each token keeps its
+  position, label and loss mask, and each document stays one run."""
+  mesh = make_mesh()
+  ids = ref.random_segments(9, B, S, 6)
+  tokens = np.arange(B * S).reshape(B, S)  # each token names its place
+  natural = jrf.make_lm_batch(tokens, ids)
+  got = jrf.order_documents(natural, CP)
+  order = got.inputs - np.arange(B)[:, None] * S
+  assert (np.sort(order, 1) == np.arange(S)).all()
+  for name in ("inputs", "positions", "segment_ids", "labels", "loss_mask"):
+    np.testing.assert_array_equal(getattr(got, name), np.take_along_axis(
+        getattr(natural, name), order, 1), err_msg=name)
+  runs = lambda x: (x[:, 1:] != x[:, :-1]).sum()
+  assert runs(got.segment_ids) == runs(natural.segment_ids)
+  cpc = jax_ring.ContextParallel(axis="context", load_balance=None)
+  placed = jrf.prepare_lm_batch(tokens, ids, mesh=mesh,
+                                spec=P("data", "context"),
+                                context_parallel=cpc, even_documents=True)
+  np.testing.assert_array_equal(np.asarray(placed.labels), got.labels)
+
+
 def test_prepared_batch_is_one_permutation_sharded_on_the_mesh():
   mesh = make_mesh()
   rng = np.random.default_rng(7)

@@ -10,8 +10,8 @@
   ``attention_fn`` of flax's own ``nnx.MultiHeadAttention`` and linen
   ``MultiHeadDotProductAttention``, keeping their weights.
 * Language-model batches for context parallelism: :func:`make_lm_batch`,
-  :func:`reorder_batch`, :func:`shard_batch`, :func:`prepare_lm_batch`,
-  :func:`reorder_size`.
+  :func:`reorder_batch`, :func:`order_documents`, :func:`shard_batch`,
+  :func:`prepare_lm_batch`, :func:`reorder_size`.
 """
 
 from jax_ring.flax.adapter import attention_fn
@@ -21,8 +21,8 @@ from jax_ring.flax.attention import (LOGICAL_AXES, Attention,
                                      constrain, fsdp_rules, logical_rules,
                                      rms_norm)
 from jax_ring.flax.data import (LMBatch, document_positions, make_lm_batch,
-                                prepare_lm_batch, reorder_batch, reorder_size,
-                                shard_batch)
+                                order_documents, prepare_lm_batch,
+                                reorder_batch, reorder_size, shard_batch)
 
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "fsdp_rules",
     "logical_rules",
     "make_lm_batch",
+    "order_documents",
     "prepare_lm_batch",
     "reorder_batch",
     "reorder_size",

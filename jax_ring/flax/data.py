@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_ring._src.core.config import ContextParallel, LoadBalance
+from jax_ring._src.strategies.documents import balance_documents
 from jax_ring._src.strategies.layout import reorder_for_load_balance
 
 
@@ -126,6 +127,19 @@ def reorder_batch(batch: LMBatch, cp_size: int,
   return jax.tree.map(lambda x: x[:, perm], batch)
 
 
+def order_documents(batch: LMBatch, cp_size: int) -> LMBatch:
+  """Every field of ``batch`` in one order of each row's documents,
+  ``jax_ring.balance_documents``': whole documents moved so that
+  ``cp_size`` contiguous shards hold about even causal work. Labels and
+  loss masks move with their tokens and stay right, since a document's
+  tokens stay together and in order; nothing is ever put back. Without
+  segment ids (one document a row), the batch as it is."""
+  if batch.segment_ids is None or cp_size == 1:
+    return batch
+  order = balance_documents(batch.segment_ids, cp_size)
+  return jax.tree.map(lambda x: np.take_along_axis(x, order, 1), batch)
+
+
 def shard_batch(batch: LMBatch, mesh: jax.sharding.Mesh, spec: P) -> LMBatch:
   """Place a global host batch on ``mesh`` with ``spec`` (e.g.
   ``P("data", "context")``). Each process copies only the shards of its own
@@ -153,8 +167,10 @@ def reorder_size(context_parallel: ContextParallel | None,
 def prepare_lm_batch(tokens, segment_ids=None, *, mesh: jax.sharding.Mesh,
                      spec: P,
                      context_parallel: ContextParallel | None = None,
-                     pad_id: int | None = None, targets=None) -> LMBatch:
-  """:func:`make_lm_batch`, :func:`reorder_batch`, :func:`shard_batch`.
+                     pad_id: int | None = None, targets=None,
+                     even_documents: bool = False) -> LMBatch:
+  """:func:`make_lm_batch`, :func:`order_documents` (if asked),
+  :func:`reorder_batch`, :func:`shard_batch`.
 
   Args:
     tokens: ``(B, S)`` global token ids in natural order (host array).
@@ -167,12 +183,17 @@ def prepare_lm_batch(tokens, segment_ids=None, *, mesh: jax.sharding.Mesh,
       fix the layout the batch is put in; otherwise (or None) the batch
       stays in natural order.
     pad_id, targets: see :func:`make_lm_batch`.
+    even_documents: reorder each row's packed documents for even work over
+      the context devices (:func:`order_documents`; for contiguous shards,
+      ``ContextParallel(load_balance=None)``). Each id must be one run.
 
   Returns:
     An :class:`LMBatch` of global ``jax.Array``s in the layout the
     attention expects.
   """
   batch = make_lm_batch(tokens, segment_ids, pad_id=pad_id, targets=targets)
+  if even_documents:
+    batch = order_documents(batch, reorder_size(context_parallel, mesh))
   if context_parallel is not None and (
       context_parallel.inputs == "load_balanced"):
     batch = reorder_batch(batch, reorder_size(context_parallel, mesh),
