@@ -43,7 +43,7 @@ import numpy as np
 
 from jax_ring._src.core import config, validate
 from jax_ring._src.core.config import ContextParallel
-from jax_ring._src.strategies import layout
+from jax_ring._src.strategies import documents, layout
 
 
 # The model's constants: kernel throughput (TFLOP/s as a function of the
@@ -330,4 +330,11 @@ def _balance(segment_ids, query_shape, cpc, sizes, run_t, is_causal):
   if found[mine] > 1.1 and found[best] < found[mine]:
     why += (f"; load_balance={None if best == 'contiguous' else best!r} "
             f"evens these rows best")
+  try:  # whole documents reordered (each id must be one run)
+    ordered = np.take_along_axis(ids, documents.balance_documents(ids, ring),
+                                 1)
+    why += (f"; in jax_ring.balance_documents' order, contiguous shards give "
+            f"{layout.work_balance(ordered, ring, None, is_causal):.3f}")
+  except ValueError:
+    pass
   return found, why

@@ -34,30 +34,32 @@ def _order(lengths, cp_size: int, capacity: int) -> list[int]:
   head, crossing the cut, brings the work closest to the target (or the
   closest whole one). A token's work is its offset in its document + 1, so
   a document split at a cut leaves its light head before it and its heavy
-  tail after."""
-  work = lengths * (lengths + 1) / 2
-  share = work.sum() / cp_size
-  left = np.ones(lengths.size, bool)
+  tail after. Chosen among distinct lengths, so O(documents x lengths)."""
+  sizes, which = np.unique(lengths, return_inverse=True)
+  work = sizes * (sizes + 1) / 2
+  share = (lengths * (lengths + 1) / 2).sum() / cp_size
+  stacks = [list(np.flatnonzero(which == u)[::-1]) for u in range(sizes.size)]
+  count = np.asarray([len(x) for x in stacks])
   order, pos, done = [], 0, 0.0
   for d in range(1, cp_size):
     cut, target = d * capacity, d * share
-    while pos < cut and left.any():
+    while pos < cut and count.any():
       room, short = cut - pos, target - done
-      rest = room - lengths
+      rest = room - sizes
       # What the tokens left before the cut can still take: at least one
       # pair each, at most one document's head over all of them.
-      able = left & (lengths <= room) & (short - work >= rest) & (
+      able = (count > 0) & (sizes <= room) & (short - work >= rest) & (
           short - work <= rest * (rest + 1) / 2)
       if able.any():
-        i = int(np.flatnonzero(able)[np.argmax(work[able])])
+        u = int(np.flatnonzero(able)[np.argmax(work[able])])
       else:
-        miss = np.where(lengths > room, np.abs(short - room * (room + 1) / 2),
+        miss = np.where(sizes > room, np.abs(short - room * (room + 1) / 2),
                         np.abs(short - work))
-        i = int(np.argmin(np.where(left, miss, np.inf)))
-      order.append(i)
-      left[i] = False
-      pos, done = pos + lengths[i], done + work[i]
-  return order + list(np.flatnonzero(left))
+        u = int(np.argmin(np.where(count > 0, miss, np.inf)))
+      order.append(int(stacks[u].pop()))
+      count[u] -= 1
+      pos, done = pos + sizes[u], done + work[u]
+  return order + [int(i) for x in stacks for i in reversed(x)]
 
 
 def _binned(lengths, cp_size: int, capacity: int) -> list[int]:
