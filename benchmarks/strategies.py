@@ -21,11 +21,13 @@ strategy's, for the forward and for forward+backward.
 ``one`` (the default: one causal document, no ids), ``lognormal``
 (median 300 tokens, sigma 1, capped at 8,192) and ``equalN`` (N equal
 documents); ``<mix>_balanced``: its documents in
-``jax_ring.balance_documents``' order for cp contiguous shards. A name
-ending ``_contiguous`` (``ring_contiguous``) runs that strategy on
-contiguous shards instead of the dual-chunk layout. A packed row's efficiency is against the single GPU on the
-same ids; ``<name>_fwdbwd_eff_vs_one`` divides it by the strategy's
-efficiency on one document of the same length (target >= 0.9). Writes
+``jax_ring.balance_documents``' order for contiguous shards over every
+local GPU (for hybrid, not its ring's size). A name ending
+``_contiguous`` (``ring_contiguous``) runs that strategy on contiguous
+shards instead of the dual-chunk layout. A packed row's efficiency is
+against the single GPU on the same ids; ``<name>_fwdbwd_eff_vs_one``
+divides it by the strategy's efficiency on one document of the same
+length (target >= 0.9). Writes
 benchmarks/results/strategies_<count>x<gpu>.json (``--mode``: the run's name
 there).
 """

@@ -251,6 +251,11 @@ def test_ordered_documents_move_every_field_with_its_tokens():
                                 spec=P("data", "context"),
                                 context_parallel=cpc, even_documents=True)
   np.testing.assert_array_equal(np.asarray(placed.labels), got.labels)
+  with pytest.raises(ValueError, match="even_documents=True orders documents "
+                     "for contiguous shards"):
+    jrf.prepare_lm_batch(tokens, ids, mesh=mesh, spec=P("data", "context"),
+                         context_parallel=jax_ring.ContextParallel(
+                             axis="context"), even_documents=True)
 
 
 def test_prepared_batch_is_one_permutation_sharded_on_the_mesh():

@@ -653,3 +653,39 @@ def test_ring_reach_marks_the_steps_documents_cross(load_balance, cases):
       ids = np.asarray(jax_ring.reorder_for_load_balance(ids, cp))
     got = np.asarray(f(jnp.asarray(ids))).reshape(cp, cp)
     assert (got == np.asarray(want, bool)[None]).all(), (ids, got)
+
+
+@pytest.mark.parametrize("entry", ["shard_map", "jit"])
+def test_data_parallel_rows_that_reach_different_steps(entry):
+  """On a data x cp mesh each data shard's rows may reach different ring
+  steps (here: documents inside the shards, and one over the whole row):
+  every device still takes the same branches (a permute in a branch runs
+  on all devices or none), through a user's shard_map and under jit, and
+  the result is the reference's."""
+  ids = np.concatenate([_docs((6,) * 8), _docs((S,))])
+  q, k, v, do = ref.random_qkv(3, 2, S, S, 4, 2, H)
+  m = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "cp"))
+  spec = P("data", "cp")
+  if entry == "shard_map":
+    f = jax.shard_map(
+        lambda q, k, v, i: jax_ring.ring_attention(
+            q, k, v, axis_name="cp", is_causal=True, segment_ids=i,
+            implementation="xla"), mesh=m, in_specs=(spec,) * 4,
+        out_specs=spec)
+  else:
+    cpc = jax_ring.ContextParallel(axis="cp", strategy="ring",
+                                   load_balance=None)
+    f = lambda q, k, v, i: jax_ring.dot_product_attention(
+        q, k, v, is_causal=True, segment_ids=i, implementation="xla",
+        context_parallel=cpc)
+    q, k, v, do = (jax.device_put(x, jax.sharding.NamedSharding(m, spec))
+                   for x in (q, k, v, do))
+  out, vjp = jax.jit(lambda q, k, v, i: jax.vjp(
+      lambda q, k, v: f(q, k, v, i), q, k, v))(q, k, v, jnp.asarray(ids))
+  hlo = jax.jit(f).lower(q, k, v, jnp.asarray(ids)).compile().as_text()
+  # The steps' K/V move only inside branches: every all-gather is of ids.
+  assert "conditional" in hlo
+  assert all(" s32[" in line or "pred[" in line for line in hlo.splitlines()
+             if " all-gather(" in line), hlo
+  check((out, vjp(do)), q, k, v, do, ref.Case(
+      H**-0.5, is_causal=True, q_segment_ids=ids, kv_segment_ids=ids))

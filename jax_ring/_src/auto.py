@@ -330,11 +330,12 @@ def _balance(segment_ids, query_shape, cpc, sizes, run_t, is_causal):
   if found[mine] > 1.1 and found[best] < found[mine]:
     why += (f"; load_balance={None if best == 'contiguous' else best!r} "
             f"evens these rows best")
-  try:  # whole documents reordered (each id must be one run)
-    ordered = np.take_along_axis(ids, documents.balance_documents(ids, ring),
-                                 1)
-    why += (f"; in jax_ring.balance_documents' order, contiguous shards give "
-            f"{layout.work_balance(ordered, ring, None, is_causal):.3f}")
+  try:  # whole documents reordered (each id one run; rows unpadded)
+    if run_t == np.asarray(segment_ids).shape[1]:
+      ordered = np.take_along_axis(
+          ids, documents.balance_documents(ids, ring), 1)
+      why += (f"; in jax_ring.balance_documents' order, contiguous shards "
+              f"give {layout.work_balance(ordered, ring, None, is_causal):.3f}")
   except ValueError:
     pass
   return found, why

@@ -184,8 +184,9 @@ def prepare_lm_batch(tokens, segment_ids=None, *, mesh: jax.sharding.Mesh,
       stays in natural order.
     pad_id, targets: see :func:`make_lm_batch`.
     even_documents: reorder each row's packed documents for even work over
-      the context devices (:func:`order_documents`; for contiguous shards,
-      ``ContextParallel(load_balance=None)``). Each id must be one run.
+      the context devices (:func:`order_documents`), for contiguous shards:
+      ``context_parallel`` must have ``load_balance=None`` (else a
+      ``ValueError``). Each id must be one run.
 
   Returns:
     An :class:`LMBatch` of global ``jax.Array``s in the layout the
@@ -193,6 +194,11 @@ def prepare_lm_batch(tokens, segment_ids=None, *, mesh: jax.sharding.Mesh,
   """
   batch = make_lm_batch(tokens, segment_ids, pad_id=pad_id, targets=targets)
   if even_documents:
+    if context_parallel is None or context_parallel.load_balance is not None:
+      raise ValueError(
+          "even_documents=True orders documents for contiguous shards: give "
+          "context_parallel=ContextParallel(..., load_balance=None); got "
+          f"{context_parallel!r}")
     batch = order_documents(batch, reorder_size(context_parallel, mesh))
   if context_parallel is not None and (
       context_parallel.inputs == "load_balanced"):

@@ -247,6 +247,10 @@ class ShardPlan:
       the ring keeps it up to ``GATHER_KV_MAX_BYTES``, the size rule of
       ``kv_sends=None``).
     kv_sends: the ring's K/V sends (``ContextParallel``).
+    mesh_axes: every axis of the mesh the program runs on, where the call
+      knows them (the automatic path); the ring's run-time choice of steps
+      agrees over them (``ring.reach``). Inside a user's ``shard_map`` its
+      manual axes serve.
   """
 
   axis_name: str
@@ -256,6 +260,7 @@ class ShardPlan:
   kv_chunk_heads: int | None = None
   backward_kv: Literal["ring", "gather"] = "ring"
   kv_sends: KvSends | None = None
+  mesh_axes: tuple[str, ...] = ()
 
 
 # TransformerEngine's switch between its two ring loop forms, honoured for

@@ -101,17 +101,18 @@ def _peak(lengths, cp_size: int, capacity: int) -> float:
 def _row_order(row, cp_size: int):
   starts, lengths = _runs(row)
   ids = row[starts]
-  if np.unique(ids).size != ids.size:
-    twice = ids[np.flatnonzero(np.bincount(np.unique(ids, return_inverse=True)
-                                           [1]) > 1)[0]]
+  distinct, runs = np.unique(ids, return_counts=True)
+  if (runs > 1).any():
+    twice = distinct[runs > 1][0]
     raise ValueError(
         f"segment_ids: id {twice} is two runs of tokens in a row; reordering "
         "documents could join two of them into one. Give each document its "
         "own id")
   c = row.size // cp_size
-  # Two constructions, and the row's own order: the evenest.
-  order = min((_order(lengths, cp_size, c), _binned(lengths, cp_size, c),
-               list(range(lengths.size))),
+  # The row's own order and two constructions: the evenest, the row's own
+  # on a tie.
+  order = min((list(range(lengths.size)), _order(lengths, cp_size, c),
+               _binned(lengths, cp_size, c)),
               key=lambda o: _peak(lengths[o], cp_size, c))
   return np.concatenate([np.arange(starts[i], starts[i] + lengths[i])
                          for i in order])

@@ -2,14 +2,17 @@
 queries with its keys adds nothing, so the ring skips it: its K/V are not
 sent and its block does not run.
 
-Every device all-gathers the row's query and kv ids (``(cp, B, T)`` int32
-each, a few hundred KiB) and computes from them the same ``(cp,)`` bool of
-the steps some device needs, so all take the same branches: a collective
-inside a branch runs on every device or on none. A step is needed when, on
-some device and row, a query chunk and a kv chunk that the step pairs and
-the mask lets meet (causal: the kv chunk earlier) share an id: each query
-chunk's ids sorted once, each kv chunk's looked up in them. Exact for any
-ids, documents in any order or an id in several runs.
+Every device all-gathers the ring's query and kv ids (``(cp, B, T)``
+int32 each) and looks, for each pair of chunks that a step pairs and the
+mask lets meet (causal: the kv chunk earlier), whether they share an id:
+each query chunk's ids sorted, each kv chunk's looked up in them (``(pairs,
+B, C)`` int32 arrays, ``pairs`` at most cp² times the chunks a device
+holds, squared). Exact for any ids, documents in any order or an id in
+several runs. A step is needed if some row of some device needs it, over
+the whole mesh: a ``pmax`` over the other manual axes (data-parallel rows
+differ) makes the ``(cp,)`` mask the same on every device, so every device
+takes the same branches (a collective inside a branch runs on all devices
+or none).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_ring._src.core import vma
 from jax_ring._src.core.config import ShardPlan
 from jax_ring._src.core.mask import TokenMask
 from jax_ring._src.strategies import layout
@@ -59,5 +63,11 @@ def needed_steps(tm: TokenMask, plan: ShardPlan, causal: bool) -> jax.Array:
                                              method="sort")))
   at = jnp.minimum(find(qs, ks), t // chunks - 1)
   hit = (jnp.take_along_axis(qs, at, -1) == ks).any((1, 2))
-  need = jnp.zeros((cp,), bool).at[step].max(hit)
-  return need.at[0].set(True)
+  need = jnp.zeros((cp,), jnp.int32).at[step].max(hit.astype(jnp.int32))
+  manual = jax.sharding.get_abstract_mesh().manual_axes  # in shard_map
+  others = tuple(sorted((set(plan.mesh_axes) | set(manual)) -
+                        {plan.axis_name}))
+  if others:
+    need = lax.pmax(vma.vary(need, frozenset(others)) if manual else need,
+                    others)
+  return (need > 0).at[0].set(True)

@@ -14,12 +14,13 @@ one ``ppermute`` per step, issued before the step's compute
 that step 0, on the own K/V, overlaps (``"gather"``); by default the gather
 while the gathered K/V fit ``config.GATHER_KV_MAX_BYTES``, else the
 neighbour sends (:func:`_sends`), whose loop peels the last step so that
-no send is wasted. Causal steps after the first pick their block with a ``lax.cond``
-on ``src < r`` (``blocks`` has the blocks; ``striped`` those of the
-striped layout). Packed rows on contiguous shards under the default sends
-run only the steps some document reaches (``reach``, :func:`_reached_loop`),
-each fetching its K/V in its own branch. Partial results merge in float32 and the output is cast
-to the input dtype once, at the end.
+no send is wasted. Causal steps after the first pick their block with a
+``lax.cond`` on ``src < r`` (``blocks`` has the blocks; ``striped`` those
+of the striped layout). Packed rows on contiguous shards under the
+default sends run only the steps some document reaches (``reach``,
+:func:`_reached_loop`), each fetching its K/V in its own branch. Partial
+results merge in float32 and the output is cast to the input dtype once,
+at the end.
 
 The backward is given the global ``out`` and ``lse``; dq accumulates
 locally. dK/dV travel with the K/V as float32 running sums (neighbour
@@ -130,14 +131,14 @@ def _reached_loop(plan, own, later, k, v, ids, need):
   documents that all stay inside their shards cost one block and nothing
   more. Returns in the own block's dtypes."""
   first = own(((k, v), ids))
-  kv = (kv_lib.pack(k, v), ids)
+  held = lambda: (kv_lib.pack(k, v), ids)  # packed inside a step's branch
 
   def rest(first):
     carry = as_f32(first)
     for step in range(1, plan.cp_size):
       carry = lax.cond(
           need[step],
-          lambda c, step=step: later(step, _shift(kv, plan, step), c),
+          lambda c, step=step: later(step, _shift(held(), plan, step), c),
           lambda c: c, carry)
     return jax.tree.map(lambda a, b: a.astype(b.dtype), carry, first)
 
@@ -323,7 +324,8 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
 def plan(cpc: ContextParallel, sizes, backward_kv) -> ShardPlan:
   """The ring's plan on ``cpc.ring_axis``."""
   return ShardPlan(cpc.ring_axis, sizes[cpc.ring_axis], cpc.load_balance,
-                   cpc.loop, backward_kv=backward_kv, kv_sends=cpc.kv_sends)
+                   cpc.loop, backward_kv=backward_kv, kv_sends=cpc.kv_sends,
+                   mesh_axes=tuple(sizes))
 
 
 def check(cpc: ContextParallel, sizes, q_shape, k_shape) -> None:
