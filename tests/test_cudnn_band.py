@@ -254,8 +254,12 @@ MANY = {
 }
 
 
-@pytest.mark.parametrize("smallest", [4, 32])
-@pytest.mark.parametrize("name", list(MANY))
+# SMALLEST = 4 (classes, menus and loops) for every row; 32, the
+# library's, for two in the default run and the rest under -m slow.
+@pytest.mark.parametrize("name, smallest", [
+    pytest.param(name, smallest, marks=() if smallest == 4 or name in (
+        "same_causal", "different_full") else pytest.mark.slow)
+    for smallest in (4, 32) for name in MANY])
 def test_packed_calls_match_the_reference(name, smallest, monkeypatch):
   """The packed forward and backward on cuDNN's ragged semantics (replayed in
   jnp, tests/ragged_cudnn.py): the calls of each length class writing into
@@ -300,7 +304,8 @@ def test_packed_calls_match_the_reference(name, smallest, monkeypatch):
     ref.assert_close(got, r_g[gname], q.dtype, "d" + gname)
 
 
-@pytest.mark.parametrize("load_balance", ["dual_chunk", "striped"])
+@pytest.mark.parametrize("load_balance", [
+    "dual_chunk", pytest.param("striped", marks=pytest.mark.slow)])
 def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
   """The ring's packed blocks on cuDNN's ragged semantics (replayed in jnp)
   inside shard_map, on 2 simulated devices, rows of many documents in
