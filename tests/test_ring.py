@@ -608,22 +608,23 @@ def _docs(lengths, ids=None):
 # document reaches (``ring.reach``): documents that stay inside shards, ones
 # that cross a boundary, one that spans the row, and an id in two runs
 # (shards 0 and 3); exact whichever steps run.
-@pytest.mark.parametrize("ids", [
-    _docs((6,) * 8), _docs((5, 11, 9, 7, 4, 12)), _docs((S,)),
-    _docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 7])],
-    ids=["inside", "cross", "one", "an_id_twice"])
-def test_ring_skips_steps_no_document_reaches(ids):
+@pytest.mark.parametrize("ids, causal", [
+    (_docs((6,) * 8), True), (_docs((5, 11, 9, 7, 4, 12)), True),
+    (_docs((S,)), True), (_docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 7]), True),
+    (_docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 7]), False)],
+    ids=["inside", "cross", "one", "an_id_twice", "an_id_twice_full"])
+def test_ring_skips_steps_no_document_reaches(ids, causal):
   cp, load_balance = 4, None
   q, k, v, do = rank_coded_qkv(16, cp, load_balance=load_balance)
   ids = np.broadcast_to(ids, (B, S))
   spec = P(None, "cp")
   f = jax.shard_map(
       lambda q, k, v, ids: jax_ring.ring_attention(
-          q, k, v, axis_name="cp", is_causal=True, load_balance=load_balance,
+          q, k, v, axis_name="cp", is_causal=causal, load_balance=load_balance,
           segment_ids=ids, implementation="xla"),
       mesh=mesh(cp), in_specs=(spec,) * 4, out_specs=spec)
   got = layout_vjp(f, cp, load_balance, q, k, v, do, jnp.asarray(ids))
-  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True, q_segment_ids=ids,
+  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=causal, q_segment_ids=ids,
                                    kv_segment_ids=ids))
 
 

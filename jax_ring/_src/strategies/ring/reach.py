@@ -5,14 +5,13 @@ sent and its block does not run.
 Every device all-gathers the ring's query and kv ids (``(cp, B, T)``
 int32 each) and looks, for each pair of chunks that a step pairs and the
 mask lets meet (causal: the kv chunk earlier), whether they share an id:
-each query chunk's ids sorted, each kv chunk's looked up in them (``(pairs,
-B, C)`` int32 arrays, ``pairs`` at most cp² times the chunks a device
-holds, squared). Exact for any ids, documents in any order or an id in
-several runs. A step is needed if some row of some device needs it, over
-the whole mesh: a ``pmax`` over the other manual axes (data-parallel rows
-differ) makes the ``(cp,)`` mask the same on every device, so every device
-takes the same branches (a collective inside a branch runs on all devices
-or none).
+each query chunk's ids sorted, each kv chunk's looked up in them, a step at
+a time for every device at once. Exact for any ids, documents in any
+order or an id in several runs. A step is needed if some row of some
+device needs it, over the whole mesh: a ``pmax`` over the mesh's other
+axes (data-parallel rows differ) makes the ``(cp,)`` mask the same on
+every device, so every device takes the same branches (a collective
+inside a branch runs on all devices or none).
 """
 
 from __future__ import annotations
@@ -30,26 +29,21 @@ from jax_ring._src.core.mask import TokenMask
 from jax_ring._src.strategies import layout
 
 
-def _pairs(plan: ShardPlan, causal: bool):
-  """Static ``(step, device, q chunk, src, kv chunk)`` index arrays of
-  every chunk pair a step > 0 meets that the mask lets meet (chunks as
-  local indices)."""
+def _meets(plan: ShardPlan, causal: bool, step: int, a: int, b: int):
+  """``(cp,)`` bool, static: on which devices r step ``step`` pairs local
+  query chunk ``a`` with kv chunk ``b`` of device ``r - step`` under the
+  mask (causal: the kv chunk earlier)."""
   cp = plan.cp_size
-  rows = []
-  for step in range(1, cp):
-    for r in range(cp):
-      src = (r - step) % cp
-      for a, qa in enumerate(layout.chunk_ids(plan, r)):
-        for b, kb in enumerate(layout.chunk_ids(plan, src)):
-          if not causal or kb < qa:
-            rows.append((step, r, a, src, b))
-  return np.asarray(rows, np.int32).reshape(-1, 5).T
+  return np.asarray([not causal or layout.chunk_ids(plan, (r - step) % cp)[b]
+                     < layout.chunk_ids(plan, r)[a] for r in range(cp)])
 
 
 def needed_steps(tm: TokenMask, plan: ShardPlan, causal: bool) -> jax.Array:
   """``(cp,)`` bool, the same on every device: whether ring step ``i`` can
   pair a query with a key of its document (step 0, the own K/V, always).
-  Call inside ``shard_map`` on this device's ids (``tm``'s, packed)."""
+  Call inside ``shard_map`` (or a partition rule) on this device's ids
+  (``tm``'s, packed). Each step looks every device's chunk pairs up at
+  once: ``(cp, B, C)`` int32 at a time."""
   cp = plan.cp_size
   b, t = tm.q_segment_ids.shape
   chunks = len(layout.chunk_ids(plan, 0))
@@ -57,17 +51,26 @@ def needed_steps(tm: TokenMask, plan: ShardPlan, causal: bool) -> jax.Array:
                                      ).reshape(cp, b, chunks, t // chunks)
   q = jnp.sort(every(tm.q_segment_ids), -1)
   kv = every(tm.kv_ids())
-  step, r, a, src, c = _pairs(plan, causal)
-  qs, ks = q[r, :, a], kv[src, :, c]  # (pairs, B, C)
   find = jax.vmap(jax.vmap(functools.partial(jnp.searchsorted,
                                              method="sort")))
-  at = jnp.minimum(find(qs, ks), t // chunks - 1)
-  hit = (jnp.take_along_axis(qs, at, -1) == ks).any((1, 2))
-  need = jnp.zeros((cp,), jnp.int32).at[step].max(hit.astype(jnp.int32))
+  need = [jnp.ones((), bool)]
+  for step in range(1, cp):
+    hit = jnp.zeros((), bool)
+    for x in range(chunks):
+      for y in range(chunks):
+        meets = _meets(plan, causal, step, x, y)
+        if not meets.any():
+          continue
+        qs, ks = q[:, :, x], jnp.roll(kv[:, :, y], step, axis=0)  # r - step
+        at = jnp.minimum(find(qs, ks), t // chunks - 1)
+        found = (jnp.take_along_axis(qs, at, -1) == ks).any((1, 2))
+        hit |= (found & meets).any()
+    need.append(hit)
+  need = jnp.stack(need).astype(jnp.int32)
   manual = jax.sharding.get_abstract_mesh().manual_axes  # in shard_map
   others = tuple(sorted((set(plan.mesh_axes) | set(manual)) -
                         {plan.axis_name}))
   if others:
     need = lax.pmax(vma.vary(need, frozenset(others)) if manual else need,
                     others)
-  return (need > 0).at[0].set(True)
+  return need > 0
