@@ -65,9 +65,7 @@ def main():
     docs = 1 if ids is None else len(np.unique(np.asarray(ids)))
     cpc, args = None, (q, k, v)
     if a.strategy:
-      cpc, sh, to, _ = setup(a.strategy.removesuffix("_contiguous"), cp,
-                             None if a.strategy.endswith("_contiguous") else
-                             "dual_chunk")
+      cpc, sh, to, _ = setup(a.strategy, cp, "dual_chunk")
       args = tuple(jax.device_put(to(x), sh) for x in args)
       ids = None if ids is None else jax.device_put(to(ids), sh)
     loss = lambda q, k, v, ids=ids, cpc=cpc: jax_ring.dot_product_attention(

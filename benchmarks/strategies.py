@@ -60,8 +60,11 @@ def default_strategies(cp: int) -> list[str]:
 
 def setup(name, cp, lb, **ring):
   """(ContextParallel, token sharding, reorder, inverse) for a strategy
-  name (see the module docstring) under load balance ``lb``; ``ring``: the
-  ring's tuning (``kv_sends``), for ring and hybrid."""
+  name (see the module docstring) under load balance ``lb`` (None for a
+  name ending ``_contiguous``); ``ring``: the ring's tuning
+  (``kv_sends``), for ring and hybrid."""
+  if name.endswith("_contiguous"):
+    name, lb = name.removesuffix("_contiguous"), None
   if name.startswith("hybrid"):
     u, r = ((cp // 2, 2) if name == "hybrid" else
             map(int, name.split("_")[1].split("x")))
@@ -112,10 +115,8 @@ def mix_ids(mix: str, seq: int):
 def measure(row, name, cp, causal, q, k, v, do, want, t1, tb1, ring,
             ids=None):
   """Time one strategy's forward and forward+backward into ``row``."""
-  contiguous = name.endswith("_contiguous")
-  cpc, sh, to, back = setup(name.removesuffix("_contiguous"), cp,
-                            "dual_chunk" if causal and not contiguous else
-                            None, **ring)
+  cpc, sh, to, back = setup(name, cp, "dual_chunk" if causal else None,
+                            **ring)
   args = [jax.device_put(to(x), sh) for x in (q, k, v, do)]
   seg = None if ids is None else jax.device_put(to(ids), sh)
   attn = lambda q, k, v: jax_ring.dot_product_attention(
