@@ -15,7 +15,11 @@ the run; ``XLA_FLAGS`` is recorded).
 ``--docs N`` is the mix ``equalN``; ``--mixes`` takes strategies.py's
 names. ``--strategy`` runs the row over every local GPU as strategies.py
 does (the automatic path; dual-chunk layout, or contiguous shards for a
-name ending ``_contiguous``); without it, on one GPU.
+name ending ``_contiguous``); without it, on one GPU. ``--dense`` adds
+the equal mixes' documents as a dense batch of equal rows (one GPU), the
+packed table's baseline. ``--timeline DIR``
+and ``--hlo DIR`` write GPU 0's kernels in time order and the compiled
+program of each row there.
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ def main():
   p.add_argument("--mode", default="default")
   p.add_argument("--timeline", default=None, metavar="DIR",
                  help="write GPU 0's kernel timeline of each row there")
+  p.add_argument("--dense", action="store_true",
+                 help="also the equal mixes' documents as a dense batch of "
+                 "equal rows, on one GPU")
+  p.add_argument("--hlo", default=None, metavar="DIR",
+                 help="write each row's compiled program text there")
   a = p.parse_args()
   rows = []
   s, n, kh, d = a.seq, a.heads, a.kv_heads, 128
@@ -60,11 +69,16 @@ def main():
                                                       "equal4096"]
   cp = jax.device_count() if a.strategy else 1
   q, k, v, _ = random_qkv(0, s, n, kh, d)
-  for mix in mixes:
+  runs = [(mix, False) for mix in mixes] + [
+      (mix, True) for mix in mixes if a.dense and mix.startswith("equal")]
+  for mix, dense in runs:
     ids = mix_ids(mix, s)
     docs = 1 if ids is None else len(np.unique(np.asarray(ids)))
     cpc, args = None, (q, k, v)
-    if a.strategy:
+    if dense:  # the same documents as a batch of equal rows
+      args = tuple(x.reshape((docs, -1) + x.shape[2:]) for x in args)
+      ids = None
+    elif a.strategy:
       cpc, sh, to, _ = setup(a.strategy, cp, "dual_chunk")
       args = tuple(jax.device_put(to(x), sh) for x in args)
       ids = None if ids is None else jax.device_put(to(ids), sh)
@@ -73,6 +87,10 @@ def main():
         context_parallel=cpc).astype(jnp.float32).sum()
     step = jax.jit(jax.grad(loss, (0, 1, 2))).lower(*args).compile()
     program = program_summary(step.as_text())
+    name = f"{a.mode}_{mix}{'_dense' if dense else ''}"
+    if a.hlo:
+      with open(os.path.join(a.hlo, f"hlo_{name}.txt"), "w") as f:
+        f.write(step.as_text())
     jax.block_until_ready(step(*args))
     with tempfile.TemporaryDirectory() as tmp:
       with jax.profiler.trace(tmp):
@@ -84,8 +102,7 @@ def main():
       per = gpu_events(trace)
       mean, detail, timeline = summarise(per, a.calls)
     if a.timeline:
-      with open(os.path.join(a.timeline, f"timeline_{a.mode}_{mix}.txt"),
-                "w") as f:
+      with open(os.path.join(a.timeline, f"timeline_{name}.txt"), "w") as f:
         f.writelines(f"{t:10.1f} {d:8.1f} {st[:12]:12} {k:5} {n}\n"
                      for t, d, st, k, n in timeline)
     # GPU 0's launches, and its waits of over GAP_US (each host round trip
@@ -96,10 +113,11 @@ def main():
                 waits_ms=waited / 1e3 / a.calls)
     top = [dict(ms=ms, count=count, name=name)
            for ms, count, name in detail[:a.top]]
-    rows.append(dict(mix=mix, documents=docs, seq=s, cp=cp,
-                     strategy=a.strategy or "one GPU", **mean,
+    where = "dense batch" if dense else a.strategy or "one GPU"
+    rows.append(dict(mix=mix, documents=docs, seq=s, cp=1 if dense else cp,
+                     strategy=where, **mean,
                      program=program, top_kernels=top))
-    print(f"\n{mix}, {docs} documents, {a.strategy or 'one GPU'}: " + ", ".join(
+    print(f"\n{mix}, {docs} documents, {where}: " + ", ".join(
         f"{key} {val:.3f}" for key, val in mean.items()) + f"; {program}")
     for ms, count, name in detail[:a.top]:
       print(f"  {ms:8.3f} ms {count:4d}x  {name}")

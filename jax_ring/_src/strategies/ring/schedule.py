@@ -17,8 +17,9 @@ neighbour sends (:func:`_sends`), whose loop peels the last step so that
 no send is wasted. Causal steps after the first pick their block with a
 ``lax.cond`` on ``src < r`` (``blocks`` has the blocks; ``striped`` those
 of the striped layout). Packed rows on contiguous shards under the
-default sends run only the steps some document reaches (``reach``,
-:func:`_reached_loop`), each fetching its K/V in its own branch. Partial
+default sends run the steps up to the last one some document reaches
+(``reach``, :func:`_reached_loop`), each fetching its K/V in its own
+branch. Partial
 results merge in float32 and the output is cast to the input dtype once,
 at the end.
 
@@ -123,26 +124,34 @@ def _gathered_loop(plan, first, later, kv, carry, own_last=False):
 
 def _reached_loop(plan, own, later, k, v, ids, need):
   """``own(kv)`` on the own K/V (held as the pair ``(k, v)``, not
-  stacked), then ``later(step, kv, carry)`` only for the steps that ``need
-  (cp,)`` marks (the same on every device: ``reach``), each in a
-  ``lax.cond`` that fetches the step's K/V (``blocks.held_kv``'s form)
-  straight from device ``r - step`` in one permute; two K/V held at a
-  time. The float32 carry starts only where a later step runs, so
-  documents that all stay inside their shards cost one block and nothing
-  more. Returns in the own block's dtypes."""
+  stacked), then ``later(step, kv, carry)`` for steps ``1 .. m``, ``m``
+  the last step that ``need (cp,)`` marks (the same on every device:
+  ``reach``; on contiguous shards documents reach a prefix of the steps,
+  and a step no document reaches adds nothing). Each step fetches its K/V
+  (``blocks.held_kv``'s form) straight from device ``r - step`` in one
+  permute; two K/V held at a time. The steps nest, one ``lax.cond`` on
+  ``step < m`` each, so ``m + 1`` branch tests run, and a branch that
+  stops casts the float32 carry back rather than passing it through (a
+  conditional copies an operand it returns). The own block runs before
+  the first test, queued ahead of the host's wait. Documents that all
+  stay inside their shards cost one block and one test. Returns in the own
+  block's dtypes."""
+  cp = plan.cp_size
+  last = jnp.max(jnp.where(need, jnp.arange(cp), 0))
   first = own(((k, v), ids))
-  held = lambda: (kv_lib.pack(k, v), ids)  # packed inside a step's branch
+  dtypes = jax.tree.map(lambda a: a.dtype, first)
+  finish = lambda carry: jax.tree.map(lambda a, t: a.astype(t), carry, dtypes)
 
-  def rest(first):
-    carry = as_f32(first)
-    for step in range(1, plan.cp_size):
-      carry = lax.cond(
-          need[step],
-          lambda c, step=step: later(step, _shift(held(), plan, step), c),
-          lambda c: c, carry)
-    return jax.tree.map(lambda a, b: a.astype(b.dtype), carry, first)
+  def from_step(step, carry):
+    held = (kv_lib.pack(k, v), ids)  # packed inside the step's branch
+    carry = later(step, _shift(held, plan, step), carry)
+    if step == cp - 1:
+      return finish(carry)
+    return lax.cond(last > step, functools.partial(from_step, step + 1),
+                    finish, carry)
 
-  return lax.cond(need[1:].any(), rest, lambda first: first, first)
+  return lax.cond(last > 0, lambda first: from_step(1, as_f32(first)),
+                  lambda first: first, first)
 
 
 def _skips(plan: ShardPlan, tm: TokenMask, cfg: AttentionConfig) -> bool:
