@@ -656,6 +656,41 @@ def test_ring_reach_marks_the_steps_documents_cross(load_balance, cases):
     assert (got == np.asarray(want, bool)[None]).all(), (ids, got)
 
 
+@pytest.mark.parametrize("load_balance", [None, "dual_chunk"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ring_reach_equals_a_set_intersection(load_balance, causal):
+  """Random rows of few ids (so ids recur in several runs and chunks), two
+  rows a batch: the mask of needed steps is, step by step, whether some
+  chunk pair that the step makes and the mask lets meet shares an id."""
+  from jax_ring._src.core.config import ShardPlan
+  from jax_ring._src.core.mask import TokenMask
+  from jax_ring._src.strategies import layout
+  from jax_ring._src.strategies.ring import reach
+  cp = 4
+  plan = ShardPlan("cp", cp, load_balance)
+  f = jax.jit(jax.shard_map(
+      lambda ids: reach.needed_steps(TokenMask.of(ids, ids, None, None), plan,
+                                     causal)[None],
+      mesh=mesh(cp), in_specs=P(None, "cp"), out_specs=P("cp")))
+  rng = np.random.default_rng(7)
+  chunk_ids = [layout.chunk_ids(plan, r) for r in range(cp)]
+  for distinct in (2, 5, 40):
+    ids = np.sort(rng.integers(0, distinct, (2, S)), 1)
+    ids = np.where(rng.random((2, S)) < 0.05, rng.integers(0, distinct,
+                                                           (2, S)), ids)
+    chunks = ids.reshape(2, cp * len(chunk_ids[0]), -1)  # shard layout
+    want = [step == 0 or any(
+        (not causal or chunk_ids[(r - step) % cp][y] < chunk_ids[r][x]) and
+        np.intersect1d(chunks[row, r * len(chunk_ids[0]) + x],
+                       chunks[row, (r - step) % cp * len(chunk_ids[0]) + y]
+                       ).size
+        for row in range(2) for r in range(cp)
+        for x in range(len(chunk_ids[0])) for y in range(len(chunk_ids[0])))
+        for step in range(cp)]
+    got = np.asarray(f(jnp.asarray(ids, jnp.int32))).reshape(cp, cp)
+    assert (got == np.asarray(want)[None]).all(), (distinct, got, want)
+
+
 @pytest.mark.parametrize("entry", ["shard_map", "jit"])
 def test_data_parallel_rows_that_reach_different_steps(entry):
   """On a data x cp mesh each data shard's rows may reach different ring
