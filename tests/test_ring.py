@@ -628,6 +628,18 @@ def test_ring_skips_steps_no_document_reaches(ids, causal):
                                    kv_segment_ids=ids))
 
 
+def _needed_steps(cp, load_balance, causal):
+  """``ids (B, S) -> (cp, cp)``: each device's mask of needed ring steps."""
+  from jax_ring._src.core.config import ShardPlan
+  from jax_ring._src.core.mask import TokenMask
+  from jax_ring._src.strategies.ring import reach
+  plan = ShardPlan("cp", cp, load_balance)
+  return jax.jit(jax.shard_map(
+      lambda ids: reach.needed_steps(TokenMask.of(ids, ids, None, None), plan,
+                                     causal)[None],
+      mesh=mesh(cp), in_specs=P(None, "cp"), out_specs=P("cp")))
+
+
 # Natural-order ids (each a row of S = 48); shards of 12 (contiguous) or
 # chunks of 6 (dual-chunk). Ids in any order, and one id in two runs.
 @pytest.mark.parametrize("load_balance, cases", [
@@ -640,15 +652,8 @@ def test_ring_skips_steps_no_document_reaches(ids, causal):
                     (_docs((5, 11, 9, 7, 4, 12)), [1, 1, 1, 1])])],
     ids=["contiguous", "dual_chunk"])
 def test_ring_reach_marks_the_steps_documents_cross(load_balance, cases):
-  from jax_ring._src.core.config import ShardPlan
-  from jax_ring._src.core.mask import TokenMask
-  from jax_ring._src.strategies.ring import reach
   cp = 4
-  plan = ShardPlan("cp", cp, load_balance)
-  f = jax.jit(jax.shard_map(
-      lambda ids: reach.needed_steps(TokenMask.of(ids, ids, None, None), plan,
-                                     True)[None],
-      mesh=mesh(cp), in_specs=P(None, "cp"), out_specs=P("cp")))
+  f = _needed_steps(cp, load_balance, True)
   for ids, want in cases:
     if load_balance:
       ids = np.asarray(jax_ring.reorder_for_load_balance(ids, cp))
@@ -663,30 +668,27 @@ def test_ring_reach_equals_a_set_intersection(load_balance, causal):
   rows a batch: the mask of needed steps is, step by step, whether some
   chunk pair that the step makes and the mask lets meet shares an id."""
   from jax_ring._src.core.config import ShardPlan
-  from jax_ring._src.core.mask import TokenMask
   from jax_ring._src.strategies import layout
-  from jax_ring._src.strategies.ring import reach
   cp = 4
-  plan = ShardPlan("cp", cp, load_balance)
-  f = jax.jit(jax.shard_map(
-      lambda ids: reach.needed_steps(TokenMask.of(ids, ids, None, None), plan,
-                                     causal)[None],
-      mesh=mesh(cp), in_specs=P(None, "cp"), out_specs=P("cp")))
+  f = _needed_steps(cp, load_balance, causal)
+  order = [layout.chunk_ids(ShardPlan("cp", cp, load_balance), r)
+           for r in range(cp)]  # each device's chunks, in global order
+  n = len(order[0])
   rng = np.random.default_rng(7)
-  chunk_ids = [layout.chunk_ids(plan, r) for r in range(cp)]
+
+  def needed(chunks, step):
+    return step == 0 or any(
+        (not causal or order[(r - step) % cp][y] < order[r][x]) and
+        np.intersect1d(row[r * n + x], row[(r - step) % cp * n + y]).size
+        for row in chunks for r in range(cp) for x in range(n)
+        for y in range(n))
+
   for distinct in (2, 5, 40):
     ids = np.sort(rng.integers(0, distinct, (2, S)), 1)
     ids = np.where(rng.random((2, S)) < 0.05, rng.integers(0, distinct,
                                                            (2, S)), ids)
-    chunks = ids.reshape(2, cp * len(chunk_ids[0]), -1)  # shard layout
-    want = [step == 0 or any(
-        (not causal or chunk_ids[(r - step) % cp][y] < chunk_ids[r][x]) and
-        np.intersect1d(chunks[row, r * len(chunk_ids[0]) + x],
-                       chunks[row, (r - step) % cp * len(chunk_ids[0]) + y]
-                       ).size
-        for row in range(2) for r in range(cp)
-        for x in range(len(chunk_ids[0])) for y in range(len(chunk_ids[0])))
-        for step in range(cp)]
+    chunks = ids.reshape(2, cp * n, -1)  # the shards' chunks, in order
+    want = [needed(chunks, step) for step in range(cp)]
     got = np.asarray(f(jnp.asarray(ids, jnp.int32))).reshape(cp, cp)
     assert (got == np.asarray(want)[None]).all(), (distinct, got, want)
 
