@@ -718,12 +718,15 @@ def test_data_parallel_rows_that_reach_different_steps(entry):
         context_parallel=cpc)
     q, k, v, do = (jax.device_put(x, jax.sharding.NamedSharding(m, spec))
                    for x in (q, k, v, do))
-  out, vjp = jax.jit(lambda q, k, v, i: jax.vjp(
-      lambda q, k, v: f(q, k, v, i), q, k, v))(q, k, v, jnp.asarray(ids))
-  hlo = jax.jit(f).lower(q, k, v, jnp.asarray(ids)).compile().as_text()
+  def both(q, k, v, i, do):
+    out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, i), q, k, v)
+    return out, vjp(do)
+
+  step = jax.jit(both).lower(q, k, v, jnp.asarray(ids), do).compile()
+  hlo = step.as_text()
   # The steps' K/V move only inside branches: every all-gather is of ids.
   assert "conditional" in hlo
   assert all(" s32[" in line or "pred[" in line for line in hlo.splitlines()
              if " all-gather(" in line), hlo
-  check((out, vjp(do)), q, k, v, do, ref.Case(
+  check(step(q, k, v, jnp.asarray(ids), do), q, k, v, do, ref.Case(
       H**-0.5, is_causal=True, q_segment_ids=ids, kv_segment_ids=ids))
