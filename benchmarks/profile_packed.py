@@ -43,6 +43,33 @@ from strategies import mix_ids, setup  # noqa: E402
 GAP_US = 20.0
 
 
+def profiled(step, args, calls: int, timeline_path=None):
+  """(the per-call means of ``summarise`` with GPU 0's launches and its
+  waits of over GAP_US added, the kernels by time) of ``calls`` calls of
+  the compiled ``step``; GPU 0's kernel timeline written to
+  ``timeline_path`` if given."""
+  jax.block_until_ready(step(*args))
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+      for _ in range(calls):
+        out = step(*args)
+      jax.block_until_ready(out)
+    trace = next(os.path.join(r, f) for r, _, fs in os.walk(tmp)
+                 for f in fs if f.endswith(".trace.json.gz"))
+    per = gpu_events(trace)
+    mean, detail, timeline = summarise(per, calls)
+  if timeline_path:
+    with open(timeline_path, "w") as f:
+      f.writelines(f"{t:10.1f} {d:8.1f} {st[:12]:12} {k:5} {n}\n"
+                   for t, d, st, k, n in timeline)
+  # Each host round trip of a run-time branch or loop test leaves a wait.
+  evs = [(b, e) for b, e, _, _ in next(iter(sorted(per.items())))[1]]
+  waits, waited = gaps(evs, GAP_US)
+  mean.update(events=len(evs) / calls, waits=waits / calls,
+              waits_ms=waited / 1e3 / calls)
+  return mean, detail
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--docs", type=int, nargs="+", default=[])
@@ -91,26 +118,8 @@ def main():
     if a.hlo:
       with open(os.path.join(a.hlo, f"hlo_{name}.txt"), "w") as f:
         f.write(step.as_text())
-    jax.block_until_ready(step(*args))
-    with tempfile.TemporaryDirectory() as tmp:
-      with jax.profiler.trace(tmp):
-        for _ in range(a.calls):
-          out = step(*args)
-        jax.block_until_ready(out)
-      trace = next(os.path.join(r, f) for r, _, fs in os.walk(tmp)
-                   for f in fs if f.endswith(".trace.json.gz"))
-      per = gpu_events(trace)
-      mean, detail, timeline = summarise(per, a.calls)
-    if a.timeline:
-      with open(os.path.join(a.timeline, f"timeline_{name}.txt"), "w") as f:
-        f.writelines(f"{t:10.1f} {d:8.1f} {st[:12]:12} {k:5} {n}\n"
-                     for t, d, st, k, n in timeline)
-    # GPU 0's launches, and its waits of over GAP_US (each host round trip
-    # of a run-time branch or loop test leaves one), per call.
-    evs = [(b, e) for b, e, _, _ in next(iter(sorted(per.items())))[1]]
-    waits, waited = gaps(evs, GAP_US)
-    mean.update(events=len(evs) / a.calls, waits=waits / a.calls,
-                waits_ms=waited / 1e3 / a.calls)
+    mean, detail = profiled(step, args, a.calls, a.timeline and os.path.join(
+        a.timeline, f"timeline_{name}.txt"))
     top = [dict(ms=ms, count=count, name=name)
            for ms, count, name in detail[:a.top]]
     where = "dense batch" if dense else a.strategy or "one GPU"
