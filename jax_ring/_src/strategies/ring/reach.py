@@ -6,13 +6,14 @@ Every device all-gathers the ring's query and kv ids (``(cp, B, T)``
 int32 each) and numbers the distinct ids of each row (one sort); two
 ``(B, 2S, G)`` bool tables mark which of the G = cp x chunks query
 chunks, and which kv chunks, hold each id, and one reduction finds the
-(query chunk, kv chunk) pairs that share one. A step is needed where some pair it makes
-(and the mask lets meet: causal, the kv chunk earlier) shares an id.
-Exact for any ids, documents in any order or an id in several runs. A
-step is needed if some row of some device needs it, over the whole mesh:
-a ``pmax`` over the mesh's other axes (data-parallel rows differ) makes
-the ``(cp,)`` mask the same on every device, so every device takes the
-same branches (a collective inside a branch runs on all devices or none).
+(query chunk, kv chunk) pairs that share one. A step is needed where
+some pair it makes (and the mask lets meet: causal, the kv chunk
+earlier) shares an id. Exact for any ids, documents in any order or an
+id in several runs. A step is needed if some row of some device needs
+it, over the whole mesh: a ``pmax`` over the mesh's other axes
+(data-parallel rows differ) makes the ``(cp,)`` mask the same on every
+device, so every device takes the same branches (a collective inside a
+branch runs on all devices or none).
 """
 
 from __future__ import annotations

@@ -130,12 +130,12 @@ def _reached_loop(plan, own, later, k, v, ids, need):
   and a step no document reaches adds nothing). Each step fetches its K/V
   (``blocks.held_kv``'s form) straight from device ``r - step`` in one
   permute; two K/V held at a time. The steps nest, one ``lax.cond`` on
-  ``step < m`` each, so ``m + 1`` branch tests run, and a branch that
-  stops casts the float32 carry back rather than passing it through (a
-  conditional copies an operand it returns). The own block runs before
+  ``step < m`` each, so at most ``m + 1`` branch tests run, and a branch
+  that stops casts the float32 carry back rather than passing it through
+  (a conditional copies an operand it returns). The own block runs before
   the first test, queued ahead of the host's wait. Documents that all
-  stay inside their shards cost one block and one test. Returns in the own
-  block's dtypes."""
+  stay inside their shards cost one block and one test. Returns in the
+  own block's dtypes."""
   cp = plan.cp_size
   last = jnp.max(jnp.where(need, jnp.arange(cp), 0))
   first = own(((k, v), ids))
