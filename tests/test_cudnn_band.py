@@ -305,13 +305,16 @@ def test_packed_calls_match_the_reference(name, smallest, monkeypatch):
 
 
 @pytest.mark.parametrize("load_balance", [
-    "dual_chunk", pytest.param("striped", marks=pytest.mark.slow)])
+    "dual_chunk", None, pytest.param("striped", marks=pytest.mark.slow)],
+    ids=["dual_chunk", "contiguous", "striped"])
 def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
   """The ring's packed blocks on cuDNN's ragged semantics (replayed in jnp)
   inside shard_map, on 2 simulated devices, rows of many documents in
   several length classes (SMALLEST = 4; and MAX_BATCHES = 8, so class 0
   loops too): the loops' carries vary over the mesh axis as their calls'
-  results do, and the output and gradients equal the reference's."""
+  results do, and the output and gradients equal the reference's. On
+  contiguous shards the second row's document 0 crosses the shards, so
+  the ring's reached step runs (``schedule._reached_loop``)."""
   import jax
   import jax_ring
   import ragged_cudnn
