@@ -76,6 +76,27 @@ def test_explain_reports_the_balance_of_given_rows():
                      segment_ids=ids[:, :62].astype(np.int64))
 
 
+def test_explain_reports_the_rows_work_against_one_document():
+  """``work``: the pairs each id's tokens make (causal: a key at or before
+  its query), over the row's as one document, averaged over rows; an id
+  in two runs counts once; under SHORT_WORK it suggests sharding the
+  batch instead of the sequence."""
+  from jax_ring._src import auto
+  short = np.repeat(np.arange(64), 16)[None]  # 64 documents of 16 tokens
+  split = np.repeat([0, 1, 0, 2], 256)[None]  # id 0: 512 tokens in two runs
+  for ids, causal, pairs in (
+      (short, True, 64 * 16 * 17 / 2), (short, False, 64 * 16 * 16),
+      (split, True, (512 * 513 + 2 * 256 * 257) / 2),
+      (np.zeros((1, 1024), np.int32), True, 1024 * 1025 / 2)):
+    share, why = jax_ring.explain(
+        (1, 1024, 8, 16), (1, 1024, 2, 16), cp_size=4, is_causal=causal,
+        segment_ids=ids).defaults["work"]
+    whole = 1024 * 1025 / 2 if causal else 1024 * 1024
+    assert share == pytest.approx(pairs / whole, abs=1e-4), (ids, share)
+    assert f"{100 * pairs / whole:.1f}% of each row's" in why, why
+    assert ("shard the batch" in why) == (pairs / whole < auto.SHORT_WORK)
+
+
 def test_explain_says_whether_cudnns_packed_path_serves_the_rows():
   """``cudnn_packed``: every id one run of tokens, the check the packed
   path makes at run time (``packed.layout``); otherwise it names the row

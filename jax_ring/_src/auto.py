@@ -235,8 +235,9 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
   strategy="auto")``. ``segment_ids`` (B, T), host ints of packed rows in
   natural order, each document one run: the attention work's balance over
   the devices in each layout the strategy takes (``balance``; the
-  most-loaded device over the mean), and whether cuDNN's packed path
-  serves them (``cudnn_packed``: not where an id is two runs of tokens)."""
+  most-loaded device over the mean), whether cuDNN's packed path
+  serves them (``cudnn_packed``: not where an id is two runs of tokens),
+  and their attention work over each row's as one document (``work``)."""
   pair = isinstance(cp_size, (tuple, list))
   cpc = context_parallel or ContextParallel(
       axis=("ulysses", "ring") if pair else "cp", strategy="auto")
@@ -266,6 +267,7 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
     defaults_["balance"] = _balance(segment_ids, query_shape, cpc, sizes,
                                     run_t, is_causal)
     defaults_["cudnn_packed"] = _one_run_each(np.asarray(segment_ids))
+    defaults_["work"] = _work(np.asarray(segment_ids), is_causal)
   if cpc.is_hybrid:
     return Choice("hybrid", "hybrid", {}, f"a pair of axes {cpc.axis!r} "
                   f"(sizes {tuple(sizes.values())}): Ulysses inside a ring",
@@ -281,6 +283,34 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
         reason=f"strategy {cpc.strategy!r} as given; auto would model: "
         f"{choice.reason}")
   return dataclasses.replace(choice, defaults=defaults_)
+
+
+# Below this share of a row's work as one document, explain's ``work``
+# entry suggests sharding the batch rather than the sequence.
+SHORT_WORK = 0.05
+
+
+def _work(ids, is_causal) -> tuple[float, str]:
+  """explain's ``work`` entry: the rows' attention work, over what each
+  row costs as one document (``(B, T)`` ids checked by :func:`_balance`
+  first; an id's tokens attend to each other wherever they lie), and
+  what that means for splitting their sequence."""
+  t = ids.shape[1]
+  if ids.size == 0:
+    return 0.0, "no tokens"
+  pairs = lambda n: n * (n + 1) / 2 if is_causal else n * n
+  share = float(np.mean([pairs(np.unique(row, return_counts=True)[1]).sum()
+                         for row in ids]) / pairs(t))
+  kind = "causal" if is_causal else "full"
+  why = (f"the documents' {kind} attention work is {100 * share:.1f}% of "
+         f"each row's as one document")
+  if share < SHORT_WORK:
+    why += ("; a packed block has a fixed cost (index work, the host's "
+            "waits) that does not shrink with its work, so splitting these "
+            "rows' sequence gains little: where a row fits one device, shard "
+            "the batch over the devices instead (docs/performance.md, "
+            "'Packed rows on four GPUs')")
+  return round(share, 4), why
 
 
 def _one_run_each(ids) -> tuple[bool, str]:
