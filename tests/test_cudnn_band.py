@@ -254,11 +254,13 @@ MANY = {
 }
 
 
-# SMALLEST = 4 (classes, menus and loops) for every row; 32, the
-# library's, for two in the default run and the rest under -m slow.
+# SMALLEST = 4 (classes, menus and loops) for every row but the few
+# documents' (a subset of same_causal's classes); 32, the library's, for
+# same_causal; the rest under -m slow.
 @pytest.mark.parametrize("name, smallest", [
-    pytest.param(name, smallest, marks=() if smallest == 4 or name in (
-        "same_causal", "different_full") else pytest.mark.slow)
+    pytest.param(name, smallest, marks=() if (smallest, name) == (
+        32, "same_causal") or smallest == 4 and name != "same_causal_few"
+        else pytest.mark.slow)
     for smallest in (4, 32) for name in MANY])
 def test_packed_calls_match_the_reference(name, smallest, monkeypatch):
   """The packed forward and backward on cuDNN's ragged semantics (replayed in

@@ -67,8 +67,12 @@ def cp_mesh():
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-@pytest.mark.parametrize("cache", ["one_device", "sharded"])
-@pytest.mark.parametrize("name", list(CONFIGS))
+# Every family on one device; with the cache sharded, the two whose
+# windows and soft caps the split must respect (the others under -m slow).
+@pytest.mark.parametrize("name, cache", [
+    pytest.param(name, cache, marks=pytest.mark.slow if cache == "sharded"
+                 and name not in ("mistral", "gemma2") else ())
+    for name in CONFIGS for cache in ("one_device", "sharded")])
 def test_greedy_tokens_equal_transformers(name, cache, checkpoints):
   path, want = checkpoints[name]
   if cache == "one_device":
