@@ -73,8 +73,8 @@ STRATEGIES = {
     "ring_gather_unrolled": ("ring", dict(kv_sends="gather",
                                           loop="unrolled")),
     "ring_gather_scan": ("ring", dict(kv_sends="gather", loop="scan")),
-    # The default sends: on contiguous shards, packed rows run only the
-    # steps a document reaches (ring.reach).
+    # The default sends: on contiguous shards, packed rows run the steps
+    # up to the last one a document reaches (ring.reach).
     "ring_default": ("ring", {}),
     "all_gather": ("all_gather", {}),
     "all_gather_chunked": ("all_gather", dict(kv_chunk_heads=1)),

@@ -320,11 +320,10 @@ def _one_run_each(ids) -> tuple[bool, str]:
   if ids.size == 0:
     return True, "no tokens"
   for r, row in enumerate(ids):
-    runs = row[np.flatnonzero(np.r_[True, row[1:] != row[:-1]])]
-    found, count = np.unique(runs, return_counts=True)
-    if (count > 1).any():
+    twice = documents.id_in_two_runs(row)
+    if twice is not None:
       return False, (
-          f"row {r}: id {found[count > 1][0]} is {count[count > 1][0]} "
+          f"row {r}: id {twice[0]} is {twice[1]} "
           "separate runs of tokens; cuDNN's packed path takes each id as "
           "one run, so blocks holding such rows run on the pure-JAX "
           "kernel (exact, slower)")

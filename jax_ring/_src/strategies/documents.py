@@ -5,9 +5,9 @@ A packed row's documents may come in any order (each attends only within
 itself, and positions restart per document), so reordering whole
 documents changes no output, only which device holds which. In the user's
 order a few long documents can put most of the quadratic work on one or
-two devices (``explain``'s ``balance``); in this order the ring's steps
-also stay few, since most documents then sit inside one shard and the
-ring skips the steps no document reaches (``ring.reach``).
+two devices (``explain``'s ``balance``); in this order each device's
+share is about even (measured against the step time: docs/decisions.md,
+"Layouts").
 
 Host NumPy, for the input pipeline, before the data reaches any device:
 the permutation moves tokens, and moving them on the devices would cost an
@@ -24,6 +24,16 @@ def _runs(row):
   edge = np.flatnonzero(row[1:] != row[:-1]) + 1
   starts = np.concatenate([[0], edge])
   return starts, np.diff(np.append(starts, row.size))
+
+
+def id_in_two_runs(row) -> tuple[int, int] | None:
+  """``(id, runs)`` of the first id of ``row`` (ids by value) that is more
+  than one run of tokens, or None where each id is one run (a document)."""
+  starts, _ = _runs(row)
+  found, count = np.unique(row[starts], return_counts=True)
+  if (count > 1).any():
+    return found[count > 1][0].item(), int(count[count > 1][0])
+  return None
 
 
 def _order(lengths, cp_size: int, capacity: int) -> list[int]:
@@ -100,12 +110,10 @@ def _peak(lengths, cp_size: int, capacity: int) -> float:
 
 def _row_order(row, cp_size: int):
   starts, lengths = _runs(row)
-  ids = row[starts]
-  distinct, runs = np.unique(ids, return_counts=True)
-  if (runs > 1).any():
-    twice = distinct[runs > 1][0]
+  twice = id_in_two_runs(row)
+  if twice is not None:
     raise ValueError(
-        f"segment_ids: id {twice} is two runs of tokens in a row; reordering "
+        f"segment_ids: id {twice[0]} is two runs of tokens in a row; reordering "
         "documents could join two of them into one. Give each document its "
         "own id")
   c = row.size // cp_size

@@ -351,14 +351,17 @@ def each_call(docs: Docs, t: int, s: int, one, acc, fits, fallback,
 @dataclasses.dataclass(frozen=True)
 class Block:
   """What a block's forward and backward share: the band inside each
-  document, the ids, the documents and whether the ids fit the calls
-  (``()`` bool, decided at run time)."""
+  document, the ids, the documents, whether the ids fit the calls (``()``
+  bool, decided at run time) and whether every token is some call's (one
+  id array, no shift: the first call can write fresh buffers,
+  :func:`each_call`'s ``fresh``)."""
 
   inner: Band
   q_ids: jax.Array
   kv_ids: jax.Array
   docs: Docs
   fits: jax.Array
+  fresh: bool
 
 
 def block(mask, config, bnd: Band) -> Block:
@@ -367,7 +370,8 @@ def block(mask, config, bnd: Band) -> Block:
   q_ids, kv_ids = mask.q_segment_ids, mask.kv_ids()
   return Block(bnd if shift is None else Band(right_bound=0), q_ids, kv_ids,
                documents(q_ids, kv_ids, shift, same=mask.same_ids),
-               layout(q_ids, kv_ids, shift, mask.same_ids))
+               layout(q_ids, kv_ids, shift, mask.same_ids),
+               mask.same_ids and shift is None)
 
 
 def forward(q, k, v, mask, config, bnd: Band):
@@ -376,7 +380,6 @@ def forward(q, k, v, mask, config, bnd: Band):
   b, t, n, _ = q.shape
   s = k.shape[1]
   refs = (q, k, v, blk.q_ids, blk.kv_ids)  # inside shard_map: what varies
-  fresh = mask.same_ids and diagonal_shift(config, mask) is None
   lse0 = jnp.full((b, t, n), MASK_VALUE, jnp.float32)
 
   def one(acc, cls, first, geometry, m):
@@ -397,10 +400,10 @@ def forward(q, k, v, mask, config, bnd: Band):
     return vma.like((out, jnp.where((c.batch < m)[:, :, None], lse,
                                     acc[1] if acc else lse0)), *refs)
 
-  init = () if fresh else vma.like((jnp.zeros((b, t, n, v.shape[3]),
+  init = () if blk.fresh else vma.like((jnp.zeros((b, t, n, v.shape[3]),
                                               q.dtype), lse0), *refs)
   return each_call(blk.docs, t, s, one, init, blk.fits, lambda acc: vma.like(
-      xla.forward(q, k, v, None, mask, config), *refs), fresh)
+      xla.forward(q, k, v, None, mask, config), *refs), blk.fresh)
 
 
 def backward(q, k, v, mask, out, lse, dout, config, bnd: Band):
@@ -409,7 +412,6 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd: Band):
   b, t, n, _ = q.shape
   s = k.shape[1]
   refs = (q, k, v, out, lse, dout, blk.q_ids, blk.kv_ids)
-  fresh = mask.same_ids and diagonal_shift(config, mask) is None
 
   def one(acc, cls, first, geometry, m):
     c = select(blk.docs, cls, first, m, t, s)
@@ -427,11 +429,11 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd: Band):
       grads = ffi.sdpa("jax_ring_sdpa_bwd", shapes, *args, **at)
     return vma.like(tuple(grads), *refs)
 
-  init = () if fresh else vma.like(
+  init = () if blk.fresh else vma.like(
       (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)), *refs)
   return each_call(blk.docs, t, s, one, init, blk.fits, lambda acc: vma.like(
       tuple(xla.backward(q, k, v, None, mask, out, lse, dout, None,
-                         config)[:3]), *refs), fresh)
+                         config)[:3]), *refs), blk.fresh)
 
 
 def unsupported_ids(config, query, key, value, mask) -> str | None:
