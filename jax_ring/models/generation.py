@@ -286,6 +286,20 @@ def _step(graph: _Graph, leaves, cache: KVCache, tokens, step, *,
                                           cache.prompt_slots, cache.devices)
 
 
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,),
+                   static_argnames=("implementation", "sampling"))
+def _step_and_draw(graph: _Graph, leaves, cache: KVCache, tokens, step, key,
+                   *, implementation=None, sampling: Sampling):
+  """:func:`_step`, then the next tokens drawn from its logits with the
+  next of ``key``'s splits: ``(drawn (B,), cache, step + 1, key)``, every
+  one on the device. ``generate``'s loop makes one call a token and moves
+  nothing from the host."""
+  logits, cache = _step(graph, leaves, cache, tokens, step,
+                        implementation=implementation)
+  key, sub = jax.random.split(key)
+  return sampling.draw(logits, sub), cache, step + 1, key
+
+
 def _two_rows(x, cfg: DecoderConfig):
   """``x (B, 1, E)`` -> ``(x, 1)``; for B = 1, ``x`` and a zero row after
   it, ``((1, 2, E), 2)``: the step carries the spare row through every
@@ -439,17 +453,16 @@ class Generator:
     done = np.zeros(len(prompts), bool)
     key, sub = jax.random.split(key)
     drawn = _sample(logits, sub, sampling)  # on the device
+    at = jnp.int32(0)  # the step's number, kept on the device
     for step in range(max_new_tokens):
       # The next step is queued before this one's tokens are read, from
       # the tokens still on the device: the host's work between steps
       # (reading, stopping, streaming) overlaps the GPU's. A step queued
       # past the last one needed is discarded.
       if step < max_new_tokens - 1:
-        logits, cache = _step(self._graph, self._leaves, cache, drawn,
-                              np.int32(step),
-                              implementation=self.decode_implementation)
-        key, sub = jax.random.split(key)
-        queued = _sample(logits, sub, sampling)
+        queued, cache, at, key = _step_and_draw(
+            self._graph, self._leaves, cache, drawn, at, key,
+            implementation=self.decode_implementation, sampling=sampling)
       tokens = np.asarray(drawn)
       bad = np.flatnonzero(tokens < 0)
       if bad.size:
