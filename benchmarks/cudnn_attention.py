@@ -2,7 +2,7 @@
 the cost of attention sinks and of a value head dim unlike the keys'.
 
   python benchmarks/cudnn_attention.py [--seq 4096 8192 ...] [--tables
-      default sinks mla packed]
+      default sinks mla packed empty]
 
 Tables (each its own mode in the results file; ``--mode X`` names the
 default table X and the others X_sinks, X_mla):
@@ -31,6 +31,14 @@ default table X and the others X_sinks, X_mla):
              document's earlier keys). ``--plot RESULTS_JSON`` draws the
              table as a PNG beside the file.
 
+``empty``    what empty virtual batches cost one packed call: in a row of
+             ``--packed-seq`` tokens (N=16 K=8 D=128, causal in each), n
+             documents of L tokens called as M >= n virtual batches of L,
+             the M - n empty ones at the row's end; the forward and the
+             backward handlers timed apart (GPU only: it calls them
+             directly). If M >> n costs little, each length class could
+             run one static call sized for its most documents.
+
 FLOPs: 2*S^2*N*(H + Hv) forward and 2*S^2*N*(4H + 3Hv) forward+backward
 (the backward recomputes the logits: 2.5x the forward when H = Hv), halved
 for causal. ``--implementation xla`` runs every table on the pure-JAX
@@ -49,7 +57,7 @@ import jax_ring
 from common import (document_ids, lognormal_lengths, random_qkv, shape_args,
                     time_fn, write)
 
-TABLES = ("default", "sinks", "mla", "packed")
+TABLES = ("default", "sinks", "mla", "packed", "empty")
 SINK_SHAPES = ((64, 8, 64), (32, 8, 128))  # (N, K, D): gpt-oss; Llama-like
 MLA_DIMS = ((192, 128), (128, 128))
 
@@ -235,6 +243,43 @@ def packed_table(a):
       "sigma 1, cap 8192, seed 0")
 
 
+def empty_table(a):
+  import numpy as np
+  from jax_ring._src.backends.cudnn import ffi, packed
+  from jax_ring._src.backends.cudnn.band import Band
+  from jax_ring._src.core.config import AttentionConfig
+  s, n, kh, d = a.packed_seq, 16, 8, 128
+  q, k, v, do = qkv(0, s, n, kh, d)
+  cfg = AttentionConfig(scale=d ** -0.5, is_causal=True)
+  rows = []
+  for length, docs in ((512, 64), (128, 256), (32, 1024), (4096, 8)):
+    for m in (docs, 2 * docs, 4 * docs, 16 * docs):
+      start = np.full((1, m), s, np.int32)
+      size = np.zeros((1, m), np.int32)
+      start[0, :docs], size[0, :docs] = np.arange(docs) * length, length
+      start, size = jnp.asarray(start), jnp.asarray(size)
+      r = packed.call_rows(packed.Call(start, size, start, size, None, None),
+                           q, k, v)
+      at = ffi.attrs(cfg, Band(right_bound=0), False, m, length)
+      fwd = jax.jit(lambda q, k, v, r, m=m, at=at: ffi.sdpa(
+          "jax_ring_sdpa_fwd", (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                jax.ShapeDtypeStruct((m, n, length),
+                                                     jnp.float32)),
+          q, k, v, *r, **at))
+      bwd = jax.jit(lambda q, k, v, o, st, do, r, at=at: ffi.sdpa(
+          "jax_ring_sdpa_bwd", tuple(jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                     for x in (q, k, v)),
+          q, k, v, o, st, do, *r, **at))
+      out, stats = fwd(q, k, v, r)
+      rows.append(dict(seq=s, length=length, documents=docs, batches=m,
+                       fwd_ms=time_fn(fwd, q, k, v, r) * 1e3,
+                       bwd_ms=time_fn(bwd, q, k, v, out, stats, do, r) * 1e3))
+      print(rows[-1], flush=True)
+  return rows, ["length", "documents", "batches", "fwd_ms", "bwd_ms"], dict(
+      heads=n, kv_heads=kh, head_dim=d, empty="batches - documents empty "
+      "virtual batches of the same length, at the row's end")
+
+
 def plot_packed(path, mode="packed"):
   """The packed ``mode`` of a results file as a PNG beside it:
   forward+backward ms against documents a row, packed and as a dense
@@ -295,7 +340,7 @@ def main():
     return plot_packed(a.plot, "packed" if a.mode == "default" else
                        f"{a.mode}_packed")
   builders = dict(default=default_table, sinks=sinks_table, mla=mla_table,
-                  packed=packed_table)
+                  packed=packed_table, empty=empty_table)
   for table in a.tables:
     rows, columns, extra = builders[table](a)
     mode = a.mode if table == "default" else (
