@@ -21,6 +21,7 @@
 #include <nanobind/nanobind.h>
 
 #include "checks.h"
+#include "run.h"
 #include "sdpa.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -28,6 +29,40 @@ namespace ffi = xla::ffi;
 namespace nb = nanobind;
 
 namespace jax_ring {
+
+// Builds (or finds) the key's plan on `device`'s handle, and runs it unless
+// `workspace` is null. `workspace` is an XLA buffer of the bytes the Python
+// side asked the same plan for: no allocation happens here, so a call can be
+// traced into a CUDA graph (command buffer) and replayed.
+ffi::Error Run(const SdpaKey& key, cudaStream_t stream,
+               const ffi::AnyBuffer* workspace, void* const* ptrs) {
+  std::string error;
+  cudnnHandle_t handle = HandleFor(key.device, &error);
+  if (handle == nullptr) return ffi::Error::Internal(error);
+  auto lock = LockHandle(key.device);
+  auto plan = GetPlan(key, handle, &error);
+  if (!plan) return ffi::Error::Internal("jax_ring cuDNN attention: " + error);
+  if (workspace == nullptr) return ffi::Error::Success();
+  const int64_t need = WorkspaceSize(*plan);
+  if (static_cast<int64_t>(workspace->size_bytes()) < need) {
+    return Invalid("the workspace buffer has " +
+                   std::to_string(workspace->size_bytes()) +
+                   " bytes, the graph on device " +
+                   std::to_string(key.device) + " needs " +
+                   std::to_string(need));
+  }
+  cudnnStatus_t status = cudnnSetStream(handle, stream);
+  if (status != CUDNN_STATUS_SUCCESS) {
+    return ffi::Error::Internal(std::string("cudnnSetStream: ") +
+                                cudnnGetErrorString(status));
+  }
+  if (!Execute(*plan, handle, ptrs, need > 0 ? workspace->untyped_data() : nullptr,
+               &error)) {
+    return ffi::Error::Internal("jax_ring cuDNN attention: " + error);
+  }
+  return ffi::Error::Success();
+}
+
 namespace {
 
 struct Mask {
@@ -103,39 +138,6 @@ struct VariantPack {
   const SdpaKey& key;
   void* ptrs[kRaggedO + 1] = {};
 };
-
-// Builds (or finds) the key's plan on `device`'s handle, and runs it unless
-// `workspace` is null. `workspace` is an XLA buffer of the bytes the Python
-// side asked the same plan for: no allocation happens here, so a call can be
-// traced into a CUDA graph (command buffer) and replayed.
-ffi::Error Run(const SdpaKey& key, cudaStream_t stream,
-               const ffi::AnyBuffer* workspace, void* const* ptrs) {
-  std::string error;
-  cudnnHandle_t handle = HandleFor(key.device, &error);
-  if (handle == nullptr) return ffi::Error::Internal(error);
-  auto lock = LockHandle(key.device);
-  auto plan = GetPlan(key, handle, &error);
-  if (!plan) return ffi::Error::Internal("jax_ring cuDNN attention: " + error);
-  if (workspace == nullptr) return ffi::Error::Success();
-  const int64_t need = WorkspaceSize(*plan);
-  if (static_cast<int64_t>(workspace->size_bytes()) < need) {
-    return Invalid("the workspace buffer has " +
-                   std::to_string(workspace->size_bytes()) +
-                   " bytes, the graph on device " +
-                   std::to_string(key.device) + " needs " +
-                   std::to_string(need));
-  }
-  cudnnStatus_t status = cudnnSetStream(handle, stream);
-  if (status != CUDNN_STATUS_SUCCESS) {
-    return ffi::Error::Internal(std::string("cudnnSetStream: ") +
-                                cudnnGetErrorString(status));
-  }
-  if (!Execute(*plan, handle, ptrs, need > 0 ? workspace->untyped_data() : nullptr,
-               &error)) {
-    return ffi::Error::Internal("jax_ring cuDNN attention: " + error);
-  }
-  return ffi::Error::Success();
-}
 
 // The int32 vectors that describe the rows: window lengths, and the ragged
 // element offsets of packed documents in the q/dq, k/dk, v/dv and out/dout
@@ -546,6 +548,10 @@ NB_MODULE(_cudnn, m) {
         stages(jax_ring::SdpaForwardIntoInit, jax_ring::SdpaForwardInto);
     d["jax_ring_sdpa_bwd_into"] =
         stages(jax_ring::SdpaBackwardIntoInit, jax_ring::SdpaBackwardInto);
+    d["jax_ring_sdpa_fwd_pass"] =
+        stages(JaxRingPassForwardInit, JaxRingPassForward);
+    d["jax_ring_sdpa_bwd_pass"] =
+        stages(JaxRingPassBackwardInit, JaxRingPassBackward);
     return d;
   });
   m.def("cudnn_version", []() { return static_cast<int64_t>(cudnnGetVersion()); });

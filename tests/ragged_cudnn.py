@@ -135,3 +135,56 @@ def expected_calls(ids, smallest, t):
       counts[row, np.searchsorted(lengths, length)] += 1
   return int(sum(-(-counts[:, c].max() // per_call[c])
                  for c in range(len(lengths))))
+
+
+def sdpa_pass(name, results, q, k, v, *operands, calls, aliases=None,
+              **attrs):
+  """Stands in for ``ffi.sdpa_pass``: each class's whole table replayed as
+  one call of its ``P_c`` virtual batches (empty ones write nothing, as in
+  the handler's calls over their slices), classes writing into one set of
+  buffers in turn."""
+  backward = name.startswith("jax_ring_sdpa_bwd")
+  assert calls, "a pass names the graphs it may run"
+  b, t, n, h = q.shape
+  s, kh, hv = k.shape[1], k.shape[2], v.shape[3]
+  head = 6 if backward else 3
+  if backward:
+    out, stats, dout, counts, lens, offs, *acc = operands
+  else:
+    counts, lens, offs, *acc = operands
+  want = {head + 3 + i: i for i in range(len(acc))}
+  assert (aliases or {}) == want, (aliases, want)
+  lengths, slots = attrs["lengths"], attrs["slots"]
+  assert counts.shape == (len(lengths),), counts.shape
+  one = dict(scale=attrs["scale"], row_start=0, col_start=0,
+             right_bound=attrs["right_bound"], left_bound=attrs["left_bound"],
+             padding=False, softcap=0.0)
+  sizes = (n * h, kh * h, kh * hv, n * hv)
+  rows = (t, s, s, t)
+  base, sbase = 0, 0
+  if not acc:  # fresh results: NaN wherever no call writes
+    acc = [_nan(x.shape, x.dtype) for x in (results if backward else
+                                            results[:1])]
+  flat = _nan((b, sum(p * n * L for p, L in zip(slots, lengths))),
+              jnp.float32)
+  for c, (p, length) in enumerate(zip(slots, lengths)):
+    row = jnp.arange(b, dtype=jnp.int32)[:, None]
+    ragged = [jnp.append((offs[j, :, base + c:base + c + p] +
+                          row * rows[j] * sizes[j]).reshape(-1),
+                         b * rows[j] * sizes[j]) for j in range(4)]
+    rows_ops = (lens[0, :, base:base + p].reshape(-1),
+                lens[1, :, base:base + p].reshape(-1), *ragged)
+    size = p * n * length
+    at = dict(one, slots=p, ragged_len=length)
+    if backward:
+      st = stats[:, sbase:sbase + size].reshape(b * p, n, length)
+      acc = list(sdpa("jax_ring_sdpa_bwd_into", results[:3], q, k, v, out,
+                      st, dout, *rows_ops, *acc,
+                      aliases={12: 0, 13: 1, 14: 2}, **at))
+    else:
+      o, st = sdpa("jax_ring_sdpa_fwd_into", results[:1], q, k, v,
+                   *rows_ops, *acc, aliases={9: 0}, **at)
+      acc = [o]
+      flat = flat.at[:, sbase:sbase + size].set(st.reshape(b, size))
+    base, sbase = base + p, sbase + size
+  return tuple(acc) if backward else (acc[0], flat)

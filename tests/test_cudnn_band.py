@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jax_ring._src.backends import cudnn
-from jax_ring._src.backends.cudnn import ffi, packed
+from jax_ring._src.backends.cudnn import ffi, packed, passes
 # The band module's names (the package's ``band`` is the function, which
 # hides the module of that name).
 from jax_ring._src.backends.cudnn.band import (Band, band, row_valid,
@@ -257,21 +257,26 @@ MANY = {
 # SMALLEST = 4 (classes, menus and loops) for every row but the few
 # documents' (a subset of same_causal's classes); 32, the library's, for
 # same_causal; the rest under -m slow.
-@pytest.mark.parametrize("name, smallest", [
-    pytest.param(name, smallest, marks=() if (smallest, name) == (
+@pytest.mark.parametrize("name, smallest, one_handler", [
+    pytest.param(name, smallest, one_handler, marks=() if (smallest, name) == (
         32, "same_causal") or smallest == 4 and name != "same_causal_few"
         else pytest.mark.slow)
-    for smallest in (4, 32) for name in MANY])
-def test_packed_calls_match_the_reference(name, smallest, monkeypatch):
+    for one_handler in (False, True) for smallest in (4, 32) for name in MANY])
+def test_packed_calls_match_the_reference(name, smallest, one_handler,
+                                          monkeypatch):
   """The packed forward and backward on cuDNN's ragged semantics (replayed in
   jnp, tests/ragged_cudnn.py): the calls of each length class writing into
   one buffer (SMALLEST = 4: classes 4, 16 and 61, class 0's menu, loops of
   calls; 32: classes 32 and 61), or the xla backend where the layout does
-  not fit, equal the float64 reference in out, lse and every gradient."""
+  not fit, equal the float64 reference in out, lse and every gradient;
+  as the calls' switch and loop, and as one handler a pass (the handler's
+  tables replayed class by class)."""
   import jax
   import ragged_cudnn
   from jax_ring._src.core.mask import BlockMask
   monkeypatch.setattr(ffi, "sdpa", ragged_cudnn.sdpa)
+  monkeypatch.setattr(ffi, "sdpa_pass", ragged_cudnn.sdpa_pass)
+  path = passes if one_handler else packed
   monkeypatch.setattr(packed, "SMALLEST", smallest)
   q_ids, kv_ids, kw = MANY[name]
   same = kv_ids is None
@@ -286,8 +291,8 @@ def test_packed_calls_match_the_reference(name, smallest, monkeypatch):
     mask = BlockMask(q_offset=case.q_offset, kv_offset=case.kv_offset,
                      q_segment_ids=q_ids,
                      kv_segment_ids=None if same else kv_ids)
-    out, lse = packed.forward(q, k, v, mask, cfg, bnd)
-    grads = packed.backward(q, k, v, mask, out, lse, do, cfg, bnd)
+    out, lse = path.forward(q, k, v, mask, cfg, bnd)
+    grads = path.backward(q, k, v, mask, out, lse, do, cfg, bnd)
     shift = packed.diagonal_shift(cfg, mask)
     docs = packed.documents(q_ids, mask.kv_ids(), shift, same=same)
     return out, lse, grads, (packed.layout(q_ids, mask.kv_ids(), shift),
@@ -325,6 +330,7 @@ def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
   from helpers import layout_vjp, mesh
   from jax_ring._src.core import registry
   monkeypatch.setattr(ffi, "sdpa", ragged_cudnn.sdpa)
+  monkeypatch.setattr(ffi, "sdpa_pass", ragged_cudnn.sdpa_pass)
   monkeypatch.setattr(packed, "SMALLEST", 4)
   monkeypatch.setattr(packed, "MAX_BATCHES", 8)
   monkeypatch.setattr(cudnn, "unsupported", lambda *_: None)  # as on a GPU

@@ -75,6 +75,29 @@ def sdpa(name, results, q, k, v, *operands, aliases=None, **attrs):
                                                         **attrs)[:-1]
 
 
+def sdpa_pass(name, results, q, k, v, *operands, calls, aliases=None,
+              **attrs):
+  """``jax.ffi.ffi_call`` of a packed pass (``jax_ring_sdpa_{fwd,bwd}_pass``,
+  see ``passes.py``), which runs some of ``calls`` (each a one-row call's
+  attributes, as :func:`attrs` gives them) on each row: its workspace is
+  the largest of theirs, and each is noted in the active recording."""
+  backward = name.startswith("jax_ring_sdpa_bwd")
+  one = lambda x: (1,) + tuple(x.shape[1:])
+  need = 0
+  for at in calls:
+    call = dict(backward=backward, q=one(q), k=one(k), v=one(v),
+                dtype=jnp.dtype(q.dtype).name,
+                **{a: x.item() if hasattr(x, "item") else x
+                   for a, x in at.items()})
+    if RECORD is not None:
+      RECORD.append(call)
+    need = max(need, workspace_bytes(call))
+  workspace = jax.ShapeDtypeStruct((need,), jnp.uint8)
+  return jax.ffi.ffi_call(name, (*results, workspace),
+                          input_output_aliases=aliases)(q, k, v, *operands,
+                                                        **attrs)[:-1]
+
+
 @contextlib.contextmanager
 def recording():
   """Collect the cuDNN calls traced inside (a list of dicts, for
@@ -117,7 +140,12 @@ def register_targets() -> None:
   """Register the handlers with jax (CUDA), once the extension loaded.
   Stages: "initialize" builds the handle and plan before XLA runs or
   records the program; "execute" launches cuDNN, and may be traced into a
-  command buffer (it allocates nothing and never syncs)."""
+  command buffer (it allocates nothing and never syncs), except a packed
+  pass's (``_pass``), which reads the counts of its calls first."""
   traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
   for name, stages in _cudnn.registrations().items():
-    jax.ffi.register_ffi_target(name, stages, platform="CUDA", traits=traits)
+    # A packed pass reads its classes' counts when it runs: never recorded.
+    jax.ffi.register_ffi_target(
+        name, stages, platform="CUDA",
+        traits=xla_client.CustomCallTargetTraits.DEFAULT
+        if name.endswith("_pass") else traits)

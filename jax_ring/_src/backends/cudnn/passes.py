@@ -1,0 +1,207 @@
+"""A packed block's pass as one handler (``jax_ring_sdpa_{fwd,bwd}_pass``,
+``csrc/pass.cc``): the length classes of :mod:`packed`, but every call of
+every class launched by one handler that reads the classes' counts from
+the device itself, in place of :func:`packed.each_call`'s ``lax.switch``
+and loop (each of whose tests the host waits for on a GPU).
+
+**Tables.** Class ``c`` holds ``P_c`` entries a row: as many of its
+documents as a row can hold (rounded up to its calls' virtual batches
+``M``), by rank, empty ones (no rows) at the row's end. ``lens (2, B,
+P)``: the entries' query and key counts; ``offs (4, B, P + C)``: their
+element offsets into q, k, v and out from the row's start, a class's
+``P_c + 1`` entries ending on the row's end. A call over ranks ``[first,
+first + M)`` of one row reads a contiguous slice of them. ``stats (B,
+R)``: each class's ``(P_c, N, L_c)`` float32 stats a row, gathered to the
+tokens' lse after the forward and scattered from them before the
+backward (cuDNN 9.19's backward reads no ragged stats).
+
+Ids that do not fit the calls (:func:`packed.layout`) take the ``xla``
+backend under one ``lax.cond``; the tables are built before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ring._src.backends import xla
+from jax_ring._src.backends.cudnn import ffi, packed
+from jax_ring._src.core import vma
+from jax_ring._src.core.mask import MASK_VALUE
+
+# Whether the packed blocks run as one handler a pass (else the calls'
+# switch and loop, packed.each_call).
+ENABLED = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """A pass's static layout: each class's length ``L_c``, entries a row
+  ``P_c`` and virtual batches a call ``M_c`` (class 0: its menu's
+  largest); class 0's menu."""
+
+  lengths: tuple[int, ...]
+  slots: tuple[int, ...]
+  batches: tuple[int, ...]
+  menu: tuple[int, ...]
+
+  def attrs(self) -> dict:
+    return {f: np.asarray(getattr(self, f), np.int64)
+            for f in ("lengths", "slots", "batches", "menu")}
+
+  def base(self) -> np.ndarray:
+    return np.cumsum((0,) + self.slots[:-1])
+
+  def stats_base(self, n: int) -> np.ndarray:
+    return np.cumsum((0,) + tuple(p * n * L for p, L in zip(
+        self.slots[:-1], self.lengths[:-1])))
+
+  def stats_size(self, n: int) -> int:
+    return sum(p * n * L for p, L in zip(self.slots, self.lengths))
+
+
+def layout(t: int, s: int, b: int, same: bool) -> Layout:
+  """The classes of a ``b``-row block of ``t`` queries and ``s`` keys.
+  ``same``: one id array (a document's keys are its queries). A document
+  of class ``c > 0`` has more than ``L_(c-1)`` queries or keys, each id one
+  run of queries and one range of keys: at most ``t // (L_(c-1) + 1)`` (+
+  ``s // (L_(c-1) + 1)`` for two arrays) a row; class 0's at most ``min(t,
+  s)``."""
+  geo = packed.geometries(t, s, b)
+  lengths = tuple(g.length for g in geo)
+  slots, batches = [], []
+  for c, g in enumerate(geo):
+    m = g.batches[-1]
+    if c == 0:
+      most = min(t, s)
+    else:
+      most = t // (lengths[c - 1] + 1) + (
+          0 if same else s // (lengths[c - 1] + 1))
+    slots.append(max(1, -(-most // m)) * m)
+    batches.append(m)
+  return Layout(lengths, tuple(slots), tuple(batches), geo[0].batches)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Tables:
+  """A pass's operands: ``counts (C,)``, ``lens (2, B, P)``, ``offs (4, B,
+  P + C)``; per query token and head, its stats' index in ``(B, R)`` (``R``
+  where it is no call's) as ``at (B, T, N)``."""
+
+  counts: jax.Array
+  lens: jax.Array
+  offs: jax.Array
+  at: jax.Array
+
+
+def tables(docs: packed.Docs, lay: Layout, q, k, v) -> Tables:
+  """:class:`Tables` of ``docs`` for q (B, T, N, H), k (B, S, K, H), v (B,
+  S, K, Hv)."""
+  b, t, n, h = q.shape
+  s, kh, hv = k.shape[1], k.shape[2], v.shape[3]
+  classes, p = len(lay.lengths), sum(lay.slots)
+  bi = jnp.arange(b)[:, None]
+  cls = jnp.maximum(docs.cls, 0)
+  slot = jnp.where(docs.cls >= 0, jnp.asarray(lay.base(), jnp.int32)[cls]
+                   + docs.rank, p)
+
+  def put(width, x, fill, shift=0):
+    return jnp.full((b, width), fill, jnp.int32).at[
+        bi, jnp.where(slot < p, slot + shift, width)].set(x, mode="drop")
+
+  lens = jnp.stack([put(p, docs.q_len, 0), put(p, docs.kv_len, 0)])
+  ends = (t * n * h, s * kh * h, s * kh * hv, t * n * hv)
+  starts = (docs.q_start * (n * h), docs.kv_start * (kh * h),
+            docs.kv_start * (kh * hv), docs.q_start * (n * hv))
+  offs = jnp.stack([put(p + classes, x, end, cls) for x, end in zip(
+      starts, ends)])
+  # Each query token's call entry and row in it.
+  run_cls = jnp.take_along_axis(docs.cls, docs.run, 1)
+  rank = jnp.take_along_axis(docs.rank, docs.run, 1)
+  first = jnp.take_along_axis(docs.q_start, docs.run, 1)
+  size = jnp.take_along_axis(docs.q_len, docs.run, 1)
+  row = jnp.arange(t, dtype=jnp.int32)[None] - first
+  inside = (run_cls >= 0) & (row >= 0) & (row < size)
+  c = jnp.maximum(run_cls, 0)
+  length = jnp.asarray(lay.lengths, jnp.int32)[c]
+  base = jnp.asarray(lay.stats_base(n), jnp.int32)[c]
+  heads = jnp.arange(n, dtype=jnp.int32)
+  at = (base + rank * (n * length) + row)[..., None] + (
+      heads * length[..., None])
+  at = jnp.where(inside[..., None], at, lay.stats_size(n))
+  counts = packed.class_counts(docs, classes)
+  return Tables(counts, lens, offs, at)
+
+
+def _workspace_attrs(config, blk: packed.Block, lay: Layout) -> dict:
+  return dict(scale=np.float32(config.scale),
+              right_bound=blk.inner.right_bound,
+              left_bound=blk.inner.left_bound, **lay.attrs())
+
+
+def _graphs(config, blk: packed.Block, lay: Layout) -> list[dict]:
+  """Each one-row call the pass may run (its attributes)."""
+  pairs = [(m, lay.lengths[0]) for m in lay.menu] + list(
+      zip(lay.batches[1:], lay.lengths[1:]))
+  return [ffi.attrs(config, blk.inner, False, m, length)
+          for m, length in pairs]
+
+
+def forward(q, k, v, mask, config, bnd):
+  """:func:`packed.forward` as one handler a pass: ``(out, lse)``."""
+  blk = packed.block(mask, config, bnd)
+  b, t, n, _ = q.shape
+  lay = layout(t, k.shape[1], b, mask.same_ids)
+  tab = tables(blk.docs, lay, q, k, v)
+  r = lay.stats_size(n)
+  refs = (q, k, v, blk.q_ids, blk.kv_ids)
+
+  def run(_):
+    shapes = (jax.ShapeDtypeStruct((b, t, n, v.shape[3]), q.dtype),
+              jax.ShapeDtypeStruct((b, r), jnp.float32))
+    args = (q, k, v, tab.counts, tab.lens, tab.offs)
+    into = {} if blk.fresh else dict(aliases={6: 0})
+    if not blk.fresh:
+      args += (vma.like(jnp.zeros(shapes[0].shape, q.dtype), *refs),)
+    out, stats = ffi.sdpa_pass(
+        "jax_ring_sdpa_fwd_pass", shapes, *args,
+        calls=_graphs(config, blk, lay), **into,
+        **_workspace_attrs(config, blk, lay))
+    bi = jnp.arange(b)[:, None, None]
+    lse = jnp.where(tab.at < r, stats[bi, jnp.minimum(tab.at, r - 1)],
+                    MASK_VALUE)
+    return vma.like((out, lse), *refs)
+
+  return jax.lax.cond(blk.fits, run, lambda _: vma.like(
+      xla.forward(q, k, v, None, mask, config), *refs), None)
+
+
+def backward(q, k, v, mask, out, lse, dout, config, bnd):
+  """:func:`packed.backward` as one handler a pass: ``(dq, dk, dv)``."""
+  blk = packed.block(mask, config, bnd)
+  b, t, n, _ = q.shape
+  lay = layout(t, k.shape[1], b, mask.same_ids)
+  tab = tables(blk.docs, lay, q, k, v)
+  r = lay.stats_size(n)
+  refs = (q, k, v, out, lse, dout, blk.q_ids, blk.kv_ids)
+
+  def run(_):
+    bi = jnp.arange(b)[:, None, None]
+    stats = jnp.zeros((b, r), jnp.float32).at[bi, tab.at].set(
+        lse.astype(jnp.float32), mode="drop")
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    args = (q, k, v, out, stats, dout, tab.counts, tab.lens, tab.offs)
+    into = {} if blk.fresh else dict(aliases={9: 0, 10: 1, 11: 2})
+    if not blk.fresh:
+      args += tuple(vma.like(tuple(map(jnp.zeros_like, (q, k, v))), *refs))
+    return vma.like(tuple(ffi.sdpa_pass(
+        "jax_ring_sdpa_bwd_pass", shapes, *args,
+        calls=_graphs(config, blk, lay), **into,
+        **_workspace_attrs(config, blk, lay))), *refs)
+
+  return jax.lax.cond(blk.fits, run, lambda _: vma.like(tuple(xla.backward(
+      q, k, v, None, mask, out, lse, dout, None, config)[:3]), *refs), None)
