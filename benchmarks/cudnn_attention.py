@@ -328,6 +328,11 @@ def main():
   p.add_argument("--packed-seq", type=int, default=32768)
   p.add_argument("--packed-docs", type=int, nargs="+",
                  default=[1, 8, 64, 256, 1024, 4096])
+  p.add_argument("--packed-paths", nargs="+", default=["pass"],
+                 choices=("pass", "calls"), help="the packed table's "
+                 "form of a block pass: one handler (pass) or the calls' "
+                 "switch and loop (calls); with both, each its own mode "
+                 "(<mode>_<path>), one after the other")
   p.add_argument("--plot", metavar="RESULTS_JSON", default=None,
                  help="only draw that file's packed table as a PNG beside "
                  "it (needs matplotlib)")
@@ -341,13 +346,20 @@ def main():
                        f"{a.mode}_packed")
   builders = dict(default=default_table, sinks=sinks_table, mla=mla_table,
                   packed=packed_table, empty=empty_table)
-  for table in a.tables:
+  from jax_ring._src.backends.cudnn import passes
+  runs = [(t, None) for t in a.tables if t != "packed"] + (
+      [("packed", p) for p in a.packed_paths] if "packed" in a.tables else [])
+  for table, path in runs:
+    if path is not None:
+      passes.ENABLED = path == "pass"
     rows, columns, extra = builders[table](a)
     mode = a.mode if table == "default" else (
         table if a.mode == "default" else f"{a.mode}_{table}")
+    if path is not None and len(a.packed_paths) > 1:
+      mode = f"{mode}_{path}"
     write("cudnn_attention", rows, columns,
           extra=dict(dtype="bfloat16", batch=1,
-                     implementation=a.implementation,
+                     implementation=a.implementation, packed_path=path,
                      flops="2*S^2*N*(H+Hv) fwd, 2*S^2*N*(4H+3Hv) fwd+bwd "
                            "(x0.5 causal)", **extra),
           mode=mode)
