@@ -7,10 +7,10 @@
 // the row's end) inside tables laid out as
 //   lens  (2, B, P)      s32  query and key counts, P = sum of P_c; class c
 //                             from `base_c = sum_{c' < c} P_c'`
-//   offs  (4, B, P + C)  s32  ragged element offsets of q, k, v, out (dq,
+//   offs  (4, B, P + 4C) s32  ragged element offsets of q, k, v, out (dq,
 //                             dk, dv, dout alike) from the row's start;
-//                             class c from base_c + c, P_c + 1 entries (the
-//                             last the row's end)
+//                             class c from base_c + 4 c, P_c + 4 entries
+//                             (the row's end after its documents)
 //   stats (B, R)         f32  R = sum_c P_c * N * L_c: class c's (P_c, N,
 //                             L_c) stats of a row, from sum_{c'<c}
 //                             P_c' * N * L_c'
@@ -19,8 +19,8 @@
 // and runs, for each class with documents and each row, calls of M virtual
 // batches over ranks [first, first + M): class c > 0 M = `batches[c]`,
 // class 0 the smallest `menu` entry that holds its count (the largest, in
-// a loop, past it). A call reads a contiguous slice of each table, so the
-// row's graph (B = 1, slots M, ragged_len L_c) runs on pointers into them:
+// a loop, past it). A call reads a contiguous slice of each table (16-byte
+// aligned: every M and P_c is a multiple of 4), so the row's graph (B = 1, slots M, ragged_len L_c) runs on pointers into them:
 // no copies. The handlers read the counts when they run, so they are not
 // recorded into command buffers.
 #include <algorithm>
@@ -128,7 +128,8 @@ ffi::Error Check(const Layout& l, const ffi::AnyBuffer& counts,
   return FirstFailure(
       {Expect("counts", counts, {c}, "(C,)", ffi::S32),
        Expect("lens", lens, {2, l.b, p}, "(2, B, P)", ffi::S32),
-       Expect("offs", offs, {4, l.b, p + c}, "(4, B, P + C)", ffi::S32),
+       Expect("offs", offs, {4, l.b, p + 4 * c}, "(4, B, P + 4C)",
+              ffi::S32),
        Expect("stats", stats, {l.b, r}, "(B, R)", ffi::F32)});
 }
 
@@ -174,7 +175,7 @@ ffi::Error RunCalls(const Layout& l, const std::vector<Call>& calls,
         const Uid ragged[] = {kRaggedQ, kRaggedK, kRaggedV, kRaggedO};
         for (int j = 0; j < 4; ++j) {
           ptrs[ragged[j]] = const_cast<int32_t*>(
-              x.offs + (j * l.b + b) * (p + c_all) + e + call.c);
+              x.offs + (j * l.b + b) * (p + 4 * c_all) + e + 4 * call.c);
         }
         ptrs[kStats] = x.stats + b * r + l.StatsBase(call.c) +
                        call.first * l.n * l.lengths[call.c];
@@ -340,7 +341,7 @@ auto ForwardBinding() {
                        .template Arg<ffi::AnyBuffer>()  // v (B, S, K, Hv)
                        .template Arg<ffi::AnyBuffer>()  // counts (C,)
                        .template Arg<ffi::AnyBuffer>()  // lens (2, B, P)
-                       .template Arg<ffi::AnyBuffer>()  // offs (4, B, P+C)
+                       .template Arg<ffi::AnyBuffer>()  // offs (4, B, P+4C)
                        .RemainingArgs()                 // out, if _into
                        .template Ret<ffi::AnyBuffer>()  // out (B, T, N, Hv)
                        .template Ret<ffi::AnyBuffer>()  // stats (B, R) f32
@@ -360,7 +361,7 @@ auto BackwardBinding() {
                        .template Arg<ffi::AnyBuffer>()  // dout
                        .template Arg<ffi::AnyBuffer>()  // counts (C,)
                        .template Arg<ffi::AnyBuffer>()  // lens (2, B, P)
-                       .template Arg<ffi::AnyBuffer>()  // offs (4, B, P+C)
+                       .template Arg<ffi::AnyBuffer>()  // offs (4, B, P+4C)
                        .RemainingArgs()                 // dq, dk, dv if _into
                        .template Ret<ffi::AnyBuffer>()  // dq
                        .template Ret<ffi::AnyBuffer>()  // dk

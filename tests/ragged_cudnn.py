@@ -169,7 +169,7 @@ def sdpa_pass(name, results, q, k, v, *operands, calls, aliases=None,
               jnp.float32)
   for c, (p, length) in enumerate(zip(slots, lengths)):
     row = jnp.arange(b, dtype=jnp.int32)[:, None]
-    ragged = [jnp.append((offs[j, :, base + c:base + c + p] +
+    ragged = [jnp.append((offs[j, :, base + 4 * c:base + 4 * c + p] +
                           row * rows[j] * sizes[j]).reshape(-1),
                          b * rows[j] * sizes[j]) for j in range(4)]
     rows_ops = (lens[0, :, base:base + p].reshape(-1),

@@ -7,10 +7,11 @@ and loop (each of whose tests the host waits for on a GPU).
 **Tables.** Class ``c`` holds ``P_c`` entries a row: as many of its
 documents as a row can hold (rounded up to its calls' virtual batches
 ``M``), by rank, empty ones (no rows) at the row's end. ``lens (2, B,
-P)``: the entries' query and key counts; ``offs (4, B, P + C)``: their
+P)``: the entries' query and key counts; ``offs (4, B, P + 4 C)``: their
 element offsets into q, k, v and out from the row's start, a class's
-``P_c + 1`` entries ending on the row's end. A call over ranks ``[first,
-first + M)`` of one row reads a contiguous slice of them. ``stats (B,
+``P_c + 4`` entries ending on the row's end. A call over ranks ``[first,
+first + M)`` of one row reads a contiguous slice of them, 16-byte aligned
+(every ``M`` and ``P_c`` a multiple of 4). ``stats (B,
 R)``: each class's ``(P_c, N, L_c)`` float32 stats a row, gathered to the
 tokens' lse after the forward and scattered from them before the
 backward (cuDNN 9.19's backward reads no ragged stats).
@@ -73,8 +74,10 @@ def layout(t: int, s: int, b: int, same: bool) -> Layout:
   geo = packed.geometries(t, s, b)
   lengths = tuple(g.length for g in geo)
   slots, batches = [], []
+  cap = packed.MAX_BATCHES // b // 4 * 4
+  fours = lambda m: min(-(-m // 4) * 4, cap)  # aligned slices of the tables
   for c, g in enumerate(geo):
-    m = g.batches[-1]
+    m = fours(g.batches[-1])
     if c == 0:
       most = min(t, s)
     else:
@@ -82,14 +85,15 @@ def layout(t: int, s: int, b: int, same: bool) -> Layout:
           0 if same else s // (lengths[c - 1] + 1))
     slots.append(max(1, -(-most // m)) * m)
     batches.append(m)
-  return Layout(lengths, tuple(slots), tuple(batches), geo[0].batches)
+  return Layout(lengths, tuple(slots), tuple(batches),
+                tuple(sorted({fours(m) for m in geo[0].batches})))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Tables:
   """A pass's operands: ``counts (C,)``, ``lens (2, B, P)``, ``offs (4, B,
-  P + C)``; per query token and head, its stats' index in ``(B, R)`` (``R``
+  P + 4 C)``; per query token and head, its stats' index in ``(B, R)`` (``R``
   where it is no call's) as ``at (B, T, N)``."""
 
   counts: jax.Array
@@ -117,8 +121,8 @@ def tables(docs: packed.Docs, lay: Layout, q, k, v) -> Tables:
   ends = (t * n * h, s * kh * h, s * kh * hv, t * n * hv)
   starts = (docs.q_start * (n * h), docs.kv_start * (kh * h),
             docs.kv_start * (kh * hv), docs.q_start * (n * hv))
-  offs = jnp.stack([put(p + classes, x, end, cls) for x, end in zip(
-      starts, ends)])
+  offs = jnp.stack([put(p + 4 * classes, x, end, 4 * cls)
+                    for x, end in zip(starts, ends)])
   # Each query token's call entry and row in it.
   run_cls = jnp.take_along_axis(docs.cls, docs.run, 1)
   rank = jnp.take_along_axis(docs.rank, docs.run, 1)
