@@ -311,6 +311,23 @@ def test_packed_calls_match_the_reference(name, smallest, one_handler,
     ref.assert_close(got, r_g[gname], q.dtype, "d" + gname)
 
 
+def test_a_pass_serves_shapes_whose_stats_fit_its_bound():
+  """A packed block runs as one handler a pass where every class's stats
+  fit ``passes.MAX_STATS_BYTES`` and twice q's bytes (a 32k row of 16
+  heads: 104 MiB), else as the calls' loop (64k of 32 heads: 704 MiB);
+  every table slice a call reads is 16-byte aligned."""
+  import jax
+  rows = lambda t, n: jax.ShapeDtypeStruct((1, t, n, 128), jnp.bfloat16)
+  assert passes.serves(rows(32768, 16), rows(32768, 8), True)
+  assert not passes.serves(rows(65536, 32), rows(65536, 8), True)
+  for t, s, same in ((32768, 32768, True), (1000, 1000, True),
+                     (61, 45, False)):
+    lay = passes.layout(t, s, 1, same)
+    assert all(x % 4 == 0 for x in lay.slots + lay.batches + lay.menu), lay
+    assert all(p % m == 0 for p, m in zip(lay.slots, lay.batches)), lay
+    assert lay.slots[0] >= min(t, s) and lay.slots[0] % max(lay.menu) == 0
+
+
 @pytest.mark.parametrize("load_balance", [
     None, pytest.param("dual_chunk", marks=pytest.mark.slow),
     pytest.param("striped", marks=pytest.mark.slow)],

@@ -45,6 +45,13 @@ __all__ = ["LOAD_ERROR", "backward", "backward_dkv",
            "version", "workspace_bytes"]
 
 
+def _packed(q, k, mask):
+  """The module that runs a packed block: one handler a pass where it
+  serves the shapes, else the calls' switch and loop."""
+  return passes if passes.ENABLED and passes.serves(
+      q, k, mask.same_ids) else packed
+
+
 def forward(q, k, v, bias, mask, config):
   """``(out (B, T, N, Hv), lse (B, T, N) float32)``: the block-kernel
   forward (``core/kernel.py``)."""
@@ -60,8 +67,7 @@ def forward(q, k, v, bias, mask, config):
     return (jnp.zeros(out_shape.shape, out_shape.dtype),
             jnp.full((b, t, n), MASK_VALUE, jnp.float32))
   if mask.q_segment_ids is not None:
-    return (passes if passes.ENABLED else packed).forward(
-        q, k, v, mask, config, bnd)
+    return _packed(q, k, mask).forward(q, k, v, mask, config, bnd)
   seq_q, seq_kv, padding = band.window_lengths(mask, bnd, b, t, s)
   rows = t - bnd.row_start
   out, stats = sdpa(
@@ -113,8 +119,8 @@ def _backward(q, k, v, bias, mask, out, lse, dout, dlse, config, stack):
   if bnd.empty:
     return jnp.zeros_like(q), pack(jnp.zeros_like(k), jnp.zeros_like(v))
   if mask.q_segment_ids is not None:
-    dq, dk, dv = (passes if passes.ENABLED else packed).backward(
-        q, k, v, mask, out, lse, dout, config, bnd)
+    dq, dk, dv = _packed(q, k, mask).backward(q, k, v, mask, out, lse, dout,
+                                              config, bnd)
     return dq, pack(dk, dv)
   seq_q, seq_kv, padding = band.window_lengths(mask, bnd, b, t, s)
   stats = jnp.swapaxes(lse[:, bnd.row_start:], 1, 2).astype(jnp.float32)

@@ -33,8 +33,8 @@ from jax_ring._src.backends.cudnn import ffi, packed
 from jax_ring._src.core import vma
 from jax_ring._src.core.mask import MASK_VALUE
 
-# Whether the packed blocks run as one handler a pass (else the calls'
-# switch and loop, packed.each_call).
+# Whether the packed blocks run as one handler a pass where it serves them
+# (:func:`serves`; else the calls' switch and loop, packed.each_call).
 ENABLED = True
 
 
@@ -87,6 +87,19 @@ def layout(t: int, s: int, b: int, same: bool) -> Layout:
     batches.append(m)
   return Layout(lengths, tuple(slots), tuple(batches),
                 tuple(sorted({fours(m) for m in geo[0].batches})))
+
+
+# The most bytes a pass's stats may take (every class's entries at once);
+# above, the calls' loop, whose stats are one call's.
+MAX_STATS_BYTES = 256 << 20
+
+
+def serves(q, k, same: bool) -> bool:
+  """Whether a pass serves q (B, T, N, H), k (B, S, K, H): its float32
+  stats within ``MAX_STATS_BYTES`` and twice q's bytes."""
+  b, t, n, _ = q.shape
+  r = layout(t, k.shape[1], b, same).stats_size(n)
+  return 4 * b * r <= min(MAX_STATS_BYTES, 2 * q.size * q.dtype.itemsize)
 
 
 @jax.tree_util.register_dataclass
