@@ -297,15 +297,20 @@ PACKED = {
 }
 
 
+@pytest.mark.parametrize("one_handler", [True, False],
+                         ids=["pass", "calls"])
 @pytest.mark.parametrize("smallest", [32, 16])
 @pytest.mark.parametrize("name", list(PACKED))
-def test_packed_documents_through_ragged_offsets(name, smallest,
+def test_packed_documents_through_ragged_offsets(name, smallest, one_handler,
                                                  monkeypatch):
   """Packed rows through the length classes' ragged calls (SMALLEST = 16:
   classes 16, 64, 256, 301; 32: 32, 128, 301; class 0's menu and loops of
-  calls), every served mask, against the float64 reference."""
+  calls), every served mask, against the float64 reference: one handler a
+  pass, and the calls' switch and loop."""
   import ragged_cudnn
+  from jax_ring._src.backends.cudnn import passes
   monkeypatch.setattr(packed, "SMALLEST", smallest)
+  monkeypatch.setattr(passes, "ENABLED", one_handler)
   q_ids, kv_ids, kw = PACKED[name]
   q, k, v, do = ref.random_qkv(13, B, P_T, P_T, N, K, 128, jnp.bfloat16)
   case = ref.Case(128**-0.5, q_segment_ids=q_ids,
@@ -326,6 +331,7 @@ def test_packed_documents_through_ragged_offsets(name, smallest,
 
   hlo = jax.jit(f).lower(q, k, v, ids).as_text()
   assert "jax_ring_sdpa_fwd" in hlo and "jax_ring_sdpa_bwd" in hlo
+  assert ("jax_ring_sdpa_fwd_pass" in hlo) == one_handler
   # Which branch runs: cuDNN (one call, or several) wherever the ids fit.
   mask = jax_ring.BlockMask(
       q_offset=case.q_offset, kv_offset=case.kv_offset, q_segment_ids=ids[0],
