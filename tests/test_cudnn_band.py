@@ -254,13 +254,20 @@ MANY = {
 }
 
 
-# SMALLEST = 4 (classes, menus and loops) for every row but the few
-# documents' (a subset of same_causal's classes); 32, the library's, for
-# same_causal; the rest under -m slow.
+# The default run: SMALLEST = 4 (classes, menus and loops) for every row
+# but the few documents' (a subset of same_causal's classes) and 32, the
+# library's, for same_causal, as one handler a pass; as the calls' loop
+# (kept where a pass's stats would be too large), the library's classes
+# and the two-array rows. The rest under -m slow.
+_DEFAULT_RUN = {(True, 32, "same_causal")} | {
+    (True, 4, name) for name in MANY if name != "same_causal_few"} | {
+        (False, 32, "same_causal"), (False, 4, "different_full"),
+        (False, 4, "striped_next")}
+
+
 @pytest.mark.parametrize("name, smallest, one_handler", [
-    pytest.param(name, smallest, one_handler, marks=() if (smallest, name) == (
-        32, "same_causal") or smallest == 4 and name != "same_causal_few"
-        else pytest.mark.slow)
+    pytest.param(name, smallest, one_handler, marks=() if (
+        one_handler, smallest, name) in _DEFAULT_RUN else pytest.mark.slow)
     for one_handler in (False, True) for smallest in (4, 32) for name in MANY])
 def test_packed_calls_match_the_reference(name, smallest, one_handler,
                                           monkeypatch):
