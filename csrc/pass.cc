@@ -7,10 +7,12 @@
 // the row's end) inside tables laid out as
 //   lens  (2, B, P)      s32  query and key counts, P = sum of P_c; class c
 //                             from `base_c = sum_{c' < c} P_c'`
-//   offs  (4, B, P + 4C) s32  ragged element offsets of q, k, v, out (dq,
+//   offs  (4, B, W)      s32  ragged element offsets of q, k, v, out (dq,
 //                             dk, dv, dout alike) from the row's start;
-//                             class c from base_c + 4 c, P_c + 4 entries
-//                             (the row's end after its documents)
+//                             class c's in P_c / M_c chunks of M_c + 4
+//                             entries, each chunk's entry M_c the row's
+//                             end (M_c = batches[c]; class 0's, its menu's
+//                             largest)
 //   stats (B, R)         f32  R = sum_c P_c * N * L_c: class c's (P_c, N,
 //                             L_c) stats of a row, from sum_{c'<c}
 //                             P_c' * N * L_c'
@@ -19,8 +21,10 @@
 // and runs, for each class with documents and each row, calls of M virtual
 // batches over ranks [first, first + M): class c > 0 M = `batches[c]`,
 // class 0 the smallest `menu` entry that holds its count (the largest, in
-// a loop, past it). A call reads a contiguous slice of each table (16-byte
-// aligned: every M and P_c is a multiple of 4), so the row's graph (B = 1, slots M, ragged_len L_c) runs on pointers into them:
+// a loop, past it). A call reads a contiguous slice of lens and stats and
+// the chunk of offs its first rank is in (whose entry M is the row's end,
+// as in a call's own table; all 16-byte aligned: every M and P_c is a
+// multiple of 4), so the row's graph (B = 1, slots M, ragged_len L_c) runs on pointers into them:
 // no copies. The handlers read the counts when they run, so they are not
 // recorded into command buffers.
 #include <algorithm>
@@ -55,6 +59,11 @@ struct Layout {
     int64_t p = 0;
     for (int64_t i = 0; i < c; ++i) p += slots[i];
     return p;
+  }
+  int64_t OffsBase(int64_t c) const {  // class c's first chunk in offs
+    int64_t w = 0;
+    for (int64_t i = 0; i < c; ++i) w += slots[i] / batches[i] * (batches[i] + 4);
+    return w;
   }
   int64_t StatsBase(int64_t c) const {
     int64_t r = 0;
@@ -114,22 +123,27 @@ ffi::Error Check(const Layout& l, const ffi::AnyBuffer& counts,
     return Invalid("a packed pass needs lengths, slots and batches of one "
                    "size (a class each) and a menu");
   }
+  const int64_t top = *std::max_element(l.menu.begin(), l.menu.end());
+  if (l.batches[0] != top) {
+    return Invalid("class 0's calls hold at most its menu's largest " +
+                   std::to_string(top) + " virtual batches, not " +
+                   std::to_string(l.batches[0]));
+  }
   for (int64_t i = 0; i < c; ++i) {
-    const int64_t m = i == 0 ? *std::max_element(l.menu.begin(), l.menu.end())
-                             : l.batches[i];
-    if (m < 1 || l.slots[i] % m != 0) {
+    const int64_t m = l.batches[i];
+    if (m < 1 || m % 4 != 0 || l.slots[i] % m != 0) {
       return Invalid("class " + std::to_string(i) + "'s " +
                      std::to_string(l.slots[i]) +
                      " entries are not a multiple of its calls' " +
-                     std::to_string(m) + " virtual batches");
+                     std::to_string(m) + " virtual batches (a multiple "
+                     "of 4)");
     }
   }
   int64_t r = l.StatsBase(c);
   return FirstFailure(
       {Expect("counts", counts, {c}, "(C,)", ffi::S32),
        Expect("lens", lens, {2, l.b, p}, "(2, B, P)", ffi::S32),
-       Expect("offs", offs, {4, l.b, p + 4 * c}, "(4, B, P + 4C)",
-              ffi::S32),
+       Expect("offs", offs, {4, l.b, l.OffsBase(c)}, "(4, B, W)", ffi::S32),
        Expect("stats", stats, {l.b, r}, "(B, R)", ffi::F32)});
 }
 
@@ -141,7 +155,7 @@ ffi::Error RunCalls(const Layout& l, const std::vector<Call>& calls,
                     int64_t left_bound, cudaStream_t stream,
                     const ffi::AnyBuffer* workspace) {
   const int64_t p = l.Entries(), c_all = l.Classes();
-  const int64_t r = l.StatsBase(c_all);
+  const int64_t r = l.StatsBase(c_all), w = l.OffsBase(c_all);
   for (const Call& call : calls) {
     SdpaKey key{backward,
                 dtype == ffi::BF16 ? Dtype::kBF16 : Dtype::kF16,
@@ -173,9 +187,11 @@ ffi::Error RunCalls(const Layout& l, const std::vector<Call>& calls,
         ptrs[kSeqQ] = const_cast<int32_t*>(x.lens + b * p + e);
         ptrs[kSeqKV] = const_cast<int32_t*>(x.lens + (l.b + b) * p + e);
         const Uid ragged[] = {kRaggedQ, kRaggedK, kRaggedV, kRaggedO};
+        const int64_t m = l.batches[call.c];
+        const int64_t chunk = l.OffsBase(call.c) + call.first / m * (m + 4);
         for (int j = 0; j < 4; ++j) {
-          ptrs[ragged[j]] = const_cast<int32_t*>(
-              x.offs + (j * l.b + b) * (p + 4 * c_all) + e + 4 * call.c);
+          ptrs[ragged[j]] =
+              const_cast<int32_t*>(x.offs + (j * l.b + b) * w + chunk);
         }
         ptrs[kStats] = x.stats + b * r + l.StatsBase(call.c) +
                        call.first * l.n * l.lengths[call.c];
@@ -341,7 +357,7 @@ auto ForwardBinding() {
                        .template Arg<ffi::AnyBuffer>()  // v (B, S, K, Hv)
                        .template Arg<ffi::AnyBuffer>()  // counts (C,)
                        .template Arg<ffi::AnyBuffer>()  // lens (2, B, P)
-                       .template Arg<ffi::AnyBuffer>()  // offs (4, B, P+4C)
+                       .template Arg<ffi::AnyBuffer>()  // offs (4, B, W)
                        .RemainingArgs()                 // out, if _into
                        .template Ret<ffi::AnyBuffer>()  // out (B, T, N, Hv)
                        .template Ret<ffi::AnyBuffer>()  // stats (B, R) f32
@@ -361,7 +377,7 @@ auto BackwardBinding() {
                        .template Arg<ffi::AnyBuffer>()  // dout
                        .template Arg<ffi::AnyBuffer>()  // counts (C,)
                        .template Arg<ffi::AnyBuffer>()  // lens (2, B, P)
-                       .template Arg<ffi::AnyBuffer>()  // offs (4, B, P+4C)
+                       .template Arg<ffi::AnyBuffer>()  // offs (4, B, W)
                        .RemainingArgs()                 // dq, dk, dv if _into
                        .template Ret<ffi::AnyBuffer>()  // dq
                        .template Ret<ffi::AnyBuffer>()  // dk

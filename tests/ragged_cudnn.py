@@ -139,10 +139,11 @@ def expected_calls(ids, smallest, t):
 
 def sdpa_pass(name, results, q, k, v, *operands, calls, aliases=None,
               **attrs):
-  """Stands in for ``ffi.sdpa_pass``: each class's whole table replayed as
-  one call of its ``P_c`` virtual batches (empty ones write nothing, as in
-  the handler's calls over their slices), classes writing into one set of
-  buffers in turn."""
+  """Stands in for ``ffi.sdpa_pass``: every call the handler could make
+  (each class's chunks of ``M_c`` entries, on slices of the tables and
+  the stats as the handler points into them), replayed on all rows at
+  once; chunks past a row's documents are empty and write nothing, as the
+  handler's calls they stand for are not made."""
   backward = name.startswith("jax_ring_sdpa_bwd")
   assert calls, "a pass names the graphs it may run"
   b, t, n, h = q.shape
@@ -154,37 +155,42 @@ def sdpa_pass(name, results, q, k, v, *operands, calls, aliases=None,
     counts, lens, offs, *acc = operands
   want = {head + 3 + i: i for i in range(len(acc))}
   assert (aliases or {}) == want, (aliases, want)
-  lengths, slots = attrs["lengths"], attrs["slots"]
+  lengths, slots, batches = attrs["lengths"], attrs["slots"], attrs["batches"]
   assert counts.shape == (len(lengths),), counts.shape
+  assert batches[0] == max(attrs["menu"]), attrs
   one = dict(scale=attrs["scale"], row_start=0, col_start=0,
              right_bound=attrs["right_bound"], left_bound=attrs["left_bound"],
              padding=False, softcap=0.0)
   sizes = (n * h, kh * h, kh * hv, n * hv)
   rows = (t, s, s, t)
-  base, sbase = 0, 0
+  row = jnp.arange(b, dtype=jnp.int32)[:, None]
   if not acc:  # fresh results: NaN wherever no call writes
     acc = [_nan(x.shape, x.dtype) for x in (results if backward else
                                             results[:1])]
   flat = _nan((b, sum(p * n * L for p, L in zip(slots, lengths))),
               jnp.float32)
-  for c, (p, length) in enumerate(zip(slots, lengths)):
-    row = jnp.arange(b, dtype=jnp.int32)[:, None]
-    ragged = [jnp.append((offs[j, :, base + 4 * c:base + 4 * c + p] +
-                          row * rows[j] * sizes[j]).reshape(-1),
-                         b * rows[j] * sizes[j]) for j in range(4)]
-    rows_ops = (lens[0, :, base:base + p].reshape(-1),
-                lens[1, :, base:base + p].reshape(-1), *ragged)
-    size = p * n * length
-    at = dict(one, slots=p, ragged_len=length)
-    if backward:
-      st = stats[:, sbase:sbase + size].reshape(b * p, n, length)
-      acc = list(sdpa("jax_ring_sdpa_bwd_into", results[:3], q, k, v, out,
-                      st, dout, *rows_ops, *acc,
-                      aliases={12: 0, 13: 1, 14: 2}, **at))
-    else:
-      o, st = sdpa("jax_ring_sdpa_fwd_into", results[:1], q, k, v,
-                   *rows_ops, *acc, aliases={9: 0}, **at)
-      acc = [o]
-      flat = flat.at[:, sbase:sbase + size].set(st.reshape(b, size))
-    base, sbase = base + p, sbase + size
+  base = sbase = obase = 0
+  for p, m, length in zip(slots, batches, lengths):
+    for first in range(0, p, m):
+      chunk = obase + first // m * (m + 4)
+      ragged = [jnp.append((offs[j, :, chunk:chunk + m] +
+                            row * rows[j] * sizes[j]).reshape(-1),
+                           b * rows[j] * sizes[j]) for j in range(4)]
+      e = base + first
+      rows_ops = (lens[0, :, e:e + m].reshape(-1),
+                  lens[1, :, e:e + m].reshape(-1), *ragged)
+      at = dict(one, slots=m, ragged_len=length)
+      lo, size = sbase + first * n * length, m * n * length
+      if backward:
+        st = stats[:, lo:lo + size].reshape(b * m, n, length)
+        acc = list(sdpa("jax_ring_sdpa_bwd_into", results[:3], q, k, v, out,
+                        st, dout, *rows_ops, *acc,
+                        aliases={12: 0, 13: 1, 14: 2}, **at))
+      else:
+        o, st = sdpa("jax_ring_sdpa_fwd_into", results[:1], q, k, v,
+                     *rows_ops, *acc, aliases={9: 0}, **at)
+        acc = [o]
+        flat = flat.at[:, lo:lo + size].set(st.reshape(b, size))
+    base, sbase = base + p, sbase + p * n * length
+    obase += p // m * (m + 4)
   return tuple(acc) if backward else (acc[0], flat)

@@ -333,6 +333,25 @@ def test_a_pass_serves_shapes_whose_stats_fit_its_bound():
     assert all(x % 4 == 0 for x in lay.slots + lay.batches + lay.menu), lay
     assert all(p % m == 0 for p, m in zip(lay.slots, lay.batches)), lay
     assert lay.slots[0] >= min(t, s) and lay.slots[0] % max(lay.menu) == 0
+  # Every chunk of offsets a call reads ends on the row's end, as a call's
+  # own table does, and holds the documents of its ranks in order.
+  ids = jnp.asarray(_many(1, 40))
+  b, t, n, kh, h = 2, ids.shape[1], 4, 2, 8
+  q = jnp.zeros((b, t, n, h), jnp.bfloat16)
+  kv = jnp.zeros((b, t, kh, h), jnp.bfloat16)
+  docs = packed.documents(ids, ids, same=True)
+  lay = passes.layout(t, t, b, True)
+  tab = passes.tables(docs, lay, q, kv, kv)
+  offs, cls, rank = map(np.asarray, (tab.offs, docs.cls, docs.rank))
+  for c, (base, m) in enumerate(zip(lay.offs_base(), lay.batches)):
+    for j in range(lay.slots[c] // m):
+      chunk = offs[:, :, base + j * (m + 4):base + j * (m + 4) + m + 1]
+      assert (chunk[0, :, m] == t * n * h).all(), (c, j)
+      for row in range(b):
+        mine = np.flatnonzero((cls[row] == c) & (rank[row] // m == j))
+        starts = np.asarray(docs.q_start)[row, mine] * n * h
+        np.testing.assert_array_equal(
+            chunk[0, row, rank[row, mine] % m], starts)
 
 
 @pytest.mark.parametrize("load_balance", [

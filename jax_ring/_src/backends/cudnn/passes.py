@@ -6,15 +6,17 @@ and loop (each of whose tests the host waits for on a GPU).
 
 **Tables.** Class ``c`` holds ``P_c`` entries a row: as many of its
 documents as a row can hold (rounded up to its calls' virtual batches
-``M``), by rank, empty ones (no rows) at the row's end. ``lens (2, B,
-P)``: the entries' query and key counts; ``offs (4, B, P + 4 C)``: their
-element offsets into q, k, v and out from the row's start, a class's
-``P_c + 4`` entries ending on the row's end. A call over ranks ``[first,
-first + M)`` of one row reads a contiguous slice of them, 16-byte aligned
-(every ``M`` and ``P_c`` a multiple of 4). ``stats (B,
-R)``: each class's ``(P_c, N, L_c)`` float32 stats a row, gathered to the
-tokens' lse after the forward and scattered from them before the
-backward (cuDNN 9.19's backward reads no ragged stats).
+``M_c``, class 0's the largest of its menu), by rank, empty ones (no rows)
+at the row's end. ``lens (2, B, P)``: the entries' query and key counts;
+``offs (4, B, W)``: their element offsets into q, k, v and out from the
+row's start, in chunks of ``M_c`` entries each followed by the row's end
+(and 3 more, so that every chunk is 16-byte aligned). A call over ranks
+``[first, first + M)`` of one row reads a contiguous slice of ``lens`` and
+the chunk of ``first`` in ``offs``, whose entry ``M`` is the row's end, as
+in a call's own table. ``stats (B, R)``: each class's ``(P_c, N, L_c)``
+float32 stats a row, gathered to the tokens' lse after the forward and
+scattered from them before the backward (cuDNN 9.19's backward reads no
+ragged stats).
 
 Ids that do not fit the calls (:func:`packed.layout`) take the ``xla``
 backend under one ``lax.cond``; the tables are built before it.
@@ -55,6 +57,13 @@ class Layout:
 
   def base(self) -> np.ndarray:
     return np.cumsum((0,) + self.slots[:-1])
+
+  def chunks(self) -> tuple[int, ...]:
+    """Each class's ``offs`` entries: ``P_c / M_c`` chunks of ``M_c + 4``."""
+    return tuple(p // m * (m + 4) for p, m in zip(self.slots, self.batches))
+
+  def offs_base(self) -> np.ndarray:
+    return np.cumsum((0,) + self.chunks()[:-1])
 
   def stats_base(self, n: int) -> np.ndarray:
     return np.cumsum((0,) + tuple(p * n * L for p, L in zip(
@@ -106,7 +115,7 @@ def serves(q, k, same: bool) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Tables:
   """A pass's operands: ``counts (C,)``, ``lens (2, B, P)``, ``offs (4, B,
-  P + 4 C)``; per query token and head, its stats' index in ``(B, R)`` (``R``
+  W)``; per query token and head, its stats' index in ``(B, R)`` (``R``
   where it is no call's) as ``at (B, T, N)``."""
 
   counts: jax.Array
@@ -126,15 +135,20 @@ def tables(docs: packed.Docs, lay: Layout, q, k, v) -> Tables:
   slot = jnp.where(docs.cls >= 0, jnp.asarray(lay.base(), jnp.int32)[cls]
                    + docs.rank, p)
 
-  def put(width, x, fill, shift=0):
-    return jnp.full((b, width), fill, jnp.int32).at[
-        bi, jnp.where(slot < p, slot + shift, width)].set(x, mode="drop")
+  m = jnp.asarray(lay.batches, jnp.int32)[cls]
+  entry = jnp.where(docs.cls >= 0, jnp.asarray(lay.offs_base(), jnp.int32)[
+      cls] + docs.rank // m * (m + 4) + docs.rank % m, sum(lay.chunks()))
 
-  lens = jnp.stack([put(p, docs.q_len, 0), put(p, docs.kv_len, 0)])
+  def put(width, at, x, fill):
+    return jnp.full((b, width), fill, jnp.int32).at[bi, at].set(
+        x, mode="drop")
+
+  lens = jnp.stack([put(p, slot, docs.q_len, 0),
+                    put(p, slot, docs.kv_len, 0)])
   ends = (t * n * h, s * kh * h, s * kh * hv, t * n * hv)
   starts = (docs.q_start * (n * h), docs.kv_start * (kh * h),
             docs.kv_start * (kh * hv), docs.q_start * (n * hv))
-  offs = jnp.stack([put(p + 4 * classes, x, end, 4 * cls)
+  offs = jnp.stack([put(sum(lay.chunks()), entry, x, end)
                     for x, end in zip(starts, ends)])
   # Each query token's call entry and row in it.
   run_cls = jnp.take_along_axis(docs.cls, docs.run, 1)
