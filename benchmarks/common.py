@@ -202,6 +202,20 @@ def results_path(name: str, env: dict) -> pathlib.Path:
   return RESULTS / f"{name}_{env['device_count']}x{kind}.json"
 
 
+def packed_path_args(p) -> None:
+  """``--packed-path``: how a packed cuDNN block runs its calls."""
+  p.add_argument("--packed-path", default="pass", choices=("pass", "calls"),
+                 help="one handler a block pass where it serves the shapes "
+                 "(pass, the library's default) or the calls' switch and "
+                 "loop (calls)")
+
+
+def use_packed_path(path: str) -> None:
+  """Make packed cuDNN blocks run as ``path`` (see packed_path_args)."""
+  from jax_ring._src.backends.cudnn import passes
+  passes.ENABLED = path == "pass"
+
+
 def write(name, rows, columns, extra=None, mode="default", path=None,
           show=True):
   """Print ``rows`` (dicts) as a table of ``columns`` (unless not

@@ -36,7 +36,8 @@ import numpy as np
 import jax_ring
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import program_summary, random_qkv, write  # noqa: E402
+from common import (packed_path_args, program_summary, random_qkv,  # noqa: E402
+                    use_packed_path, write)
 from profile_ring import gaps, gpu_events, summarise  # noqa: E402
 from strategies import mix_ids, setup  # noqa: E402
 
@@ -89,7 +90,9 @@ def main():
                  "equal rows, on one GPU")
   p.add_argument("--hlo", default=None, metavar="DIR",
                  help="write each row's compiled program text there")
+  packed_path_args(p)
   a = p.parse_args()
+  use_packed_path(a.packed_path)
   rows = []
   s, n, kh, d = a.seq, a.heads, a.kv_heads, 128
   mixes = [f"equal{x}" for x in a.docs] + a.mixes or ["equal1", "equal64",
@@ -134,7 +137,7 @@ def main():
                                  "busy_ms", "attn_ms", "comm_ms", "other_ms",
                                  "idle_ms", "events", "waits", "waits_ms"],
         dict(heads=n, kv_heads=kh, head_dim=d, dtype="bfloat16",
-             calls=a.calls, waits=f"GPU 0's idle stretches over {GAP_US} us "
+             packed_path=a.packed_path, calls=a.calls, waits=f"GPU 0's idle stretches over {GAP_US} us "
              "a call"), mode=a.mode)
 
 

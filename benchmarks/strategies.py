@@ -48,9 +48,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_ring  # noqa: E402
-from common import (document_ids, lognormal_lengths, random_qkv,  # noqa: E402
-                    rel_err, ring_args, ring_kwargs, shape_args, time_fn,
-                    write)
+from common import (document_ids, lognormal_lengths,  # noqa: E402
+                    packed_path_args, random_qkv, rel_err, ring_args,
+                    ring_kwargs, shape_args, time_fn, use_packed_path, write)
 
 def default_strategies(cp: int) -> list[str]:
   hybrids = [f"hybrid_{u}x{cp // u}" for u in range(2, cp // 2 + 1)
@@ -153,6 +153,7 @@ def report(rows, a):
         cols + ["auto_pick", "best_fwd", "auto_vs_best_fwd", "best_fwdbwd",
                 "auto_vs_best_fwdbwd"],
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
+                   packed_path=a.packed_path,
                    **ring_kwargs(a),
                    efficiency="(single-GPU cuDNN time / cp) / strategy time",
                    path="automatic (jit + NamedSharding + ContextParallel)"),
@@ -169,7 +170,9 @@ def main():
                  help="one, lognormal, equalN (see the module docstring)")
   p.add_argument("--implementation", default="cudnn",
                  help="single-GPU baseline backend (xla for a CPU dry run)")
+  packed_path_args(p)
   a = p.parse_args()
+  use_packed_path(a.packed_path)
   cp = jax.device_count()
   a.strategies = a.strategies or default_strategies(cp)
   causal = True
