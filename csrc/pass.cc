@@ -24,9 +24,9 @@
 // a loop, past it). A call reads a contiguous slice of lens and stats and
 // the chunk of offs its first rank is in (whose entry M is the row's end,
 // as in a call's own table; all 16-byte aligned: every M and P_c is a
-// multiple of 4), so the row's graph (B = 1, slots M, ragged_len L_c) runs on pointers into them:
-// no copies. The handlers read the counts when they run, so they are not
-// recorded into command buffers.
+// multiple of 4), so the row's graph (B = 1, slots M, ragged_len L_c)
+// runs on pointers into them: no copies. The handlers read the counts when
+// they run, so they are not recorded into command buffers.
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -62,7 +62,9 @@ struct Layout {
   }
   int64_t OffsBase(int64_t c) const {  // class c's first chunk in offs
     int64_t w = 0;
-    for (int64_t i = 0; i < c; ++i) w += slots[i] / batches[i] * (batches[i] + 4);
+    for (int64_t i = 0; i < c; ++i) {
+      w += slots[i] / batches[i] * (batches[i] + 4);
+    }
     return w;
   }
   int64_t StatsBase(int64_t c) const {

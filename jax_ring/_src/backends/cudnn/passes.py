@@ -134,7 +134,6 @@ def tables(docs: packed.Docs, lay: Layout, q, k, v) -> Tables:
   cls = jnp.maximum(docs.cls, 0)
   slot = jnp.where(docs.cls >= 0, jnp.asarray(lay.base(), jnp.int32)[cls]
                    + docs.rank, p)
-
   m = jnp.asarray(lay.batches, jnp.int32)[cls]
   entry = jnp.where(docs.cls >= 0, jnp.asarray(lay.offs_base(), jnp.int32)[
       cls] + docs.rank // m * (m + 4) + docs.rank % m, sum(lay.chunks()))
@@ -168,17 +167,18 @@ def tables(docs: packed.Docs, lay: Layout, q, k, v) -> Tables:
   return Tables(counts, lens, offs, at)
 
 
-def _workspace_attrs(config, blk: packed.Block, lay: Layout) -> dict:
+def _pass_attrs(config, blk: packed.Block, lay: Layout) -> dict:
   return dict(scale=np.float32(config.scale),
               right_bound=blk.inner.right_bound,
               left_bound=blk.inner.left_bound, **lay.attrs())
 
 
 def _before_the_branch(tab):
-  """The tables (and the backward's stats), computed before the ``lax.cond`` on the layout rather than
-  moved into its branch: on a GPU the host waits for the device at the
-  branch, and again when the handler reads the counts; with the tables
-  done first, nothing runs between the two waits."""
+  """The tables (and the backward's stats), computed before the
+  ``lax.cond`` on the layout rather than moved into its branch: on a GPU
+  the host waits for the device at the branch, and again when the handler
+  reads the counts; with the tables done first, nothing runs between the
+  two waits."""
   return jax.lax.optimization_barrier(tab)
 
 
@@ -209,7 +209,7 @@ def forward(q, k, v, mask, config, bnd):
     out, stats = ffi.sdpa_pass(
         "jax_ring_sdpa_fwd_pass", shapes, *args,
         calls=_graphs(config, blk, lay), **into,
-        **_workspace_attrs(config, blk, lay))
+        **_pass_attrs(config, blk, lay))
     bi = jnp.arange(b)[:, None, None]
     lse = jnp.where(tab.at < r, stats[bi, jnp.minimum(tab.at, r - 1)],
                     MASK_VALUE)
@@ -240,7 +240,7 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd):
     return vma.like(tuple(ffi.sdpa_pass(
         "jax_ring_sdpa_bwd_pass", shapes, *args,
         calls=_graphs(config, blk, lay), **into,
-        **_workspace_attrs(config, blk, lay))), *refs)
+        **_pass_attrs(config, blk, lay))), *refs)
 
   return jax.lax.cond(blk.fits, run, lambda _: vma.like(tuple(xla.backward(
       q, k, v, None, mask, out, lse, dout, None, config)[:3]), *refs), None)
