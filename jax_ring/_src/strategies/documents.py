@@ -113,9 +113,9 @@ def _row_order(row, cp_size: int):
   twice = id_in_two_runs(row)
   if twice is not None:
     raise ValueError(
-        f"segment_ids: id {twice[0]} is two runs of tokens in a row; reordering "
-        "documents could join two of them into one. Give each document its "
-        "own id")
+        f"segment_ids: id {twice[0]} is two runs of tokens in a row; "
+        "reordering documents could join two of them into one. Give each "
+        "document its own id")
   c = row.size // cp_size
   # The row's own order and two constructions: the evenest, the row's own
   # on a tie.
