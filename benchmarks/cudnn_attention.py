@@ -281,16 +281,18 @@ def empty_table(a):
 
 
 def plot_packed(path, mode="packed"):
-  """The packed ``mode`` of a results file as a PNG beside it:
-  forward+backward ms against documents a row, packed and as a dense
-  batch."""
+  """The packed ``mode`` of a results file as a PNG beside it
+  (``<stem>_packed.png``, the mode in its title): forward+backward ms
+  against documents a row, packed and as a dense batch."""
   import json
   import pathlib
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   path = pathlib.Path(path)
-  run = json.loads(path.read_text())["runs"][mode]
+  runs = json.loads(path.read_text())["runs"]
+  mode = mode if mode in runs else f"{mode}_packed"
+  run = runs[mode]
   rows = [r for r in run["rows"] if r.get("mix") == "equal"]
   if not rows:
     raise SystemExit(f"{path} ({mode}) holds no rows of equal documents "
@@ -307,9 +309,9 @@ def plot_packed(path, mode="packed"):
               label="lognormal mix, packed")
   ax.set(xscale="log", yscale="log", xlabel="documents in a row of "
          f"{rows[0]['seq']} tokens", ylabel="forward+backward ms",
-         title=f"{run['device']}, N=16 K=8 D=128, bf16, causal")
+         title=f"{run['device']}, N=16 K=8 D=128, bf16, causal ({mode})")
   ax.legend()
-  out = path.with_name(f"{path.stem}_{mode}.png")
+  out = path.with_name(f"{path.stem}_packed.png")
   fig.savefig(out, dpi=120, bbox_inches="tight")
   print(f"wrote {out}")
 
@@ -342,8 +344,7 @@ def main():
                  "run)")
   a = p.parse_args()
   if a.plot:
-    return plot_packed(a.plot, "packed" if a.mode == "default" else
-                       f"{a.mode}_packed")
+    return plot_packed(a.plot, "packed" if a.mode == "default" else a.mode)
   builders = dict(default=default_table, sinks=sinks_table, mla=mla_table,
                   packed=packed_table, empty=empty_table)
   from jax_ring._src.backends.cudnn import passes
