@@ -117,6 +117,30 @@ def test_uneven_split_of_the_slots(monkeypatch, lane):
     ref.assert_close(x, grads[name], jnp.float32, "d" + name)
 
 
+@pytest.mark.gpu
+def test_one_program_a_row_on_gpus():
+  """A cache of one block (128 slots): one program a row and kv head, so
+  no merge of parts (the CPU cases above always run that way). A row
+  that sees no slot is zero; a NaN query's row is NaN."""
+  c = pallas_decode.BLOCK
+  kv_pos = KV_POS[:, :c]
+  q_pos = np.array([[-5, 100, 101], [126, 127, 128]], np.int32)
+  sms = getattr(jax.devices()[0], "core_count", 1)
+  assert pallas_decode.splits(B, K, c, sms)[0] == 1
+  q, k, v, dout = ref.random_qkv(10, B, T, c, N, K, H, hv=HV)
+  q = q.at[1, 2, 3, 0].set(jnp.nan)
+  vis = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= q_pos[:, :, None])
+  want, _, _ = ref.attention(q, k, v, ref.Case(H**-0.5, dense=vis[:, None]))
+  out = np.asarray(jax_ring.decode_attention(
+      q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), query_positions=q_pos,
+      key_positions=kv_pos, kv_layout="bksh", implementation="pallas"))
+  np.testing.assert_array_equal(out[0, 0], 0.0)
+  assert np.isnan(out[1, 2, 3]).all() and np.isnan(out).sum() == HV
+  keep = ~np.isnan(np.asarray(want))
+  ref.assert_close(np.where(keep, out, 0.0), np.where(keep, want, 0.0),
+                   jnp.float32)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(kv_layout="bskh"), "implementation must be None, 'xla' or one of "
      "['pallas'] (with kv_layout='bksh'); got 'pallas' with "

@@ -16,7 +16,8 @@ float32, the probabilities cast to the cache's dtype for the second
 product, as the XLA path casts them. Each K/V block is read once for its
 G heads. S is picked so that about ``WAVES`` programs per SM run (every
 SM streams at batch 1). The S partial ``(o, m, l)`` merge by logsumexp in
-XLA, as devices merge: the result is ``decode._local``'s, unnormalised.
+XLA, as devices merge (S = 1, a short cache: no merge): the result is
+``decode._local``'s, unnormalised.
 
 A visible NaN logit makes its row's ``m`` and ``l`` NaN (a running max
 may skip NaN), so the row's output is NaN, as in ``jax.nn``.
@@ -167,11 +168,14 @@ def local(q, k, v, q_pos, kv_pos, *, band, scale, cap, interpret=False):
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret, name="jax_ring_decode_attention",
   )(*operands)
-  top = m.max(axis=2, keepdims=True)  # NaN stays NaN
-  alpha = jnp.exp(m - top)
-  o = (o * alpha[..., None]).sum(2)[:, :, :rows]
-  l = (l * alpha).sum(2)[:, :, :rows]
-  m = top[:, :, 0, :rows]
+  if s == 1:  # one program a row's slots: nothing to merge
+    o, m, l = (x[:, :, 0, :rows] for x in (o, m, l))
+  else:
+    top = m.max(axis=2, keepdims=True)  # NaN stays NaN
+    alpha = jnp.exp(m - top)
+    o = (o * alpha[..., None]).sum(2)[:, :, :rows]
+    l = (l * alpha).sum(2)[:, :, :rows]
+    m = top[:, :, 0, :rows]
   # (B, K, T G, ...) -> (B, T, N, ...)
   back = lambda x: jnp.moveaxis(
       x.reshape((b, kh, t, g) + x.shape[3:]), 2, 1).reshape(
