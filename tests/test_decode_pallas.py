@@ -130,7 +130,7 @@ def test_one_program_a_row_on_gpus():
   q, k, v, dout = ref.random_qkv(10, B, T, c, N, K, H, hv=HV)
   q = q.at[1, 2, 3, 0].set(jnp.nan)
   vis = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= q_pos[:, :, None])
-  want, _, _ = ref.attention(q, k, v, ref.Case(H**-0.5, dense=vis[:, None]))
+  want, _ = ref.attention(q, k, v, ref.Case(H**-0.5, dense=vis[:, None]))
   out = np.asarray(jax_ring.decode_attention(
       q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), query_positions=q_pos,
       key_positions=kv_pos, kv_layout="bksh", implementation="pallas"))
