@@ -30,9 +30,7 @@ namespace nb = nanobind;
 
 namespace jax_ring {
 
-// Builds (or finds) the key's plan on `device`'s handle, and runs it unless
-// `workspace` is null. `workspace` is an XLA buffer of the bytes the Python
-// side asked the same plan for: no allocation happens here, so a call can be
+// run.h states the contract. No allocation happens here, so a call can be
 // traced into a CUDA graph (command buffer) and replayed.
 ffi::Error Run(const SdpaKey& key, cudaStream_t stream,
                const ffi::AnyBuffer* workspace, void* const* ptrs) {

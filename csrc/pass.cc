@@ -1,6 +1,6 @@
 // One handler a packed block pass: every length class's cuDNN calls, their
-// number read from the device once (see
-// ../jax_ring/_src/backends/cudnn/packed.py, `pass_tables`).
+// number read from the device once (the tables are built by
+// ../jax_ring/_src/backends/cudnn/passes.py, `tables`).
 //
 // Class c's documents are virtual batches of L_c rows and keys. A row's
 // table holds P_c entries of class c (its documents by rank, empty ones at

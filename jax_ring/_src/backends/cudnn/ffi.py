@@ -53,6 +53,19 @@ def attrs(config, bnd: Band, padding: bool, slots: int = 0,
 RECORD: list | None = None
 
 
+def _note(name, q_shape, k_shape, v_shape, dtype, attrs) -> dict:
+  """One cuDNN call of handler ``name`` as :func:`workspace_bytes` reads
+  it, noted in the active recording."""
+  call = dict(backward=name.startswith("jax_ring_sdpa_bwd"),
+              q=tuple(q_shape), k=tuple(k_shape), v=tuple(v_shape),
+              dtype=jnp.dtype(dtype).name,
+              **{a: x.item() if hasattr(x, "item") else x
+                 for a, x in attrs.items()})
+  if RECORD is not None:
+    RECORD.append(call)
+  return call
+
+
 def sdpa(name, results, q, k, v, *operands, aliases=None, **attrs):
   """``jax.ffi.ffi_call`` of handler ``name`` on ``q (B, T, N, H), k (B, S,
   K, H), v (B, S, K, Hv)`` and the other ``operands``, noted in the active
@@ -63,12 +76,7 @@ def sdpa(name, results, q, k, v, *operands, aliases=None, **attrs):
   size: XLA allocates the workspace as one more (discarded) result, so the
   handler allocates nothing, a compiled program's memory analysis counts
   it, and the call can be traced into a CUDA graph (command buffer)."""
-  call = dict(backward=name.startswith("jax_ring_sdpa_bwd"), q=q.shape,
-              k=k.shape, v=v.shape, dtype=jnp.dtype(q.dtype).name,
-              **{a: x.item() if hasattr(x, "item") else x
-                 for a, x in attrs.items()})
-  if RECORD is not None:
-    RECORD.append(call)
+  call = _note(name, q.shape, k.shape, v.shape, q.dtype, attrs)
   workspace = jax.ShapeDtypeStruct((workspace_bytes(call),), jnp.uint8)
   return jax.ffi.ffi_call(name, (*results, workspace),
                           input_output_aliases=aliases)(q, k, v, *operands,
@@ -81,17 +89,9 @@ def sdpa_pass(name, results, q, k, v, *operands, calls, aliases=None,
   see ``passes.py``), which runs some of ``calls`` (each a one-row call's
   attributes, as :func:`attrs` gives them) on each row: its workspace is
   the largest of theirs, and each is noted in the active recording."""
-  backward = name.startswith("jax_ring_sdpa_bwd")
   one = lambda x: (1,) + tuple(x.shape[1:])
-  need = 0
-  for at in calls:
-    call = dict(backward=backward, q=one(q), k=one(k), v=one(v),
-                dtype=jnp.dtype(q.dtype).name,
-                **{a: x.item() if hasattr(x, "item") else x
-                   for a, x in at.items()})
-    if RECORD is not None:
-      RECORD.append(call)
-    need = max(need, workspace_bytes(call))
+  need = max((workspace_bytes(_note(name, one(q), one(k), one(v), q.dtype,
+                                    at)) for at in calls), default=0)
   workspace = jax.ShapeDtypeStruct((need,), jnp.uint8)
   return jax.ffi.ffi_call(name, (*results, workspace),
                           input_output_aliases=aliases)(q, k, v, *operands,
