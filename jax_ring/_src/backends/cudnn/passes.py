@@ -29,6 +29,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import layout as xla_layout
 
 from jax_ring._src.backends import xla
 from jax_ring._src.backends.cudnn import ffi, packed
@@ -182,6 +183,17 @@ def _before_the_branch(tab):
   return jax.lax.optimization_barrier(tab)
 
 
+def _row_major(xs):
+  """``xs`` (a tuple of arrays) held in row-major layouts. The fallback
+  branch's results pass through this: a conditional's results take one
+  layout for both branches, and the ``xla`` backend's would otherwise
+  leave a transposed one to the handler's branch, which then copies its
+  results into it."""
+  row_major = lambda x: xla_layout.Layout(tuple(range(x.ndim)))
+  return tuple(xla_layout.with_layout_constraint(x, row_major(x))
+               for x in xs)
+
+
 def _graphs(config, blk: packed.Block, lay: Layout) -> list[dict]:
   """Each one-row call the pass may run (its attributes)."""
   pairs = [(m, lay.lengths[0]) for m in lay.menu] + list(
@@ -215,8 +227,8 @@ def forward(q, k, v, mask, config, bnd):
                     MASK_VALUE)
     return vma.like((out, lse), *refs)
 
-  return jax.lax.cond(blk.fits, run, lambda _: vma.like(
-      xla.forward(q, k, v, None, mask, config), *refs), None)
+  return jax.lax.cond(blk.fits, run, lambda _: vma.like(_row_major(
+      xla.forward(q, k, v, None, mask, config)), *refs), None)
 
 
 def backward(q, k, v, mask, out, lse, dout, config, bnd):
@@ -242,5 +254,6 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd):
         calls=_graphs(config, blk, lay), **into,
         **_pass_attrs(config, blk, lay))), *refs)
 
-  return jax.lax.cond(blk.fits, run, lambda _: vma.like(tuple(xla.backward(
-      q, k, v, None, mask, out, lse, dout, None, config)[:3]), *refs), None)
+  return jax.lax.cond(blk.fits, run, lambda _: vma.like(_row_major(
+      xla.backward(q, k, v, None, mask, out, lse, dout, None, config)[:3]),
+      *refs), None)
