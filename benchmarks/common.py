@@ -204,16 +204,21 @@ def results_path(name: str, env: dict) -> pathlib.Path:
 
 def packed_path_args(p) -> None:
   """``--packed-path``: how a packed cuDNN block runs its calls."""
-  p.add_argument("--packed-path", default="pass", choices=("pass", "calls"),
-                 help="one handler a block pass where it serves the shapes "
-                 "(pass, the library's default) or the calls' switch and "
-                 "loop (calls)")
+  p.add_argument("--packed-path", default="pass", choices=PACKED_PATHS,
+                 help="one handler a block pass where it serves the shapes, "
+                 "rows of short documents as dense band tiles (pass, the "
+                 "library's default), the same without the tiles (handler), "
+                 "or the calls' switch and loop (calls)")
+
+
+PACKED_PATHS = ("pass", "handler", "calls")
 
 
 def use_packed_path(path: str) -> None:
   """Make packed cuDNN blocks run as ``path`` (see packed_path_args)."""
-  from jax_ring._src.backends.cudnn import passes
-  passes.ENABLED = path == "pass"
+  from jax_ring._src.backends.cudnn import passes, tiles
+  passes.ENABLED = path != "calls"
+  tiles.SIZES = tiles.DEFAULT_SIZES if path == "pass" else ()
 
 
 def write(name, rows, columns, extra=None, mode="default", path=None,

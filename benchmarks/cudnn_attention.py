@@ -54,8 +54,8 @@ import jax
 import jax.numpy as jnp
 
 import jax_ring
-from common import (document_ids, lognormal_lengths, random_qkv, shape_args,
-                    time_fn, write)
+from common import (PACKED_PATHS, document_ids, lognormal_lengths,
+                    random_qkv, shape_args, time_fn, use_packed_path, write)
 
 TABLES = ("default", "sinks", "mla", "packed", "empty")
 SINK_SHAPES = ((64, 8, 64), (32, 8, 128))  # (N, K, D): gpt-oss; Llama-like
@@ -204,7 +204,7 @@ def packed_rows(seq, docs, seed=0):
 
 
 def packed_table(a):
-  from jax_ring._src.backends.cudnn import packed
+  from jax_ring._src.backends.cudnn import packed, passes, tiles
   rows, s, n, kh, d = [], a.packed_seq, 16, 8, 128
   q, k, v, do = qkv(s, s, n, kh, d)
   impl = None if a.implementation == "cudnn" else "xla"
@@ -218,7 +218,10 @@ def packed_table(a):
     row = dict(seq=s, heads=n, kv_heads=kh, mix=mix, documents=len(lengths),
                longest=int(lengths.max()), work=work,
                cudnn_calls=int(packed.calls(packed.documents(
-                   jnp.asarray(ids), jnp.asarray(ids), same=True), s, s)))
+                   jnp.asarray(ids), jnp.asarray(ids), same=True), s, s)),
+               tile=next((p for p in tiles.SIZES if p >= lengths.max()), 0))
+    if row["tile"] and passes.ENABLED:
+      row["cudnn_calls"] = 0
     seg = jnp.asarray(ids)
     timed(row, "packed", lambda q, k, v: jax_ring.dot_product_attention(
         q, k, v, is_causal=True, segment_ids=seg, implementation=impl),
@@ -232,7 +235,7 @@ def packed_table(a):
     row.update(dense)
     rows.append(row)
     print(row, flush=True)
-  return rows, ["mix", "documents", "longest", "cudnn_calls",
+  return rows, ["mix", "documents", "longest", "tile", "cudnn_calls",
                 "packed_fwdbwd_ms", "batch_fwdbwd_ms",
                 "fwdbwd_packed_over_batch", "packed_fwdbwd_tflops",
                 "one_document_fwdbwd_ms"], dict(
@@ -240,7 +243,8 @@ def packed_table(a):
       "batch of equal rows, one call (target <= 1.25)",
       work="the documents' causal work over the whole row's", mixes=
       "equal: documents of seq / documents tokens; lognormal: median 300, "
-      "sigma 1, cap 8192, seed 0")
+      "sigma 1, cap 8192, seed 0", tile="the tile size of the dense band "
+      "tiles the pass takes (every document fits it), 0: its handler")
 
 
 def empty_table(a):
@@ -331,10 +335,9 @@ def main():
   p.add_argument("--packed-docs", type=int, nargs="+",
                  default=[1, 8, 64, 256, 1024, 4096])
   p.add_argument("--packed-paths", nargs="+", default=["pass"],
-                 choices=("pass", "calls"), help="the packed table's "
-                 "form of a block pass: one handler (pass) or the calls' "
-                 "switch and loop (calls); with both, each its own mode "
-                 "(<mode>_<path>), one after the other")
+                 choices=PACKED_PATHS, help="the packed table's form of a "
+                 "block pass (common.packed_path_args); with several, each "
+                 "its own mode (<mode>_<path>), one after the other")
   p.add_argument("--plot", metavar="RESULTS_JSON", default=None,
                  help="only draw that file's packed table as a PNG beside "
                  "it (needs matplotlib)")
@@ -347,12 +350,11 @@ def main():
     return plot_packed(a.plot, "packed" if a.mode == "default" else a.mode)
   builders = dict(default=default_table, sinks=sinks_table, mla=mla_table,
                   packed=packed_table, empty=empty_table)
-  from jax_ring._src.backends.cudnn import passes
   runs = [(t, None) for t in a.tables if t != "packed"] + (
       [("packed", p) for p in a.packed_paths] if "packed" in a.tables else [])
   for table, path in runs:
     if path is not None:
-      passes.ENABLED = path == "pass"
+      use_packed_path(path)
     rows, columns, extra = builders[table](a)
     mode = a.mode if table == "default" else (
         table if a.mode == "default" else f"{a.mode}_{table}")

@@ -291,26 +291,33 @@ PACKED = {
                     dict(is_causal=True)),
     "many_window_causal": (ref.random_segments(18, B, P_T, 50), None,
                            dict(is_causal=True, window=(7, 0))),
+    # Documents of 40 and 33 tokens, seeing forward: the 64-token tiles.
+    "short_full": (np.arange(P_T, dtype=np.int32)[None].repeat(B, 0) //
+                   np.array([[40], [33]], np.int32), None, {}),
     "many_striped_causal_next": (
         *(ids[:, r::2] for ids in [ref.random_segments(19, B, 2 * P_T, 80)]
           for r in (0, 1)), dict(is_causal=True, kv_offset=1)),
 }
 
 
-@pytest.mark.parametrize("one_handler", [True, False],
-                         ids=["pass", "calls"])
-@pytest.mark.parametrize("smallest", [32, 16])
-@pytest.mark.parametrize("name", list(PACKED))
-def test_packed_documents_through_ragged_offsets(name, smallest, one_handler,
+@pytest.mark.parametrize("name, smallest, path", [
+    (name, smallest, path) for name in PACKED for smallest in (32, 16)
+    for path in ("pass", "calls")] + [(name, 32, "tiles") for name in PACKED])
+def test_packed_documents_through_ragged_offsets(name, smallest, path,
                                                  monkeypatch):
   """Packed rows through the length classes' ragged calls (SMALLEST = 16:
   classes 16, 64, 256, 301; 32: 32, 128, 301; class 0's menu and loops of
   calls), every served mask, against the float64 reference: one handler a
-  pass, and the calls' switch and loop."""
+  pass, the calls' switch and loop, and the pass with its tiles' branch
+  (which takes the rows of one id array whose documents all fit a tile:
+  ``many_causal``, ``many_window_causal``, ``short_full``)."""
   import ragged_cudnn
-  from jax_ring._src.backends.cudnn import passes
+  from jax_ring._src.backends.cudnn import passes, tiles
   monkeypatch.setattr(packed, "SMALLEST", smallest)
-  monkeypatch.setattr(passes, "ENABLED", one_handler)
+  monkeypatch.setattr(passes, "ENABLED", path != "calls")
+  if path != "tiles":
+    monkeypatch.setattr(tiles, "SIZES", ())
+  one_handler = path != "calls"
   q_ids, kv_ids, kw = PACKED[name]
   q, k, v, do = ref.random_qkv(13, B, P_T, P_T, N, K, 128, jnp.bfloat16)
   case = ref.Case(128**-0.5, q_segment_ids=q_ids,

@@ -12,13 +12,20 @@ import numpy as np
 import pytest
 
 from jax_ring._src.backends import cudnn
-from jax_ring._src.backends.cudnn import ffi, packed, passes
+from jax_ring._src.backends.cudnn import ffi, packed, passes, tiles
 # The band module's names (the package's ``band`` is the function, which
 # hides the module of that name).
 from jax_ring._src.backends.cudnn.band import (Band, band, row_valid,
                                                rows_may_be_empty,
                                                window_lengths)
 import reference as ref
+
+
+@pytest.fixture(autouse=True)
+def no_tiles(monkeypatch):
+  """The pass's handler on every row here, short documents included (the
+  tiles' branch: test_cudnn_tiles.py)."""
+  monkeypatch.setattr(tiles, "SIZES", ())
 
 
 def cudnn_visibility(bnd, t, s):

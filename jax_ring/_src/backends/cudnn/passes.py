@@ -18,8 +18,11 @@ float32 stats a row, gathered to the tokens' lse after the forward and
 scattered from them before the backward (cuDNN 9.19's backward reads no
 ragged stats).
 
-Ids that do not fit the calls (:func:`packed.layout`) take the ``xla``
-backend under one ``lax.cond``; the tables are built before it.
+**Branches.** One ``lax.switch`` a pass, on the documents: ids that do
+not fit the calls (:func:`packed.layout`) take the ``xla`` backend; a
+block of one id array whose documents all fit a tile of ``tiles.SIZES``
+takes that size's dense band tiles (:mod:`tiles`); the rest the handler.
+The tables are built before the switch.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import numpy as np
 from jax.experimental import layout as xla_layout
 
 from jax_ring._src.backends import xla
-from jax_ring._src.backends.cudnn import ffi, packed
+from jax_ring._src.backends.cudnn import ffi, packed, tiles
 from jax_ring._src.core import vma
 from jax_ring._src.core.mask import MASK_VALUE
 
@@ -194,6 +197,21 @@ def _row_major(xs):
                for x in xs)
 
 
+def _tile_sizes(q, k, mask, config) -> tuple[int, ...]:
+  """The tile sizes a pass branches to (none where tiles do not serve)."""
+  return tiles.SIZES if tiles.serves(q, k, mask, config) else ()
+
+
+def _switch(blk: packed.Block, run, others):
+  """``run`` (the handler) or one of ``others`` (the fallback, then each
+  tile size), picked on the device: the fallback where the ids do not
+  fit, else the first tile that holds the longest document, else the
+  handler."""
+  pick = tiles.size_index(blk.docs.q_len.max()) if len(others) > 1 else 0
+  return jax.lax.switch(jnp.where(blk.fits, 1 + pick, 0), others + [run],
+                        None)
+
+
 def _graphs(config, blk: packed.Block, lay: Layout) -> list[dict]:
   """Each one-row call the pass may run (its attributes)."""
   pairs = [(m, lay.lengths[0]) for m in lay.menu] + list(
@@ -227,8 +245,11 @@ def forward(q, k, v, mask, config, bnd):
                     MASK_VALUE)
     return vma.like((out, lse), *refs)
 
-  return jax.lax.cond(blk.fits, run, lambda _: vma.like(_row_major(
-      xla.forward(q, k, v, None, mask, config)), *refs), None)
+  others = [lambda _: xla.forward(q, k, v, None, mask, config)] + [
+      lambda _, p=p: tiles.forward(q, k, v, blk.q_ids, config, p)
+      for p in _tile_sizes(q, k, mask, config)]
+  return _switch(blk, run, [
+      lambda _, f=f: vma.like(_row_major(f(_)), *refs) for f in others])
 
 
 def backward(q, k, v, mask, out, lse, dout, config, bnd):
@@ -254,6 +275,10 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd):
         calls=_graphs(config, blk, lay), **into,
         **_pass_attrs(config, blk, lay))), *refs)
 
-  return jax.lax.cond(blk.fits, run, lambda _: vma.like(_row_major(
-      xla.backward(q, k, v, None, mask, out, lse, dout, None, config)[:3]),
-      *refs), None)
+  others = [lambda _: xla.backward(q, k, v, None, mask, out, lse, dout, None,
+                                   config)[:3]] + [
+      lambda _, p=p: tiles.backward(q, k, v, blk.q_ids, out, lse, dout,
+                                    config, p)
+      for p in _tile_sizes(q, k, mask, config)]
+  return _switch(blk, run, [
+      lambda _, f=f: vma.like(_row_major(f(_)), *refs) for f in others])

@@ -1,0 +1,142 @@
+"""The packed pass's dense band tiles (rows of short documents), on the
+CPU against the float64 reference: the pass's switch takes the tiles
+where every document fits one, and the handler otherwise. The handler is
+replaced by one that returns NaN, so an exact result shows the tiles ran
+and a NaN one that the handler did."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ring._src.backends import cudnn
+from jax_ring._src.backends.cudnn import ffi, passes, tiles
+from jax_ring._src.backends.cudnn.band import band
+from jax_ring._src.core.mask import BlockMask
+import reference as ref
+
+
+def short_ids(seed, b, t, most):
+  """``(B, T)`` sorted ids of documents of 1 to ``most`` tokens; each
+  row's first holds exactly ``most``."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for _ in range(b):
+    lens = [most]
+    while sum(lens) < t:
+      lens.append(int(rng.integers(1, most + 1)))
+    rows.append(np.repeat(np.arange(len(lens)), lens)[:t])
+  return np.stack(rows).astype(np.int32)
+
+
+def poisoned(name, results, *args, **kw):
+  """Stands in for the handler: NaN in every result."""
+  return tuple(jnp.full(r.shape, jnp.nan, r.dtype) for r in results)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+  monkeypatch.setattr(tiles, "SIZES", (4, 8))
+  monkeypatch.setattr(ffi, "sdpa_pass", poisoned)
+
+
+@pytest.mark.parametrize("most, kw", [
+    (8, dict(is_causal=True)),
+    (4, dict(is_causal=True, window=(3, 0))),
+    (8, {}),
+    (5, dict(window=(2, 6))),
+], ids=["causal", "causal_window_size4", "full", "window_ahead"])
+def test_short_documents_take_band_tiles(most, kw, small_tiles):
+  """Rows of 61 tokens whose documents hold at most ``most`` tokens run as
+  tiles of the first size holding them (the last tile part padding), GQA
+  with a value head dim unlike the key's: out, lse and every gradient
+  equal the reference's."""
+  ids = short_ids(most, 2, 61, most)
+  b, t = ids.shape
+  q, k, v, do = ref.random_qkv(3, b, t, t, 4, 2, 8, hv=16)
+  case = ref.Case(0.3, q_segment_ids=ids, kv_segment_ids=ids, **kw)
+  cfg = ref.config(case)
+  bnd = band(cfg, 0, 0, t, t)
+
+  @jax.jit
+  def f(q, k, v, ids):
+    mask = BlockMask(q_segment_ids=ids)
+    out, lse = passes.forward(q, k, v, mask, cfg, bnd)
+    return out, lse, passes.backward(q, k, v, mask, out, lse, do, cfg, bnd)
+
+  out, lse, grads = f(q, k, v, jnp.asarray(ids))
+  r_out, r_lse, r_g = ref.attention(q, k, v, case, dout=do)
+  ref.assert_close(out, r_out, q.dtype, "out")
+  ref.assert_close(lse, r_lse, q.dtype, "lse")
+  for gname, got in zip("qkv", grads):
+    ref.assert_close(got, r_g[gname], q.dtype, "d" + gname)
+
+
+def test_a_longer_document_takes_the_handler(small_tiles):
+  """One document of 9 tokens, past the largest tile (8): the pass runs
+  the handler (here NaN), in both directions."""
+  ids = short_ids(9, 2, 40, 9)
+  q, k, v, do = ref.random_qkv(4, 2, 40, 40, 4, 2, 8)
+  cfg = ref.config(ref.Case(0.3, is_causal=True))
+  bnd = band(cfg, 0, 0, 40, 40)
+  mask = BlockMask(q_segment_ids=jnp.asarray(ids))
+  out, lse = passes.forward(q, k, v, mask, cfg, bnd)
+  # Finite out and lse, so that only the handler can make dq NaN.
+  dq, _, _ = passes.backward(q, k, v, mask, jnp.ones_like(out),
+                             jnp.zeros_like(lse), do, cfg, bnd)
+  assert np.isnan(np.asarray(out)).all() and np.isnan(np.asarray(dq)).all()
+
+
+def test_tiles_serve_one_id_array_within_their_logit_bound():
+  """Tiles serve a block of one id array at equal offsets whose float32
+  logits at the largest size fit ``MAX_LOGIT_BYTES``: a 32k row of 16
+  heads (256 MiB causal), not a 128k row of 64 heads, nor two arrays."""
+  rows = lambda t, n: jax.ShapeDtypeStruct((1, t, n, 128), jnp.bfloat16)
+  ids = jnp.zeros((1, 32768), jnp.int32)
+  causal = ref.config(ref.Case(0.1, is_causal=True))
+  one = BlockMask(q_segment_ids=ids)
+  assert tiles.serves(rows(32768, 16), rows(32768, 8), one, causal)
+  assert not tiles.serves(rows(131072, 64), rows(131072, 8),
+                          BlockMask(q_segment_ids=jnp.zeros((1, 131072))),
+                          causal)
+  two = BlockMask(q_segment_ids=ids, kv_segment_ids=ids + 0)
+  assert not tiles.serves(rows(32768, 16), rows(32768, 8), two, causal)
+
+
+def test_tiles_inside_shard_map(small_tiles, monkeypatch):
+  """The ring's diagonal blocks of short documents on 2 simulated devices
+  (contiguous shards; the handler NaN on a block of one id array, the
+  replayed one on the off-diagonal block of two): output and gradients
+  equal the reference's."""
+  import jax_ring
+  import ragged_cudnn
+  from jax.sharding import PartitionSpec as P
+  from helpers import layout_vjp, mesh
+  from jax_ring._src.core import registry
+  monkeypatch.setattr(ffi, "sdpa", ragged_cudnn.sdpa)
+
+  def diagonal_poisoned(name, results, *args, aliases=None, **kw):
+    if aliases is None:  # fresh buffers: one id array
+      return poisoned(name, results)
+    return ragged_cudnn.sdpa_pass(name, results, *args, aliases=aliases, **kw)
+
+  monkeypatch.setattr(ffi, "sdpa_pass", diagonal_poisoned)
+  monkeypatch.setattr(cudnn, "unsupported", lambda *_: None)  # as on a GPU
+  monkeypatch.setitem(registry.BACKENDS, "cudnn", registry.Backend(
+      "cudnn", cudnn.forward, cudnn.backward, lambda *_: None))
+  cp, t = 2, 84
+  ids = short_ids(11, 2, t, 8)
+  q, k, v, do = ref.random_qkv(12, 2, t, t, 4, 2, 8)
+  spec = P(None, "cp")
+  f = jax.shard_map(
+      lambda q, k, v, ids: jax_ring.ring_attention(
+          q, k, v, axis_name="cp", implementation="cudnn", is_causal=True,
+          segment_ids=ids),
+      mesh=mesh(cp), in_specs=(spec,) * 4, out_specs=spec)
+  out, grads = layout_vjp(f, cp, None, q, k, v, do, jnp.asarray(ids))
+  case = ref.Case(8**-0.5, is_causal=True, q_segment_ids=ids,
+                  kv_segment_ids=ids)
+  r_out, _, r_g = ref.attention(q, k, v, case, dout=do)
+  ref.assert_close(out, r_out, q.dtype, "out")
+  for gname, got in zip("qkv", grads):
+    ref.assert_close(got, r_g[gname], q.dtype, "d" + gname)
