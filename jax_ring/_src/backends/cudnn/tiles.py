@@ -46,9 +46,10 @@ def serves(q, k, mask, config) -> bool:
   offsets, and its logits at ``SIZES[-1]`` within ``MAX_LOGIT_BYTES``
   (none with no ``SIZES``)."""
   b, t, n, _ = q.shape
-  if not SIZES or not (mask.same_ids and k.shape[1] == t and
-          isinstance(mask.q_offset, (int, np.integer)) and
-          mask.q_offset == mask.kv_offset):
+  one_array = (mask.same_ids and k.shape[1] == t and
+               isinstance(mask.q_offset, (int, np.integer)) and
+               mask.q_offset == mask.kv_offset)
+  if not SIZES or not one_array:
     return False
   width = (3 if _ahead(config) else 2) * SIZES[-1]
   return 4 * b * t * n * width <= MAX_LOGIT_BYTES
