@@ -1,8 +1,11 @@
 """The packed pass's dense band tiles (rows of short documents), on the
 CPU against the float64 reference: the pass's switch takes the tiles
-where every document fits one, and the handler otherwise. The handler is
-replaced by one that returns NaN, so an exact result shows the tiles ran
-and a NaN one that the handler did."""
+where every document fits one, and the handler otherwise. The handler and
+the pass's fallback (the ``xla`` backend) are replaced by ones that
+return NaN, so an exact result shows the tiles ran, and a NaN one that
+the handler did."""
+
+import types
 
 import jax
 import jax.numpy as jnp
@@ -29,15 +32,24 @@ def short_ids(seed, b, t, most):
   return np.stack(rows).astype(np.int32)
 
 
+def nan_like(*xs):
+  return tuple(jnp.full(x.shape, jnp.nan, x.dtype) for x in xs)
+
+
 def poisoned(name, results, *args, **kw):
   """Stands in for the handler: NaN in every result."""
-  return tuple(jnp.full(r.shape, jnp.nan, r.dtype) for r in results)
+  return nan_like(*results)
 
 
 @pytest.fixture
 def small_tiles(monkeypatch):
   monkeypatch.setattr(tiles, "SIZES", (4, 8))
   monkeypatch.setattr(ffi, "sdpa_pass", poisoned)
+  monkeypatch.setattr(passes, "xla", types.SimpleNamespace(
+      forward=lambda q, k, v, *_: nan_like(
+          jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype),
+          jnp.zeros(q.shape[:3], jnp.float32)),
+      backward=lambda q, k, v, *_: nan_like(q, k, v) + (None,)))
 
 
 @pytest.mark.parametrize("most, kw", [
