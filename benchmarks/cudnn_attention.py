@@ -220,7 +220,11 @@ def packed_table(a):
                cudnn_calls=int(packed.calls(packed.documents(
                    jnp.asarray(ids), jnp.asarray(ids), same=True), s, s)),
                tile=next((p for p in tiles.SIZES if p >= lengths.max()), 0))
-    if row["tile"] and passes.ENABLED:
+    if impl or not (passes.ENABLED and tiles.serves(q, k, jax_ring.BlockMask(
+        q_segment_ids=jnp.asarray(ids)), jax_ring.AttentionConfig(
+            scale=d**-0.5, is_causal=True))):
+      row["tile"] = 0
+    if row["tile"]:
       row["cudnn_calls"] = 0
     seg = jnp.asarray(ids)
     timed(row, "packed", lambda q, k, v: jax_ring.dot_product_attention(
