@@ -383,6 +383,9 @@ def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
   monkeypatch.setattr(ffi, "sdpa_pass", ragged_cudnn.sdpa_pass)
   monkeypatch.setattr(packed, "SMALLEST", 4)
   monkeypatch.setattr(packed, "MAX_BATCHES", 8)
+  # Tiles of 4 and 8 tokens: their branches are traced inside shard_map,
+  # while each block's longest document (row 1's) takes the handler.
+  monkeypatch.setattr(tiles, "SIZES", (4, 8))
   monkeypatch.setattr(cudnn, "unsupported", lambda *_: None)  # as on a GPU
   monkeypatch.setitem(registry.BACKENDS, "cudnn", registry.Backend(
       "cudnn", cudnn.forward, cudnn.backward, lambda *_: None))

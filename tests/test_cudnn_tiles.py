@@ -115,6 +115,8 @@ def test_tiles_serve_one_id_array_within_their_logit_bound():
   assert not tiles.serves(rows(32768, 16), rows(32768, 8), two, causal)
 
 
+@pytest.mark.slow  # the default run traces the tiles in shard_map:
+# test_cudnn_band.py::test_packed_calls_inside_shard_map
 def test_tiles_inside_shard_map(small_tiles, monkeypatch):
   """The ring's diagonal blocks of short documents on 2 simulated devices
   (contiguous shards; the handler NaN on a block of one id array, the
