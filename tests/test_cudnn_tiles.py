@@ -84,6 +84,27 @@ def test_short_documents_take_band_tiles(most, kw, small_tiles):
     ref.assert_close(got, r_g[gname], q.dtype, "d" + gname)
 
 
+def test_tiles_propagate_nan_as_jax_nn(small_tiles):
+  """A NaN in one query and in one key: the tiles' NaN rows are exactly
+  jax.nn's (causal, the documents as a boolean mask), the others equal
+  it."""
+  ids = short_ids(8, 2, 61, 8)
+  q, k, v, _ = ref.random_qkv(5, 2, 61, 61, 4, 2, 8)
+  q, k = q.at[0, 5, 1, 3].set(jnp.nan), k.at[1, 20, 0, 2].set(jnp.nan)
+  cfg = ref.config(ref.Case(0.3, is_causal=True))
+  out, _ = jax.jit(lambda q, k, v, ids: passes.forward(
+      q, k, v, BlockMask(q_segment_ids=ids), cfg, band(cfg, 0, 0, 61, 61)))(
+          q, k, v, jnp.asarray(ids))
+  same = ids[:, None, :, None] == ids[:, None, None, :]
+  want = jax.nn.dot_product_attention(q, k, v, mask=jnp.asarray(same),
+                                      is_causal=True, scale=0.3)
+  out, want = np.asarray(out), np.asarray(want)
+  np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+  assert np.isnan(want).any() and not np.isnan(want).all()
+  fine = ~np.isnan(want)
+  np.testing.assert_allclose(out[fine], want[fine], atol=2e-5)
+
+
 def test_a_longer_document_takes_the_handler(small_tiles):
   """One document of 9 tokens, past the largest tile (8): the pass runs
   the handler (here NaN), in both directions."""

@@ -50,7 +50,10 @@ def _precision(dtype):
   return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def _einsum(spec, a, b):
+def einsum(spec, a, b):
+  """``jnp.einsum`` with float32 results: 16-bit operands on the tensor
+  cores, float32 ones at full precision. Every product of this backend and
+  of the cuDNN backend's dense band tiles."""
   return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32,
                     precision=_precision(a.dtype))
 
@@ -98,7 +101,7 @@ class _Tiling:
 
 def _scores(config, qi, kj, bias_tile):
   """Logits of one tile, ``(B, K, G, bq, bk)`` float32, and tanh(s/cap)."""
-  s = _einsum("bqkgh,bskh->bkgqs", qi, kj) * config.scale
+  s = einsum("bqkgh,bskh->bkgqs", qi, kj) * config.scale
   t = None
   if config.logits_soft_cap is not None:
     t = jnp.tanh(s / config.logits_soft_cap)
@@ -150,7 +153,7 @@ def forward(q, k, v, bias, mask: BlockMask, config: AttentionConfig):
       p = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
       alpha = jnp.exp(m - m_new)
       l = alpha * l + p.sum(-1)
-      pv = _einsum("bkgqs,bskh->bkgqh", p.astype(v.dtype), vj)
+      pv = einsum("bkgqs,bskh->bkgqh", p.astype(v.dtype), vj)
       return m_new, l, alpha[..., None] * acc + pv
 
     stats_shape = (b, kh, g, tl.bq)
@@ -215,18 +218,18 @@ def backward(q, k, v, bias, mask: BlockMask, out, lse, dout, dlse,
       vis = tl.visibility(mask, config, q_start, kv_start)
       # exp(-inf) = 0 exactly for hidden entries, whatever lse is.
       p = jnp.exp(jnp.where(vis, s - lse_i[..., None], -jnp.inf))
-      dv = dv + _einsum("bkgqs,bqkgh->bskh", p.astype(dout.dtype), doi)
-      dp = _einsum("bqkgh,bskh->bkgqs", doi, vj)
+      dv = dv + einsum("bkgqs,bqkgh->bskh", p.astype(dout.dtype), doi)
+      dp = einsum("bqkgh,bskh->bkgqs", doi, vj)
       ds = p * (dp - delta_i[..., None])  # d loss / d (final logits)
       if dbias is not None:
         dbias = _store_dbias(dbias, ds, q_start, kv_start)
       if t is not None:
         ds = ds * (1.0 - t * t)
       ds = (ds * config.scale).astype(q.dtype)
-      dq_i = _einsum("bkgqs,bskh->bqkgh", ds, kj)
+      dq_i = einsum("bkgqs,bskh->bqkgh", ds, kj)
       old = lax.dynamic_slice_in_dim(dq, q_start, tl.bq, 1)
       dq = lax.dynamic_update_slice_in_dim(dq, old + dq_i, q_start, 1)
-      dk = dk + _einsum("bkgqs,bqkgh->bskh", ds, qi)
+      dk = dk + einsum("bkgqs,bqkgh->bskh", ds, qi)
       return dq, dbias, dk, dv
 
     dq, dbias = carry

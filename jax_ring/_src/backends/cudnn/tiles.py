@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ring._src.backends.xla import einsum
 from jax_ring._src.core.mask import MASK_VALUE
 
 # Tile sizes P, smallest first: a block's longest document picks the first
@@ -60,10 +61,6 @@ def size_index(longest):
   document of ``longest`` tokens; ``len(SIZES)`` if none does."""
   return jnp.searchsorted(jnp.asarray(SIZES, jnp.int32), longest,
                           method="compare_all").astype(jnp.int32)
-
-
-def _einsum(spec, a, b):
-  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
 def _windows(x, p: int, ahead: bool):
@@ -132,13 +129,13 @@ def forward(q, k, v, ids, config, p: int):
   b, t, n, _ = q.shape
   kh, hv, ahead = k.shape[2], v.shape[3], _ahead(config)
   vis = _visible(ids, config, p, t)
-  s = _einsum("bipkgh,bijkh->bikgpj", _queries(q, p, kh),
+  s = einsum("bipkgh,bijkh->bikgpj", _queries(q, p, kh),
               _windows(k, p, ahead)) * config.scale
   s = jnp.where(vis, s, MASK_VALUE)
   m = s.max(-1)
   e = jnp.where(vis, jnp.exp(s - m[..., None]), 0.0)
   l = e.sum(-1)
-  o = _einsum("bikgpj,bijkh->bikgph", e.astype(v.dtype),
+  o = einsum("bikgpj,bijkh->bikgph", e.astype(v.dtype),
               _windows(v, p, ahead))
   seen = l != 0  # a NaN logit makes l NaN, kept
   o = jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0)
@@ -157,16 +154,16 @@ def backward(q, k, v, ids, out, lse, dout, config, p: int):
   qt, dot = _queries(q, p, kh), _queries(dout, p, kh)
   kw, vw = _windows(k, p, ahead), _windows(v, p, ahead)
   vis = _visible(ids, config, p, t)
-  s = _einsum("bipkgh,bijkh->bikgpj", qt, kw) * config.scale
+  s = einsum("bipkgh,bijkh->bikgpj", qt, kw) * config.scale
   lse_t = _rows(lse.astype(jnp.float32), p, kh)
   # exp(-inf) = 0 exactly for hidden entries, whatever lse is.
   pr = jnp.exp(jnp.where(vis, s - lse_t[..., None], -jnp.inf))
-  dvw = _einsum("bikgpj,bipkgh->bijkh", pr.astype(dout.dtype), dot)
-  dp = _einsum("bipkgh,bijkh->bikgpj", dot, vw)
+  dvw = einsum("bikgpj,bipkgh->bijkh", pr.astype(dout.dtype), dot)
+  dp = einsum("bipkgh,bijkh->bikgpj", dot, vw)
   ds = (pr * (dp - _rows(delta, p, kh)[..., None]) * config.scale).astype(
       q.dtype)
-  dq = _einsum("bikgpj,bijkh->bipkgh", ds, kw)
-  dkw = _einsum("bikgpj,bipkgh->bijkh", ds, qt)
+  dq = einsum("bikgpj,bijkh->bipkgh", ds, kw)
+  dkw = einsum("bikgpj,bipkgh->bijkh", ds, qt)
   dq = dq.reshape(b, -1, n, h)[:, :t].astype(q.dtype)
   return (dq, _from_windows(dkw, p, ahead, t).astype(k.dtype),
           _from_windows(dvw, p, ahead, t).astype(v.dtype))
