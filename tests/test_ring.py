@@ -604,15 +604,25 @@ def _docs(lengths, ids=None):
   return np.repeat(ids, lengths)[None].astype(np.int32)
 
 
+# Shards of 12: documents that cross a boundary by one row each side
+# (12), and by up to two (12, 24); ``reach.tail_sizes(12)`` is (1, 3, 6,
+# 12), so step 1 sends the last 1 and 3 rows of each shard.
+CROSS_ONE = _docs((11, 2, 10, 1, 1, 10, 1, 1, 11))
+CROSS_FEW = _docs((10, 3, 10, 3, 10, 3, 9))
+
+
 # Packed rows on contiguous shards under the defaults skip the steps no
 # document reaches (``ring.reach``): documents that stay inside shards, ones
-# that cross a boundary, one that spans the row, and an id in two runs
-# (shards 0 and 3); exact whichever steps run.
+# that cross a boundary (by a row, a few rows, or most of a shard), one
+# that spans the row, and an id in two runs (shards 0 and 3); exact
+# whichever steps run.
 @pytest.mark.parametrize("ids, causal", [
     (_docs((6,) * 8), True), (_docs((5, 11, 9, 7, 4, 12)), True),
+    (CROSS_ONE, True), (CROSS_FEW, True), (CROSS_FEW, False),
     (_docs((S,)), True), (_docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 7]), True),
     (_docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 7]), False)],
-    ids=["inside", "cross", "one", "an_id_twice", "an_id_twice_full"])
+    ids=["inside", "cross", "cross_one", "cross_few", "cross_few_full", "one",
+         "an_id_twice", "an_id_twice_full"])
 def test_ring_skips_steps_no_document_reaches(ids, causal):
   cp, load_balance = 4, None
   q, k, v, do = rank_coded_qkv(16, cp, load_balance=load_balance)
@@ -628,16 +638,63 @@ def test_ring_skips_steps_no_document_reaches(ids, causal):
                                    kv_segment_ids=ids))
 
 
-def _needed_steps(cp, load_balance, causal):
-  """``ids (B, S) -> (cp, cp)``: each device's mask of needed ring steps."""
+def _needed_steps(cp, load_balance, causal, rows=False):
+  """``ids (B, S) -> (cp, cp)``: each device's mask of needed ring steps;
+  with ``rows``, also ``(cp,)``: each device's crossing rows."""
   from jax_ring._src.core.config import ShardPlan
   from jax_ring._src.core.mask import TokenMask
   from jax_ring._src.strategies.ring import reach
   plan = ShardPlan("cp", cp, load_balance)
   return jax.jit(jax.shard_map(
-      lambda ids: reach.needed_steps(TokenMask.of(ids, ids, None, None), plan,
-                                     causal)[None],
+      lambda ids: jax.tree.map(lambda x: x[None], reach.needed_steps(
+          TokenMask.of(ids, ids, None, None), plan, causal, rows)),
       mesh=mesh(cp), in_specs=P(None, "cp"), out_specs=P("cp")))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ring_crossing_rows(causal):
+  """The rows documents cross at shard boundaries (shards of 12), the same
+  on every device; a row's batch mate that crosses further sets them; and
+  the branch they pick: none, step 1 on 1, 3 or all 12 rows, or every
+  step (a later step is needed). Not under a causal mask, the queries that
+  reach the next shard are a shard's last rows, so the first rows that hold
+  them are the whole shard, and the step back (3, at cp = 4) is needed."""
+  from jax_ring._src.strategies.ring import reach
+  cp = 4
+  f = _needed_steps(cp, None, causal, rows=True)
+  cases = [(_docs((6,) * 8), 0, 0), (CROSS_ONE, 1, 12), (CROSS_FEW, 2, 12),
+           (_docs((5, 11, 9, 7, 4, 12)), 8, 12), (_docs((S,)), 12, 12)]
+  branches = [0, 1, 2, 4, 5] if causal else [0, 5, 5, 5, 5]
+  for (ids, want, want_full), branch in zip(cases, branches):
+    for other in (_docs((6,) * 8), ids):
+      need, rows = f(jnp.asarray(np.concatenate([ids, other])))
+      assert (np.asarray(rows) == (want if causal else want_full)).all(), (
+          ids, rows)
+      got = reach.branch(need[0], rows[0], S // cp, cp)
+      assert got == branch, (ids, got)
+
+
+def test_ring_crossing_rows_with_padding_and_value_head_dim():
+  """Step 1 on a shard's last rows only (CROSS_FEW: 3 of 12), with padding
+  lengths inside the rows sent (row 1's keys end at 23: 2 of shard 1's
+  last 3) and queries that end mid-shard, and a value head dim unlike the
+  key's (K and V travel as a pair): forward and gradients as the float64
+  reference's."""
+  cp, hv = 4, 24
+  ids = np.broadcast_to(CROSS_FEW, (B, S))
+  q_len, kv_len = np.array([S, 30], np.int32), np.array([S - 2, 23], np.int32)
+  q, k, v, do = ref.random_qkv(11, B, S, S, 4, 2, H, hv=hv)
+  spec = P(None, "cp")
+  f = jax.shard_map(
+      lambda q, k, v, ids: jax_ring.ring_attention(
+          q, k, v, axis_name="cp", is_causal=True, segment_ids=ids,
+          query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+          implementation="xla"),
+      mesh=mesh(cp), in_specs=(spec,) * 4, out_specs=spec)
+  got = layout_vjp(f, cp, None, q, k, v, do, jnp.asarray(ids))
+  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True, q_segment_ids=ids,
+                                   kv_segment_ids=ids, q_lengths=q_len,
+                                   kv_lengths=kv_len))
 
 
 # Natural-order ids (each a row of S = 48); shards of 12 (contiguous) or

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def pack(k, v):
@@ -43,6 +44,22 @@ def add(a, b):
   if isinstance(a, float):
     return jax.tree.map(lambda y: a + y.astype(jnp.float32), b)
   return jax.tree.map(lambda x, y: x + y.astype(jnp.float32), a, b)
+
+
+def add_rows(x, part, start: int, axis: int = 1):
+  """``x`` with ``part`` added into its rows ``start ..`` along ``axis``,
+  summed in float32 and kept in ``x``'s dtype."""
+  rows = lax.slice_in_dim(x, start, start + part.shape[axis], axis=axis)
+  rows = rows.astype(jnp.float32) + part.astype(jnp.float32)
+  return lax.dynamic_update_slice_in_dim(x, rows.astype(x.dtype), start, axis)
+
+
+def add_last(a, b):
+  """Moving form ``a`` with ``b`` (a moving form of fewer tokens) added
+  into its last rows (:func:`add_rows`)."""
+  if isinstance(a, tuple):
+    return tuple(add_rows(x, y, x.shape[1] - y.shape[1]) for x, y in zip(a, b))
+  return add_rows(a, b, a.shape[2] - b.shape[2], 2)
 
 
 def concat(parts, axis: int):

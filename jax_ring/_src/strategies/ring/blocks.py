@@ -181,6 +181,40 @@ def kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs, own=False):
       lambda x, ax: _place(x, blk.cols, t, ax), dkv, 1)
 
 
+# --- step 1 on the rows documents cross (contiguous shards) ----------------
+
+def _tail_block(q, tm: TokenMask, kv, qc, kc, size: int):
+  """This device's first ``size`` query rows against the held ``kv``: the
+  last ``size`` rows of shard ``kc``, cut before they were sent (their
+  lengths shift by the rows left out)."""
+  t = q.shape[1]
+  (k, v), kv_seg = (kv[0][0], kv[0][1]), kv[1]
+  q_len = layout.prefix(tm.q_lengths, qc, t)
+  kv_len = layout.prefix(tm.kv_lengths, kc, t)
+  mask = BlockMask(
+      q_segment_ids=_cut(tm.q_segment_ids, slice(0, size)),
+      kv_segment_ids=kv_seg,
+      q_lengths=None if q_len is None else jnp.minimum(q_len, size),
+      kv_lengths=None if kv_len is None else jnp.clip(kv_len - (t - size),
+                                                      0, size))
+  return _Block(q[:, :size], (k, v), mask, slice(0, size), slice(None))
+
+
+def tail_fwd(q, tm, kv, qc, kc, size, cfg, meets):
+  """(out, lse) of the first ``size`` query rows against the held tail;
+  rows that may not meet it (``meets`` False: causal, a later shard) are
+  masked, whatever its values."""
+  o, l = _fwd(_tail_block(q, tm, kv, qc, kc, size), cfg)
+  return jnp.where(meets, o, 0), jnp.where(meets, l, MASK_VALUE)
+
+
+def tail_bwd(q, tm, kv, qc, kc, size, out, lse, dout, cfg, meets):
+  """(dq of the first ``size`` rows, dK/dV of the held tail), zero where
+  ``meets`` is False; in the kernel's dtypes."""
+  dq, dkv = _bwd(_tail_block(q, tm, kv, qc, kc, size), out, lse, dout, cfg)
+  return jax.tree.map(lambda x: jnp.where(meets, x, 0), (dq, dkv))
+
+
 def _pair_switch(fn, skip, plan, cfg, a, b, tm, kv, r, src, c):
   """``fn(block)`` for query chunk a of device r and kv chunk b of device
   src, switched on their chunk distance; ``skip()`` outside the window."""

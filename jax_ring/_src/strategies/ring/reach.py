@@ -14,6 +14,14 @@ it, over the whole mesh: a ``pmax`` over the mesh's other axes
 (data-parallel rows differ) makes the ``(cp,)`` mask the same on every
 device, so every device takes the same branches (a collective inside a
 branch runs on all devices or none).
+
+On contiguous shards it also finds how far documents cross shard
+boundaries (:func:`_crossing_rows`): under a causal mask a document that
+crosses into a shard holds its first rows, and the part of it that the
+next shard's queries reach, the previous shard's last rows. Where only
+step 1 is needed and those rows fit one of :func:`tail_sizes`, the step
+sends only the last rows of each shard and pairs them with the first
+rows (``schedule._reached_loop``).
 """
 
 from __future__ import annotations
@@ -47,12 +55,56 @@ def _pairs(plan: ShardPlan, causal: bool) -> np.ndarray:
   return out
 
 
-def needed_steps(tm: TokenMask, plan: ShardPlan, causal: bool) -> jax.Array:
+def tail_sizes(t: int) -> tuple[int, ...]:
+  """The static sizes, in tokens, of a step that pairs only the first query
+  rows of each shard with the last kv rows of the shard before it:
+  ``t/16, t/4, t/2`` (rounded up) and ``t``."""
+  return tuple(sorted({-(-t // d) for d in (16, 4, 2)} | {t}))
+
+
+def branch(need, rows, t: int, cp: int):
+  """``()`` int32, the branch ``schedule._reached_loop`` takes: 0, no step
+  after the own; ``1 + i``, step 1 only on ``tail_sizes(t)[i]`` rows, the
+  smallest that holds ``rows``; ``1 + len(tail_sizes(t))`` (only where cp >
+  2), every step up to the last that ``need (cp,)`` marks."""
+  last = jnp.max(jnp.where(need, jnp.arange(cp), 0))
+  sizes = tail_sizes(t)
+  index = 1 + jnp.searchsorted(jnp.asarray(sizes), rows)
+  if cp > 2:
+    index = jnp.where(last > 1, 1 + len(sizes), index)
+  return jnp.where(last > 0, index, 0)
+
+
+def _crossing_rows(number, held, plan: ShardPlan, causal: bool, t: int):
+  """``()`` int32: on contiguous shards, the fewest rows ``s`` such that
+  every query another device's keys can reach is among its shard's first
+  ``s`` rows and every key another device's queries can reach among its
+  shard's last ``s`` rows (0: no document leaves its shard). ``number (B,
+  2, S)`` numbers the query and kv ids, ``held(side) (B, n, cp)`` marks
+  the shards that hold each number."""
+  b, cp = number.shape[0], plan.cp_size
+  dev = np.arange(cp)
+  meet = dev[None] < dev[:, None] if causal else dev[None] != dev[:, None]
+  rows = jnp.arange(b)[:, None]
+  pos = np.arange(t)
+
+  def reached(side, other, meets):  # (B, cp, t): tokens another shard meets
+    hit = held(other)[rows, number[:, side]].reshape(b, cp, t, cp)
+    return (hit & meets[None, :, None, :]).any(-1)
+
+  first = jnp.where(reached(0, 1, meet), pos + 1, 0).max()
+  last = jnp.where(reached(1, 0, meet.T), t - pos, 0).max()
+  return jnp.maximum(first, last).astype(jnp.int32)
+
+
+def needed_steps(tm: TokenMask, plan: ShardPlan, causal: bool,
+                 rows: bool = False):
   """``(cp,)`` bool, the same on every device: whether ring step ``i`` can
   pair a query with a key of its document (step 0, the own K/V, always).
-  Call inside ``shard_map`` (or a partition rule) on this device's ids
-  (``tm``'s, packed). One sort of the gathered ids a row, then two
-  ``(B, 2S, G)`` bool tables (S: the global length)."""
+  With ``rows`` (contiguous shards only), also ``_crossing_rows``, the same
+  on every device. Call inside ``shard_map`` (or a partition rule) on this
+  device's ids (``tm``'s, packed). One sort of the gathered ids a row, then
+  two ``(B, 2S, G)`` bool tables (S: the global length)."""
   cp = plan.cp_size
   b, t = tm.q_segment_ids.shape
   g = cp * len(layout.chunk_ids(plan, 0))
@@ -65,16 +117,18 @@ def needed_steps(tm: TokenMask, plan: ShardPlan, causal: bool) -> jax.Array:
                                               size=n))(ids)
   number = number.reshape(b, 2, n // 2)
   chunk = np.arange(n // 2) // (n // (2 * g))  # r * chunks + x
-  rows = jnp.arange(b)[:, None]
+  at = jnp.arange(b)[:, None]
   held = lambda side: jnp.zeros((b, n, g), bool).at[
-      rows, number[:, side], chunk[None]].set(True)
+      at, number[:, side], chunk[None]].set(True)
   shared = (held(0)[:, :, :, None] & held(1)[:, :, None, :]).any((0, 1))
   need = (shared[None] & _pairs(plan, causal)).any((1, 2))
   need = need.at[0].set(True).astype(jnp.int32)
+  if rows:
+    need = jnp.append(need, _crossing_rows(number, held, plan, causal, t))
   manual = jax.sharding.get_abstract_mesh().manual_axes  # in shard_map
   others = tuple(sorted((set(plan.mesh_axes) | set(manual)) -
                         {plan.axis_name}))
   if others:
     need = lax.pmax(vma.vary(need, frozenset(others)) if manual else need,
                     others)
-  return need > 0
+  return (need[:cp] > 0, need[cp]) if rows else need > 0

@@ -122,22 +122,32 @@ def _gathered_loop(plan, first, later, kv, carry, own_last=False):
   return first(kv, carry) if own_last else carry
 
 
-def _reached_loop(plan, own, later, k, v, ids, need):
+def _reached_loop(plan, own, later, tail, k, v, ids, reached):
   """``own(kv)`` on the own K/V (held as the pair ``(k, v)``, not
-  stacked), then ``later(step, kv, carry)`` for steps ``1 .. m``, ``m``
-  the last step that ``need (cp,)`` marks (the same on every device:
-  ``reach``; on contiguous shards documents reach a prefix of the steps,
-  and a step no document reaches adds nothing). Each step fetches its K/V
-  (``blocks.held_kv``'s form) straight from device ``r - step`` in one
-  permute; two K/V held at a time. The steps nest, one ``lax.cond`` on
-  ``step < m`` each, so at most ``m + 1`` branch tests run, and a branch
-  that stops casts the float32 carry back rather than passing it through
-  (a conditional copies an operand it returns). The own block runs before
-  the first test, queued ahead of the host's wait. Documents that all
-  stay inside their shards cost one block and one test. Returns in the
-  own block's dtypes."""
+  stacked), then what ``reached = (need (cp,), rows)`` asks for
+  (``reach.needed_steps``, the same on every device; on contiguous shards
+  documents reach a prefix of the steps, and a step no document reaches
+  adds nothing), picked by one ``lax.switch``:
+
+  * no step after the own: documents that all stay inside their shards
+    cost one block and one branch test;
+  * step 1 only, the crossing rows within a size of ``reach.tail_sizes``:
+    ``tail(size, kv, first)`` with the last ``size`` rows of device
+    ``r - 1``'s K/V and ids (one permute of those rows), which adds its
+    block into the first ``size`` rows of the own block's results;
+  * else ``later(step, kv, carry)`` for steps ``1 .. m``, ``m`` the last
+    step ``need`` marks, each fetching its K/V (``blocks.held_kv``'s form)
+    straight from device ``r - step`` in one permute, two K/V held at a
+    time. These steps nest, one ``lax.cond`` on ``step < m`` each, and a
+    branch that stops casts the float32 carry back rather than passing it
+    through (a conditional copies an operand it returns).
+
+  The own block runs before the switch, queued ahead of the host's wait.
+  Returns in the own block's dtypes."""
   cp = plan.cp_size
+  need, rows = reached
   last = jnp.max(jnp.where(need, jnp.arange(cp), 0))
+  t = k.shape[1]
   first = own(((k, v), ids))
   dtypes = jax.tree.map(lambda a: a.dtype, first)
   finish = lambda carry: jax.tree.map(lambda a, t: a.astype(t), carry, dtypes)
@@ -150,8 +160,25 @@ def _reached_loop(plan, own, later, k, v, ids, need):
     return lax.cond(last > step, functools.partial(from_step, step + 1),
                     finish, carry)
 
-  return lax.cond(last > 0, lambda first: from_step(1, as_f32(first)),
-                  lambda first: first, first)
+  def cut(size, first):
+    end = slice(t - size, None)
+    held = (kv_lib.pack(k[:, end], v[:, end]), ids[:, end])
+    return tail(size, _shift(held, plan, 1), first)
+
+  branches = ([lambda first: first] +
+              [functools.partial(cut, size) for size in reach.tail_sizes(t)])
+  if cp > 2:  # a document reaches past the previous shard
+    branches.append(lambda first: from_step(1, as_f32(first)))
+  return lax.switch(reach.branch(need, rows, t, cp), branches, first)
+
+
+def _merge_rows(first, part):
+  """``first = (out, lse)`` with ``part``, the ``(out, lse)`` of its first
+  rows against other keys, merged in (float32, kept in out's dtype)."""
+  out, lse = first
+  n = part[1].shape[1]
+  o, l = base.merge(out[:, :n].astype(jnp.float32), lse[:, :n], *part)
+  return out.at[:, :n].set(o.astype(out.dtype)), lse.at[:, :n].set(l)
 
 
 def _skips(plan: ShardPlan, tm: TokenMask, cfg: AttentionConfig) -> bool:
@@ -192,6 +219,12 @@ def step_call(fn, plan, causal, r, src, *args):
     return fn(before, *args)
   return lax.cond(src < r, functools.partial(fn, before),
                   functools.partial(fn, after), *args)
+
+
+def _meets(cfg: AttentionConfig, r, src):
+  """Whether this device's queries may see device ``src``'s keys (on
+  contiguous shards: causal, ``src`` is earlier)."""
+  return src < r if cfg.is_causal else True
 
 
 def as_f32(x):
@@ -247,10 +280,17 @@ def forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
       return base.merge(*carry, *part)
 
   if skips:
+    def tail(size, kv, first):
+      src = src_of(1)
+      return _merge_rows(first, blocks.tail_fwd(
+          q, tm, kv, qc, layout.chunk_ids(plan, src), size, cfgs[0],
+          _meets(cfg, r, src)))
+
     out, lse = _reached_loop(
         plan, lambda kv: blocks.kind_fwd("diag" if cfg.is_causal else "full",
                                          q, tm, kv, qc, qc, cfgs, tm.same_ids),
-        later, k, v, tm.kv_ids(), reach.needed_steps(tm, plan, cfg.is_causal))
+        later, tail, k, v, tm.kv_ids(),
+        reach.needed_steps(tm, plan, cfg.is_causal, rows=True))
   else:
     out, lse = _kv_loop(plan)(plan, first, later, kv0, None)
   return out.astype(q.dtype), lse
@@ -315,8 +355,19 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   kv0 = blocks.held_kv(k, v, tm)
   own = lambda kv, carry: _add(carry, first_bwd(kv))
   if skips:
-    dq, dkv = _reached_loop(plan, first_bwd, later_parts, k, v, tm.kv_ids(),
-                            reach.needed_steps(tm, plan, cfg.is_causal))
+    def tail(size, kv, first):
+      src = src_of(1)
+      dq_i, part = blocks.tail_bwd(
+          q, tm, kv, qc, layout.chunk_ids(plan, src), size, *grads, cfgs[0],
+          _meets(cfg, r, src))
+      dq, dkv = first
+      return (kv_lib.add_rows(dq, dq_i, 0),
+              kv_lib.add_last(dkv, _shift(part, plan, -1)))
+
+    dq, dkv = _reached_loop(plan, first_bwd, later_parts, tail, k, v,
+                            tm.kv_ids(),
+                            reach.needed_steps(tm, plan, cfg.is_causal,
+                                               rows=True))
   elif parts_back:
     # The own step's part stays here: run last, it hides the last part's
     # send. Not where this backward gathers K/V itself (the automatic
