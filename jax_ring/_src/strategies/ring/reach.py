@@ -69,7 +69,8 @@ def branch(need, rows, t: int, cp: int):
   2), every step up to the last that ``need (cp,)`` marks."""
   last = jnp.max(jnp.where(need, jnp.arange(cp), 0))
   sizes = tail_sizes(t)
-  index = 1 + jnp.searchsorted(jnp.asarray(sizes), rows)
+  index = 1 + jnp.searchsorted(jnp.asarray(sizes), rows,
+                               method="compare_all")
   if cp > 2:
     index = jnp.where(last > 1, 1 + len(sizes), index)
   return jnp.where(last > 0, index, 0)
