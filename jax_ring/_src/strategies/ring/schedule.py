@@ -178,7 +178,11 @@ def _merge_rows(first, part):
   out, lse = first
   n = part[1].shape[1]
   o, l = base.merge(out[:, :n].astype(jnp.float32), lse[:, :n], *part)
-  return out.at[:, :n].set(o.astype(out.dtype)), lse.at[:, :n].set(l)
+  # Slices, not ``.at[:, :n]``: with n the whole shard that is a scatter
+  # of no indices, which jax 0.11's shard_map partitioner crashes on.
+  put = lambda a, b: lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), 0,
+                                                     1)
+  return put(out, o), put(lse, l)
 
 
 def _skips(plan: ShardPlan, tm: TokenMask, cfg: AttentionConfig) -> bool:
