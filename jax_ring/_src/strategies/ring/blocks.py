@@ -200,7 +200,7 @@ def _tail_block(q, tm: TokenMask, kv, qc, kc, size: int):
   return _Block(q[:, :size], (k, v), mask, slice(0, size), slice(None))
 
 
-def tail_fwd(q, tm, kv, qc, kc, size, cfg, meets):
+def tail_fwd(q, tm, kv, qc, kc, meets, size, cfg):
   """(out, lse) of the first ``size`` query rows against the held tail;
   rows that may not meet it (``meets`` False: causal, a later shard) are
   masked, whatever its values."""
@@ -208,7 +208,7 @@ def tail_fwd(q, tm, kv, qc, kc, size, cfg, meets):
   return jnp.where(meets, o, 0), jnp.where(meets, l, MASK_VALUE)
 
 
-def tail_bwd(q, tm, kv, qc, kc, size, out, lse, dout, cfg, meets):
+def tail_bwd(q, tm, kv, qc, kc, meets, size, out, lse, dout, cfg):
   """(dq of the first ``size`` rows, dK/dV of the held tail), zero where
   ``meets`` is False; in the kernel's dtypes."""
   dq, dkv = _bwd(_tail_block(q, tm, kv, qc, kc, size), out, lse, dout, cfg)

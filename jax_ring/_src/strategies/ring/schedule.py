@@ -225,10 +225,12 @@ def step_call(fn, plan, causal, r, src, *args):
                   functools.partial(fn, after), *args)
 
 
-def _meets(cfg: AttentionConfig, r, src):
-  """Whether this device's queries may see device ``src``'s keys (on
-  contiguous shards: causal, ``src`` is earlier)."""
-  return src < r if cfg.is_causal else True
+def _tail_of(plan: ShardPlan, cfg: AttentionConfig, r):
+  """(kv chunks, meets) of step 1's tail on contiguous shards: device
+  ``r - 1``'s chunk, and whether this device's queries may see its keys
+  (causal: only where it is earlier, so not on device 0)."""
+  src = (r - 1) % plan.cp_size
+  return layout.chunk_ids(plan, src), (src < r if cfg.is_causal else True)
 
 
 def as_f32(x):
@@ -285,10 +287,8 @@ def forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
 
   if skips:
     def tail(size, kv, first):
-      src = src_of(1)
       return _merge_rows(first, blocks.tail_fwd(
-          q, tm, kv, qc, layout.chunk_ids(plan, src), size, cfgs[0],
-          _meets(cfg, r, src)))
+          q, tm, kv, qc, *_tail_of(plan, cfg, r), size, cfgs[0]))
 
     out, lse = _reached_loop(
         plan, lambda kv: blocks.kind_fwd("diag" if cfg.is_causal else "full",
@@ -360,18 +360,14 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   own = lambda kv, carry: _add(carry, first_bwd(kv))
   if skips:
     def tail(size, kv, first):
-      src = src_of(1)
-      dq_i, part = blocks.tail_bwd(
-          q, tm, kv, qc, layout.chunk_ids(plan, src), size, *grads, cfgs[0],
-          _meets(cfg, r, src))
-      dq, dkv = first
-      return (kv_lib.add_rows(dq, dq_i, 0),
-              kv_lib.add_last(dkv, _shift(part, plan, -1)))
+      dq_i, part = blocks.tail_bwd(q, tm, kv, qc, *_tail_of(plan, cfg, r),
+                                   size, *grads, cfgs[0])
+      return (kv_lib.add_rows(first[0], dq_i, 0),
+              kv_lib.add_last(first[1], _shift(part, plan, -1)))
 
     dq, dkv = _reached_loop(plan, first_bwd, later_parts, tail, k, v,
-                            tm.kv_ids(),
-                            reach.needed_steps(tm, plan, cfg.is_causal,
-                                               rows=True))
+                            tm.kv_ids(), reach.needed_steps(
+                                tm, plan, cfg.is_causal, rows=True))
   elif parts_back:
     # The own step's part stays here: run last, it hides the last part's
     # send. Not where this backward gathers K/V itself (the automatic
