@@ -615,16 +615,20 @@ CROSS_FEW = _docs((10, 3, 10, 3, 10, 3, 9))
 # document reaches (``ring.reach``): documents that stay inside shards, ones
 # that cross a boundary (by a row, a few rows, or most of a shard), one
 # that spans the row, and an id in two runs (shards 0 and 3); exact
-# whichever steps run.
-@pytest.mark.parametrize("ids, causal", [
-    (_docs((6,) * 8), True), (_docs((5, 11, 9, 7, 4, 12)), True),
-    (CROSS_ONE, True), (CROSS_FEW, True), (CROSS_FEW, False),
-    (_docs((S,)), True), (_docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 7]), True),
-    (_docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 7]), False)],
+# whichever steps run. At cp = 2 (shards of 24) step 1 is the last, and
+# without a causal mask it runs on whole shards.
+@pytest.mark.parametrize("ids, causal, cp", [
+    (_docs((6,) * 8), True, 4), (_docs((5, 11, 9, 7, 4, 12)), True, 4),
+    (CROSS_ONE, True, 4), (CROSS_FEW, True, 4), (CROSS_FEW, False, 4),
+    (_docs((S,)), True, 4), (_docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 7]), True,
+                             4),
+    (_docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 7]), False, 4),
+    (CROSS_FEW, True, 2), (CROSS_FEW, False, 2)],
     ids=["inside", "cross", "cross_one", "cross_few", "cross_few_full", "one",
-         "an_id_twice", "an_id_twice_full"])
-def test_ring_skips_steps_no_document_reaches(ids, causal):
-  cp, load_balance = 4, None
+         "an_id_twice", "an_id_twice_full", "cross_few_cp2",
+         "cross_few_full_cp2"])
+def test_ring_skips_steps_no_document_reaches(ids, causal, cp):
+  load_balance = None
   q, k, v, do = rank_coded_qkv(16, cp, load_balance=load_balance)
   ids = np.broadcast_to(ids, (B, S))
   spec = P(None, "cp")
