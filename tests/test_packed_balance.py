@@ -168,3 +168,37 @@ def test_balance_documents_refuses_an_id_in_two_runs():
                                 [np.arange(6)])
   with pytest.raises(ValueError, match="cp_size=3 must divide the row's 8"):
     jax_ring.balance_documents(ids[:, [0, 2, 6, 6, 6, 6, 6, 6]], 3)
+
+
+def test_explain_says_which_ring_steps_the_rows_run():
+  """``ring_steps``: on contiguous shards (4 of 12 tokens) the branch the
+  ring's reach test takes for the given rows, as the call computes it:
+  none, step 1 on the last 1 or 3 rows of a shard, or every step to the
+  last reached; and, where the ring runs every step (dual-chunk, a
+  named K/V source), that it does."""
+  docs = lambda lengths: np.repeat(np.arange(len(lengths)), lengths)[None]
+  contiguous = jax_ring.ContextParallel(strategy="ring", load_balance=None)
+  say = lambda ids, cpc=contiguous, causal=True: jax_ring.explain(
+      (1, 48, 8, 16), (1, 48, 2, 16), cp_size=4, is_causal=causal,
+      segment_ids=ids, context_parallel=cpc).defaults["ring_steps"]
+  got, why = say(docs((6,) * 8))
+  assert (got["last"], got["rows"]) == (0, 0) and "no step after" in why
+  got, why = say(docs((11, 2, 10, 1, 1, 10, 1, 1, 11)))
+  assert (got["rows"], got["size"]) == (1, 1), got
+  assert why == ("the ring runs one step, on the last 1 of each shard's 12 "
+                 "rows: documents cross shard boundaries by at most 1 rows")
+  assert say(docs((10, 3, 10, 3, 10, 3, 9)))[0]["size"] == 3
+  got, why = say(docs((48,)))
+  assert (got["last"], got["size"]) == (3, None)
+  assert "steps 1 to 3, each sending a whole shard's K/V" in why
+  auto = jax_ring.ContextParallel(strategy="auto", load_balance=None)
+  assert say(docs((6,) * 8), auto)[1].startswith("if the ring runs, ")
+  for cpc in (jax_ring.ContextParallel(strategy="ring"),
+              jax_ring.ContextParallel(strategy="ring", load_balance=None,
+                                       kv_sends="gather")):
+    got, why = say(docs((6,) * 8), cpc)
+    assert got == {} and why.startswith("every ring step runs"), why
+  assert "ring_steps" not in jax_ring.explain(
+      (1, 48, 8, 16), (1, 48, 2, 16), cp_size=4, segment_ids=docs((48,)),
+      context_parallel=jax_ring.ContextParallel(
+          strategy="ulysses")).defaults

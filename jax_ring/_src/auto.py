@@ -44,6 +44,7 @@ import numpy as np
 from jax_ring._src.core import config, validate
 from jax_ring._src.core.config import ContextParallel
 from jax_ring._src.strategies import documents, layout
+from jax_ring._src.strategies.ring import reach
 
 
 # The model's constants: kernel throughput (TFLOP/s as a function of the
@@ -237,7 +238,9 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
   the devices in each layout the strategy takes (``balance``; the
   most-loaded device over the mean), whether cuDNN's packed path
   serves them (``cudnn_packed``: not where an id is two runs of tokens),
-  and their attention work over each row's as one document (``work``)."""
+  their attention work over each row's as one document (``work``), and,
+  where the ring may run, which of its steps these rows run
+  (``ring_steps``)."""
   pair = isinstance(cp_size, (tuple, list))
   cpc = context_parallel or ContextParallel(
       axis=("ulysses", "ring") if pair else "cp", strategy="auto")
@@ -268,6 +271,10 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
                                     run_t, is_causal)
     defaults_["cudnn_packed"] = _one_run_each(np.asarray(segment_ids))
     defaults_["work"] = _work(np.asarray(segment_ids), is_causal)
+    if not cpc.is_hybrid and cpc.strategy in ("ring", "auto"):
+      defaults_["ring_steps"] = _ring_steps(
+          segment_ids, cpc, sizes[cpc.axis], run_t, is_causal,
+          window is None and defaults_["loop"][0] == "unrolled")
   if cpc.is_hybrid:
     return Choice("hybrid", "hybrid", {}, f"a pair of axes {cpc.axis!r} "
                   f"(sizes {tuple(sizes.values())}): Ulysses inside a ring",
@@ -331,6 +338,44 @@ def _one_run_each(ids) -> tuple[bool, str]:
                 "these rows (16-bit inputs on a GPU)")
 
 
+def _padded(ids, run_t, is_causal):
+  """Rows ``ids (B, T)`` padded to ``run_t`` as the call pads them:
+  causal, the last document extended; else a document of its own."""
+  pad = [(0, 0), (0, run_t - ids.shape[1])]
+  return np.pad(ids, pad, mode="edge") if is_causal else np.pad(
+      ids, pad, constant_values=ids.max() + 1)
+
+
+def _ring_steps(segment_ids, cpc, cp, run_t, is_causal,
+                skips) -> tuple[dict, str]:
+  """explain's ``ring_steps`` entry: which ring steps these rows run
+  (``reach.steps_of_rows``), where the ring skips the steps no document
+  reaches (contiguous shards, the unrolled loop, the default K/V sends, no
+  window: ``skips`` the last two)."""
+  lead = "if the ring runs, " if cpc.strategy == "auto" else ""
+  if not (skips and cpc.load_balance is None and cpc.kv_sends is None
+          and cp > 1):
+    return {}, (f"{lead}every ring step runs: the ring skips steps only on "
+                "contiguous shards (load_balance=None) with the unrolled "
+                "loop, the default K/V sends and no window")
+  ids = np.asarray(segment_ids)
+  if ids.size == 0:
+    return {}, "no tokens"
+  got = reach.steps_of_rows(_padded(ids, run_t, is_causal), cp, is_causal)
+  if got["last"] == 0:
+    why = "no step after each device's own block: no document crosses a shard"
+  elif got["size"] is not None:
+    why = (f"one step, on the last {got['size']} of each shard's "
+           f"{got['shard']} rows: documents cross shard boundaries by at "
+           f"most {got['rows']} rows")
+  else:
+    why = (f"steps 1 to {got['last']}, each sending a whole shard's K/V: "
+           f"a document reaches {got['last']} shard(s) back"
+           + ("" if is_causal else " (without a causal mask a document "
+              "crossing a boundary reaches the step back round the ring)"))
+  return got, lead + "the ring runs " + why
+
+
 def _balance(segment_ids, query_shape, cpc, sizes, run_t, is_causal):
   """explain's ``balance`` entry: ``({layout: most-loaded device's
   attention work over the mean}, why)`` for rows ``segment_ids``, padded
@@ -343,9 +388,7 @@ def _balance(segment_ids, query_shape, cpc, sizes, run_t, is_causal):
                      f" host ints; got {ids.dtype} of shape {ids.shape}")
   if ids.size == 0:
     return {}, "no tokens"
-  pad = [(0, 0), (0, run_t - ids.shape[1])]
-  ids = np.pad(ids, pad, mode="edge") if is_causal else np.pad(
-      ids, pad, constant_values=ids.max() + 1)
+  ids = _padded(ids, run_t, is_causal)
   ring = validate.ring_size(cpc, sizes)
   layouts = ("dual_chunk", None) if cpc.strategy == "all_gather" else (
       "dual_chunk", "striped", None)

@@ -98,21 +98,15 @@ def _crossing_rows(number, held, plan: ShardPlan, causal: bool, t: int):
   return jnp.maximum(first, last).astype(jnp.int32)
 
 
-def needed_steps(tm: TokenMask, plan: ShardPlan, causal: bool,
-                 rows: bool = False):
-  """``(cp,)`` bool, the same on every device: whether ring step ``i`` can
-  pair a query with a key of its document (step 0, the own K/V, always).
-  With ``rows`` (contiguous shards only), also ``_crossing_rows``, the same
-  on every device. Call inside ``shard_map`` (or a partition rule) on this
-  device's ids (``tm``'s, packed). One sort of the gathered ids a row, then
-  two ``(B, 2S, G)`` bool tables (S: the global length)."""
+def _of_gathered(q_ids, kv_ids, plan: ShardPlan, causal: bool,
+                 rows: bool):
+  """``(cp,)`` int32 needed steps, then (``rows``) the crossing rows, from
+  every device's ids ``(B, cp, T)`` (device-major, in the shards'
+  layout)."""
   cp = plan.cp_size
-  b, t = tm.q_segment_ids.shape
+  b, _, t = q_ids.shape
   g = cp * len(layout.chunk_ids(plan, 0))
-  every = lambda ids: lax.all_gather(ids.astype(jnp.int32), plan.axis_name
-                                     ).reshape(cp, b, t).transpose(1, 0, 2)
-  ids = jnp.concatenate([every(tm.q_segment_ids), every(tm.kv_ids())],
-                        1).reshape(b, -1)  # (B, 2S): queries, then keys
+  ids = jnp.concatenate([q_ids, kv_ids], 1).reshape(b, -1)  # queries, keys
   n = ids.shape[1]
   _, number = jax.vmap(lambda row: jnp.unique(row, return_inverse=True,
                                               size=n))(ids)
@@ -126,6 +120,23 @@ def needed_steps(tm: TokenMask, plan: ShardPlan, causal: bool,
   need = need.at[0].set(True).astype(jnp.int32)
   if rows:
     need = jnp.append(need, _crossing_rows(number, held, plan, causal, t))
+  return need
+
+
+def needed_steps(tm: TokenMask, plan: ShardPlan, causal: bool,
+                 rows: bool = False):
+  """``(cp,)`` bool, the same on every device: whether ring step ``i`` can
+  pair a query with a key of its document (step 0, the own K/V, always).
+  With ``rows`` (contiguous shards only), also ``_crossing_rows``, the same
+  on every device. Call inside ``shard_map`` (or a partition rule) on this
+  device's ids (``tm``'s, packed). One sort of the gathered ids a row, then
+  two ``(B, 2S, G)`` bool tables (S: the global length)."""
+  cp = plan.cp_size
+  b, t = tm.q_segment_ids.shape
+  every = lambda ids: lax.all_gather(ids.astype(jnp.int32), plan.axis_name
+                                     ).reshape(cp, b, t).transpose(1, 0, 2)
+  need = _of_gathered(every(tm.q_segment_ids), every(tm.kv_ids()), plan,
+                      causal, rows)
   manual = jax.sharding.get_abstract_mesh().manual_axes  # in shard_map
   others = tuple(sorted((set(plan.mesh_axes) | set(manual)) -
                         {plan.axis_name}))
@@ -133,3 +144,24 @@ def needed_steps(tm: TokenMask, plan: ShardPlan, causal: bool,
     need = lax.pmax(vma.vary(need, frozenset(others)) if manual else need,
                     others)
   return (need[:cp] > 0, need[cp]) if rows else need > 0
+
+
+def steps_of_rows(segment_ids, cp_size: int, causal: bool) -> dict:
+  """What the ring on contiguous shards runs for natural-order rows
+  ``segment_ids (B, S)`` (host ints, S divisible by ``cp_size``): the
+  last needed step, the crossing rows, the shard length T, and the branch
+  (``branch``) with, where it is step 1 alone, its size. Computed as the
+  call computes it, on the host's CPU."""
+  ids = np.asarray(segment_ids, np.int32)
+  b, s = ids.shape
+  t = s // cp_size
+  plan = ShardPlan("cp", cp_size, None)
+  with jax.default_device(jax.local_devices(backend="cpu")[0]):
+    gathered = jnp.asarray(ids).reshape(b, cp_size, t)
+    need = _of_gathered(gathered, gathered, plan, causal, True)
+    index = int(branch(need[:cp_size] > 0, need[cp_size], t, cp_size))
+    need = np.asarray(need)
+  sizes = tail_sizes(t)
+  return dict(last=int(np.flatnonzero(need[:cp_size])[-1]),
+              rows=int(need[cp_size]), shard=t, branch=index,
+              size=sizes[index - 1] if 0 < index <= len(sizes) else None)
