@@ -202,3 +202,49 @@ def test_explain_says_which_ring_steps_the_rows_run():
       (1, 48, 8, 16), (1, 48, 2, 16), cp_size=4, segment_ids=docs((48,)),
       context_parallel=jax_ring.ContextParallel(
           strategy="ulysses")).defaults
+
+
+def test_subset_sum_finds_an_exact_fill_or_says_there_is_none():
+  """``documents._exact`` against every subset of small random pools."""
+  import itertools
+  from jax_ring._src.strategies import documents
+  rng = np.random.default_rng(0)
+  for _ in range(40):
+    lengths = rng.integers(1, 20, 9)
+    pool, room = list(range(9)), int(rng.integers(0, 60))
+    fill = documents._exact(pool, lengths, room)
+    sums = {sum(lengths[list(c)]) for k in range(10)
+            for c in itertools.combinations(pool, k)}
+    assert (fill is not None) == (room in sums), (lengths, room, fill)
+    if fill is not None:
+      assert len(set(fill)) == len(fill) and lengths[fill].sum() == room
+
+
+def test_balance_documents_puts_the_cuts_between_documents_where_it_can():
+  """Where an order of whole documents can end every shard on a document's
+  end within ALIGNED_SLACK of the evenest order's most-loaded shard, no
+  document crosses a shard (the ring then runs no step after each
+  device's own block, ``explain``'s ``ring_steps``); where it cannot (a
+  document longer than a shard), the evenest order stays."""
+  from jax_ring._src.strategies import documents
+  rng = np.random.default_rng(0)
+  lengths = np.clip(rng.lognormal(np.log(300), 1.0, 400).astype(int), 1,
+                    2048)
+  n = np.searchsorted(np.cumsum(lengths), 65536)  # 137 documents
+  lengths = np.append(lengths[:n], 65536 - lengths[:n].sum())
+  ids = np.repeat(np.arange(lengths.size), lengths)[None].astype(np.int32)
+  new = np.take_along_axis(ids, jax_ring.balance_documents(ids, 4), 1)
+  assert not documents._crosses(documents._runs(new[0])[1], 16384)
+  assert work_balance(new, 4, None) < 1.02
+  steps = jax_ring.explain(
+      (1, 65536, 8, 16), (1, 65536, 2, 16), cp_size=4, is_causal=True,
+      segment_ids=new, context_parallel=jax_ring.ContextParallel(
+          strategy="ring", load_balance=None)).defaults["ring_steps"]
+  assert steps[0]["last"] == 0, steps
+  # A document longer than a shard crosses in any order: the evenest stays.
+  long = np.repeat(np.arange(3), [3000, 96, 1000])[None].astype(np.int32)
+  order = jax_ring.balance_documents(long, 2)
+  assert work_balance(np.take_along_axis(long, order, 1), 2, None) == min(
+      work_balance(long[:, o], 2, None) for o in (
+          np.arange(4096), np.r_[3096:4096, 0:3096],
+          np.r_[3000:3096, 0:3000, 3096:4096]))

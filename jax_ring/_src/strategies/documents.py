@@ -7,7 +7,10 @@ documents changes no output, only which device holds which. In the user's
 order a few long documents can put most of the quadratic work on one or
 two devices (``explain``'s ``balance``); in this order each device's
 share is about even (measured against the step time: docs/decisions.md,
-"Layouts").
+"Layouts"). Where it costs the most-loaded device at most
+``ALIGNED_SLACK`` more work, the order also ends every shard on a
+document's end, so that no document crosses a shard and the ring on
+contiguous shards needs no step after each device's own block.
 
 Host NumPy, for the input pipeline, before the data reaches any device:
 the permutation moves tokens, and moving them on the devices would cost an
@@ -17,6 +20,12 @@ all-to-all of every array a step.
 from __future__ import annotations
 
 import numpy as np
+
+# How much more work the most-loaded shard may take, over the evenest order
+# found, in an order where no document crosses a shard: such a row needs no
+# ring step after each device's own block (the ring's reach test), and a
+# step is a block, a send and a merge of its own.
+ALIGNED_SLACK = 0.02
 
 
 def _runs(row):
@@ -98,6 +107,61 @@ def _binned(lengths, cp_size: int, capacity: int) -> list[int]:
   return order + spill
 
 
+def _exact(pool, lengths, room: int) -> list[int] | None:
+  """Documents of ``pool`` whose lengths sum to ``room`` exactly (a
+  subset sum over bit sets: bit ``x`` of ``reach`` is set where some of
+  the documents seen so far sum to ``x``), or None where none do."""
+  reach, seen, keep = 1, [], (1 << (room + 1)) - 1
+  for i in pool:
+    seen.append(reach)
+    reach = (reach | reach << int(lengths[i])) & keep
+  if not reach >> room & 1:
+    return None
+  chosen = []
+  for i, before in zip(reversed(pool), reversed(seen)):
+    if not before >> room & 1:  # ``room`` needs document i
+      chosen.append(i)
+      room -= int(lengths[i])
+  return chosen
+
+
+def _aligned(lengths, cp_size: int, capacity: int) -> list[int] | None:
+  """An order whose every cut falls between two documents, so that no
+  document crosses a shard, or None where this finds none. The longest
+  documents first, down to the shortest ``share``, each to the
+  least-loaded shard with room for it whole; then each shard's room,
+  largest first, filled exactly by some of the short ones
+  (:func:`_exact`). Tried with the shortest half, three quarters and all
+  but the longest tenth held back; the evenest found."""
+  longest = np.argsort(-lengths, kind="stable")
+  found = []
+  for share in (0.5, 0.75, 0.9):
+    held = longest.size - int(np.ceil(longest.size * (1 - share)))
+    bins, work = [[] for _ in range(cp_size)], np.zeros(cp_size)
+    room = np.full(cp_size, capacity)
+    for i in longest[:longest.size - held]:
+      fits = np.flatnonzero(room >= lengths[i])
+      if not fits.size:
+        break
+      d = fits[np.argmin(work[fits])]
+      bins[d].append(int(i))
+      room[d] -= lengths[i]
+      work[d] += lengths[i] * (lengths[i] + 1) / 2
+    else:
+      pool = [int(i) for i in longest[longest.size - held:]]
+      for d in np.argsort(-room, kind="stable"):
+        fill = _exact(pool, lengths, int(room[d]))
+        if fill is None:
+          break
+        bins[d] += fill
+        used = set(fill)
+        pool = [i for i in pool if i not in used]
+      else:
+        found.append([i for b in bins for i in b])
+  return min(found, key=lambda o: _peak(lengths[o], cp_size, capacity),
+             default=None)
+
+
 def _peak(lengths, cp_size: int, capacity: int) -> float:
   """The most-loaded shard's work for documents of ``lengths`` in this
   order, a cut every ``capacity`` tokens."""
@@ -106,6 +170,14 @@ def _peak(lengths, cp_size: int, capacity: int) -> float:
   lo = np.clip(cuts[:-1][None] - start[:, None], 0, lengths[:, None])
   hi = np.clip(cuts[1:][None] - start[:, None], 0, lengths[:, None])
   return float((hi * (hi + 1) - lo * (lo + 1)).sum(0).max() / 2)
+
+
+def _crosses(lengths, capacity: int) -> bool:
+  """Whether some cut (every ``capacity`` tokens) falls inside a document
+  of ``lengths`` in this order."""
+  ends = set(np.cumsum(lengths).tolist())
+  return any(cut not in ends for cut in range(capacity, int(lengths.sum()),
+                                               capacity))
 
 
 def _row_order(row, cp_size: int):
@@ -118,10 +190,16 @@ def _row_order(row, cp_size: int):
         "document its own id")
   c = row.size // cp_size
   # The row's own order and two constructions: the evenest, the row's own
-  # on a tie.
-  order = min((list(range(lengths.size)), _order(lengths, cp_size, c),
-               _binned(lengths, cp_size, c)),
-              key=lambda o: _peak(lengths[o], cp_size, c))
+  # on a tie; but one where no document crosses a shard if its most-loaded
+  # shard is within ALIGNED_SLACK of that and no worse than the row's own.
+  own = list(range(lengths.size))
+  peak = lambda o: _peak(lengths[o], cp_size, c)
+  order = min((own, _order(lengths, cp_size, c), _binned(lengths, cp_size, c)),
+              key=peak)
+  aligned = own if not _crosses(lengths, c) else _aligned(lengths, cp_size, c)
+  if aligned is not None and peak(aligned) <= min(
+      peak(order) * (1 + ALIGNED_SLACK), peak(own)):
+    order = aligned
   return np.concatenate([np.arange(starts[i], starts[i] + lengths[i])
                          for i in order])
 
@@ -129,7 +207,10 @@ def _row_order(row, cp_size: int):
 def balance_documents(segment_ids, cp_size: int) -> np.ndarray:
   """``(B, S)`` int32: an order of each row's tokens (``x[b, order[b]]``)
   that keeps every document whole and in its own order, and spreads the
-  documents' causal work over ``cp_size`` contiguous shards.
+  documents' causal work over ``cp_size`` contiguous shards; where that
+  costs the most-loaded shard at most ``ALIGNED_SLACK`` (2%) more work
+  than the evenest order found, and no more than the row's own order,
+  every shard ends on a document's end (no document crosses a shard).
 
   Documents are the runs of equal ids; each id must be one run (else a
   ``ValueError``: reordering could join two runs of one id). Apply the
