@@ -107,7 +107,7 @@ def _binned(lengths, cp_size: int, capacity: int) -> list[int]:
   return order + spill
 
 
-def _exact(pool, lengths, room: int) -> list[int] | None:
+def exact_subset(pool, lengths, room: int) -> list[int] | None:
   """Documents of ``pool`` whose lengths sum to ``room`` exactly (a
   subset sum over bit sets: bit ``x`` of ``reach`` is set where some of
   the documents seen so far sum to ``x``), or None where none do."""
@@ -131,7 +131,7 @@ def _aligned(lengths, cp_size: int, capacity: int) -> list[int] | None:
   documents first, down to the shortest ``share``, each to the
   least-loaded shard with room for it whole; then each shard's room,
   largest first, filled exactly by some of the short ones
-  (:func:`_exact`). Tried with the shortest half, three quarters and all
+  (:func:`exact_subset`). Tried with the shortest half, three quarters and all
   but the longest tenth held back; the evenest found."""
   longest = np.argsort(-lengths, kind="stable")
   found = []
@@ -150,7 +150,7 @@ def _aligned(lengths, cp_size: int, capacity: int) -> list[int] | None:
     else:
       pool = [int(i) for i in longest[longest.size - held:]]
       for d in np.argsort(-room, kind="stable"):
-        fill = _exact(pool, lengths, int(room[d]))
+        fill = exact_subset(pool, lengths, int(room[d]))
         if fill is None:
           break
         bins[d] += fill
@@ -172,7 +172,7 @@ def _peak(lengths, cp_size: int, capacity: int) -> float:
   return float((hi * (hi + 1) - lo * (lo + 1)).sum(0).max() / 2)
 
 
-def _crosses(lengths, capacity: int) -> bool:
+def crosses_a_cut(lengths, capacity: int) -> bool:
   """Whether some cut (every ``capacity`` tokens) falls inside a document
   of ``lengths`` in this order."""
   ends = set(np.cumsum(lengths).tolist())
@@ -196,7 +196,7 @@ def _row_order(row, cp_size: int):
   peak = lambda o: _peak(lengths[o], cp_size, c)
   order = min((own, _order(lengths, cp_size, c), _binned(lengths, cp_size, c)),
               key=peak)
-  aligned = own if not _crosses(lengths, c) else _aligned(lengths, cp_size, c)
+  aligned = own if not crosses_a_cut(lengths, c) else _aligned(lengths, cp_size, c)
   if aligned is not None and peak(aligned) <= min(
       peak(order) * (1 + ALIGNED_SLACK), peak(own)):
     order = aligned
@@ -208,7 +208,7 @@ def balance_documents(segment_ids, cp_size: int) -> np.ndarray:
   """``(B, S)`` int32: an order of each row's tokens (``x[b, order[b]]``)
   that keeps every document whole and in its own order, and spreads the
   documents' causal work over ``cp_size`` contiguous shards; where that
-  costs the most-loaded shard at most ``ALIGNED_SLACK`` (2%) more work
+  costs the most-loaded shard at most ``ALIGNED_SLACK`` more work
   than the evenest order found, and no more than the row's own order,
   every shard ends on a document's end (no document crosses a shard).
 
