@@ -353,8 +353,9 @@ def _ring_steps(segment_ids, cpc, cp, run_t, is_causal,
   reaches (contiguous shards, the unrolled loop, the default K/V sends, no
   window: ``skips`` the last two)."""
   lead = "if the ring runs, " if cpc.strategy == "auto" else ""
-  if not (skips and cpc.load_balance is None and cpc.kv_sends is None
-          and cp > 1):
+  if cp == 1:
+    return {}, "one device: the ring has no step after the own block"
+  if not (skips and cpc.load_balance is None and cpc.kv_sends is None):
     return {}, (f"{lead}every ring step runs: the ring skips steps only on "
                 "contiguous shards (load_balance=None) with the unrolled "
                 "loop, the default K/V sends and no window")

@@ -131,8 +131,8 @@ def _aligned(lengths, cp_size: int, capacity: int) -> list[int] | None:
   documents first, down to the shortest ``share``, each to the
   least-loaded shard with room for it whole; then each shard's room,
   largest first, filled exactly by some of the short ones
-  (:func:`exact_subset`). Tried with the shortest half, three quarters and all
-  but the longest tenth held back; the evenest found."""
+  (:func:`exact_subset`). Tried with the shortest half, three quarters
+  and all but the longest tenth held back; the evenest found."""
   longest = np.argsort(-lengths, kind="stable")
   found = []
   for share in (0.5, 0.75, 0.9):
@@ -196,7 +196,8 @@ def _row_order(row, cp_size: int):
   peak = lambda o: _peak(lengths[o], cp_size, c)
   order = min((own, _order(lengths, cp_size, c), _binned(lengths, cp_size, c)),
               key=peak)
-  aligned = own if not crosses_a_cut(lengths, c) else _aligned(lengths, cp_size, c)
+  aligned = (own if not crosses_a_cut(lengths, c) else
+             _aligned(lengths, cp_size, c))
   if aligned is not None and peak(aligned) <= min(
       peak(order) * (1 + ALIGNED_SLACK), peak(own)):
     order = aligned
