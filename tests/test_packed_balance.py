@@ -242,6 +242,10 @@ def test_balance_documents_puts_the_cuts_between_documents_where_it_can():
       segment_ids=new, context_parallel=jax_ring.ContextParallel(
           strategy="ring", load_balance=None)).defaults["ring_steps"]
   assert steps[0]["last"] == 0, steps
+  assert jax_ring.explain(
+      (1, 65536, 8, 16), (1, 65536, 2, 16), cp_size=4, is_causal=True,
+      segment_ids=ids).defaults["balance"][1].endswith(
+          "and no document crosses a shard")
   # A document longer than a shard crosses in any order: the evenest stays.
   long = np.repeat(np.arange(3), [3000, 96, 1000])[None].astype(np.int32)
   order = jax_ring.balance_documents(long, 2)

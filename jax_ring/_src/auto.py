@@ -407,8 +407,12 @@ def _balance(segment_ids, query_shape, cpc, sizes, run_t, is_causal):
     if run_t == np.asarray(segment_ids).shape[1]:
       ordered = np.take_along_axis(
           ids, documents.balance_documents(ids, ring), 1)
+      whole = all(not documents.crosses_a_cut(documents.runs(r)[1],
+                                              r.size // ring)
+                  for r in ordered)
       why += (f"; in jax_ring.balance_documents' order, contiguous shards "
-              f"give {layout.work_balance(ordered, ring, None, is_causal):.3f}")
+              f"give {layout.work_balance(ordered, ring, None, is_causal):.3f}"
+              + (", and no document crosses a shard" if whole else ""))
   except ValueError:
     pass
   return found, why

@@ -28,7 +28,7 @@ import numpy as np
 ALIGNED_SLACK = 0.02
 
 
-def _runs(row):
+def runs(row):
   """``(starts, lengths)`` of the row's runs of equal ids."""
   edge = np.flatnonzero(row[1:] != row[:-1]) + 1
   starts = np.concatenate([[0], edge])
@@ -38,7 +38,7 @@ def _runs(row):
 def id_in_two_runs(row) -> tuple[int, int] | None:
   """``(id, runs)`` of the first id of ``row`` (ids by value) that is more
   than one run of tokens, or None where each id is one run (a document)."""
-  starts, _ = _runs(row)
+  starts, _ = runs(row)
   found, count = np.unique(row[starts], return_counts=True)
   if (count > 1).any():
     return found[count > 1][0].item(), int(count[count > 1][0])
@@ -181,7 +181,7 @@ def crosses_a_cut(lengths, capacity: int) -> bool:
 
 
 def _row_order(row, cp_size: int):
-  starts, lengths = _runs(row)
+  starts, lengths = runs(row)
   twice = id_in_two_runs(row)
   if twice is not None:
     raise ValueError(
