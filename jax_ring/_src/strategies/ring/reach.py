@@ -62,12 +62,18 @@ def tail_sizes(t: int) -> tuple[int, ...]:
   return tuple(sorted({-(-t // d) for d in (16, 4, 2)} | {t}))
 
 
+def last_step(need):
+  """``()`` int32: the last step ``need (cp,)`` marks (0: none after the
+  own)."""
+  return jnp.max(jnp.where(need, jnp.arange(need.shape[0]), 0))
+
+
 def branch(need, rows, t: int, cp: int):
   """``()`` int32, the branch ``schedule._reached_loop`` takes: 0, no step
   after the own; ``1 + i``, step 1 only on ``tail_sizes(t)[i]`` rows, the
   smallest that holds ``rows``; ``1 + len(tail_sizes(t))`` (only where cp >
   2), every step up to the last that ``need (cp,)`` marks."""
-  last = jnp.max(jnp.where(need, jnp.arange(cp), 0))
+  last = last_step(need)
   sizes = tail_sizes(t)
   index = 1 + jnp.searchsorted(jnp.asarray(sizes), rows,
                                method="compare_all")
@@ -160,8 +166,7 @@ def steps_of_rows(segment_ids, cp_size: int, causal: bool) -> dict:
     gathered = jnp.asarray(ids).reshape(b, cp_size, t)
     need = _of_gathered(gathered, gathered, plan, causal, True)
     index = int(branch(need[:cp_size] > 0, need[cp_size], t, cp_size))
-    need = np.asarray(need)
+    last = int(last_step(need[:cp_size] > 0))
   sizes = tail_sizes(t)
-  return dict(last=int(np.flatnonzero(need[:cp_size])[-1]),
-              rows=int(need[cp_size]), shard=t, branch=index,
+  return dict(last=last, rows=int(need[cp_size]), shard=t, branch=index,
               size=sizes[index - 1] if 0 < index <= len(sizes) else None)

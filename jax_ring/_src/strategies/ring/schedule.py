@@ -146,7 +146,7 @@ def _reached_loop(plan, own, later, tail, k, v, ids, reached):
   Returns in the own block's dtypes."""
   cp = plan.cp_size
   need, rows = reached
-  last = jnp.max(jnp.where(need, jnp.arange(cp), 0))
+  last = reach.last_step(need)
   t = k.shape[1]
   first = own(((k, v), ids))
   dtypes = jax.tree.map(lambda a: a.dtype, first)
