@@ -92,6 +92,9 @@ def main():
                  help="write each row's compiled program text there")
   packed_path_args(p)
   a = p.parse_args()
+  for folder in (a.hlo, a.timeline):
+    if folder:
+      os.makedirs(folder, exist_ok=True)
   use_packed_path(a.packed_path)
   rows = []
   s, n, kh, d = a.seq, a.heads, a.kv_heads, 128
