@@ -236,18 +236,28 @@ std::mutex& RegistryMutex() {
 
 std::shared_ptr<SdpaPlan> GetPlan(const SdpaKey& key, cudnnHandle_t handle,
                                   std::string* error) {
+  // This thread's plans: every handler looks its plan up at every run of
+  // the program (INITIALIZE, then EXECUTE), each device's program on a
+  // thread of its own, so a plan found before takes no lock.
+  thread_local std::unordered_map<SdpaKey, std::shared_ptr<SdpaPlan>,
+                                  SdpaKeyHash>
+      mine;
+  if (auto it = mine.find(key); it != mine.end()) return it->second;
   static auto* cache =
       new std::unordered_map<SdpaKey, std::shared_ptr<SdpaPlan>, SdpaKeyHash>();
   std::lock_guard<std::mutex> lock(RegistryMutex());
   auto it = cache->find(key);
-  if (it != cache->end()) return it->second;
+  if (it != cache->end()) return mine.emplace(key, it->second).first->second;
   std::shared_ptr<SdpaPlan> plan;
   try {
     plan = Build(key, handle, error);
   } catch (const std::exception& e) {
     *error = std::string("cuDNN graph build threw: ") + e.what();
   }
-  if (plan) cache->emplace(key, plan);
+  if (plan) {
+    cache->emplace(key, plan);
+    mine.emplace(key, plan);
+  }
   return plan;
 }
 
@@ -269,9 +279,15 @@ bool Execute(const SdpaPlan& plan, cudnnHandle_t handle, void* const* ptrs,
 
 namespace {
 DeviceHandle& Device(int32_t device) {
+  // The registry's entries never move (an unordered_map keeps its nodes),
+  // so each thread keeps the ones it has looked up.
+  thread_local std::unordered_map<int32_t, DeviceHandle*> mine;
+  if (auto it = mine.find(device); it != mine.end()) return *it->second;
   static auto* handles = new std::unordered_map<int32_t, DeviceHandle>();
   std::lock_guard<std::mutex> lock(RegistryMutex());
-  return (*handles)[device];
+  DeviceHandle* d = &(*handles)[device];
+  mine.emplace(device, d);
+  return *d;
 }
 }  // namespace
 
