@@ -73,6 +73,25 @@ _LAUNCH = (" fusion(", " custom-call(", " all-reduce(", " all-gather(",
            " copy(", " sort(", " scatter(", " gather(")
 
 
+def _computations(hlo: str):
+  """A compiled program's text as ``(body, calls, fused)``: each
+  computation's instruction lines, the computations each one calls, and
+  those that are fusions' own (they launch nothing themselves)."""
+  body, calls, name = {}, {}, None
+  for line in hlo.splitlines():
+    if line.endswith("{") and not line.startswith(" ") and "(" in line:
+      name = line.split("(")[0].split()[-1].lstrip("%")
+      body[name], calls[name] = [], set()
+    elif name is not None and line.startswith(" "):
+      body[name].append(line)
+      for one, many in _CALLS.findall(line):
+        calls[name].update([one] if one else [
+            c.strip().lstrip("%") for c in many.split(",") if c.strip()])
+  fused = {c for lines in body.values() for line in lines if " fusion(" in line
+           for c in _CALLS.findall(line) for c in c if c}
+  return body, calls, fused
+
+
 def program_summary(hlo: str) -> dict:
   """Counts in a compiled GPU program's text (``compiled.as_text()``):
   XLA's command buffers (CUDA graphs: computations named
@@ -87,16 +106,7 @@ def program_summary(hlo: str) -> dict:
   ``ulysses_4_cmdbuf``: idle 3.17 to 0.88 ms with the conditional and
   while command buffers on, ``graphs`` 0); the other counts are the
   program's, in graphs or not."""
-  body, calls, name = {}, {}, None
-  for line in hlo.splitlines():
-    if line.endswith("{") and not line.startswith(" ") and "(" in line:
-      name = line.split("(")[0].split()[-1].lstrip("%")
-      body[name], calls[name] = [], set()
-    elif name is not None and line.startswith(" "):
-      body[name].append(line)
-      for one, many in _CALLS.findall(line):
-        calls[name].update([one] if one else [
-            c.strip().lstrip("%") for c in many.split(",") if c.strip()])
+  body, calls, fused = _computations(hlo)
   graph = {n for n in body if "command_buffer" in n}
   todo = list(graph)
   while todo:
@@ -104,8 +114,6 @@ def program_summary(hlo: str) -> dict:
       if callee in body and callee not in graph:
         graph.add(callee)
         todo.append(callee)
-  fused = {c for lines in body.values() for line in lines if " fusion(" in line
-           for c in _CALLS.findall(line) for c in c if c}
   out = dict(graphs=sum("command_buffer" in n for n in body))
   for key, ops in (("launches", _LAUNCH), ("whiles", (" while(",)),
                    ("conditionals", (" conditional(",))):
@@ -114,6 +122,32 @@ def program_summary(hlo: str) -> dict:
           any(op in line for op in ops) for n, lines in body.items()
           if (n in graph) == bool(where) and n not in fused
           for line in lines)
+  return out
+
+
+def branch_launches(hlo: str) -> list[list[int]]:
+  """For each conditional of a compiled program's entry computation, in
+  order, the launching instructions (as :func:`program_summary` counts
+  them) that each branch holds, with all it calls. XLA prepares every
+  branch's work at every run of the program, taken or not."""
+  body, calls, fused = _computations(hlo)
+  entry = next((line.split("(")[0].split()[-1].lstrip("%")
+                for line in hlo.splitlines() if line.startswith("ENTRY")), None)
+
+  def launches(name, seen):
+    if name in seen or name in fused or name not in body:
+      return 0
+    seen.add(name)
+    own = sum(any(op in line for op in _LAUNCH) for line in body[name])
+    return own + sum(launches(c, seen) for c in calls[name])
+
+  out = []
+  for line in body.get(entry, ()):
+    if " conditional(" in line:
+      names = [c for one, many in _CALLS.findall(line)
+               for c in ([one] if one else [
+                   x.strip().lstrip("%") for x in many.split(",")])]
+      out.append([launches(n, set()) for n in names])
   return out
 
 

@@ -17,6 +17,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
 import common  # noqa: E402
 import finetune_models  # noqa: E402
 import lm_training  # noqa: E402
+import profile_host  # noqa: E402
 import profile_ring  # noqa: E402
 import ring_attention  # noqa: E402
 import ring_steps  # noqa: E402
@@ -395,3 +396,51 @@ def test_lane_shards_partition_the_selected_tests():
   for bad in ("0/2", "3/2", "two"):
     with pytest.raises(pytest.UsageError, match="--lane-shard takes I/N"):
       conftest.lane_shard(bad, ids)
+
+
+def test_branch_launches_counts_each_branch_of_the_entrys_conditionals():
+  """Each top-level conditional's branches, with the work they call; a
+  fusion's own computation launches nothing."""
+  hlo = """%a (p: s32[]) -> s32[] {
+  %f = s32[] fusion(%p), kind=kLoop, calls=%fc
+  %w = s32[] while(%p), condition=%c, body=%b
+}
+%b (p: s32[]) -> s32[] {
+  %g = s32[] custom-call(%p)
+  %h = s32[] copy(%g)
+}
+%c (p: s32[]) -> pred[] {
+  %k = pred[] fusion(%p), kind=kLoop, calls=%fc
+}
+%fc (p: s32[]) -> s32[] {
+  %x = s32[] gather(%p)
+}
+%e (p: s32[]) -> s32[] {
+  ROOT %p2 = s32[] parameter(0)
+}
+ENTRY %main (p: s32[]) -> s32[] {
+  %c1 = s32[] conditional(%p, %p, %p), branch_computations={%a, %e}
+  %x = f32[2] custom-call(%p), custom_call_target="t"
+  %c2 = s32[] conditional(%q, %p, %p), true_computation=%b, false_computation=%e
+}"""
+  assert common.branch_launches(hlo) == [[4, 0], [2, 0]]
+
+
+@pytest.mark.slow
+def test_profile_host_runs_one_call_and_stacked_layers(tmp_path, monkeypatch):
+  """profile_host on 8 CPU devices: both programs run and are timed, the
+  tail sizes it is given are the ones traced (and recorded), and the
+  ring's switch shows one branch a tail size beside none and every step.
+  No host stages on CPU: XLA:CPU records none."""
+  from jax_ring._src.strategies.ring import reach
+  monkeypatch.setattr(reach, "TAIL_DIVISORS", reach.TAIL_DIVISORS)
+  rows = dry_run(profile_host, ["--seq", "256", "--heads", "4",
+                                "--kv-heads", "2", "--layers", "2",
+                                "--calls", "1", "--tail-divisors", "8"],
+                 tmp_path, monkeypatch)
+  assert [r["program"] for r in rows] == ["one", "layers"]
+  assert all(r["ms"] > 0 and r["launches"] > 0 for r in rows)
+  assert rows[1]["ms_per_attention"] == rows[1]["ms"] / 2
+  assert reach.tail_sizes(32) == (4, 32)
+  switch = max(rows[0]["branches"], key=len)
+  assert len(switch) == 1 + 2 + 1  # none, the 2 tail sizes, every step

@@ -55,11 +55,16 @@ def _pairs(plan: ShardPlan, causal: bool) -> np.ndarray:
   return out
 
 
+# A step-1 tail is the shard's length ``t`` over one of these (rounded up),
+# or ``t``. Each size is a branch of the program, prepared at every run.
+TAIL_DIVISORS = (16, 4, 2)
+
+
 def tail_sizes(t: int) -> tuple[int, ...]:
   """The static sizes, in tokens, of a step that pairs only the first query
   rows of each shard with the last kv rows of the shard before it:
-  ``t/16, t/4, t/2`` (rounded up) and ``t``."""
-  return tuple(sorted({-(-t // d) for d in (16, 4, 2)} | {t}))
+  ``t / d`` (rounded up) for each ``d`` of ``TAIL_DIVISORS``, and ``t``."""
+  return tuple(sorted({-(-t // d) for d in TAIL_DIVISORS} | {t}))
 
 
 def last_step(need):
