@@ -7,6 +7,7 @@ import os
 import pathlib
 import re
 import shutil
+import tempfile
 import time
 
 import jax
@@ -149,6 +150,19 @@ def branch_launches(hlo: str) -> list[list[int]]:
                    x.strip().lstrip("%") for x in many.split(",")])]
       out.append([launches(n, set()) for n in names])
   return out
+
+
+def traced(fn, args, calls: int, read):
+  """``read(path)`` of a jax.profiler trace (its ``.trace.json.gz``) of
+  ``calls`` runs of ``fn(*args)``, after one run outside it."""
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+      for _ in range(calls):
+        out = fn(*args)
+      jax.block_until_ready(out)
+    return read(next(os.path.join(r, f) for r, _, fs in os.walk(tmp)
+                     for f in fs if f.endswith(".trace.json.gz")))
 
 
 def random_qkv(seed, seq, heads, kv_heads, head_dim, dtype=jnp.bfloat16):

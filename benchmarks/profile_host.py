@@ -25,7 +25,6 @@ import gzip
 import json
 import os
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +35,8 @@ from jax_ring._src.strategies.ring import reach
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (branch_launches, packed_path_args,  # noqa: E402
-                    program_summary, random_qkv, time_fn, use_packed_path,
-                    write)
+                    program_summary, random_qkv, time_fn, traced,
+                    use_packed_path, write)
 from strategies import mix_ids, setup  # noqa: E402
 
 STAGES = ("Thunks::Prepare", "Thunks::Initialize",
@@ -60,19 +59,6 @@ def host_stages(trace_path: str) -> dict:
     out[f"{key}_ms"] = float(np.mean(durs[stage])) if durs[stage] else None
     out[f"{key}_count"] = len(durs[stage])
   return out
-
-
-def traced(fn, args, calls: int) -> dict:
-  """:func:`host_stages` of ``calls`` runs of ``fn``."""
-  jax.block_until_ready(fn(*args))
-  with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp):
-      for _ in range(calls):
-        out = fn(*args)
-      jax.block_until_ready(out)
-    path = next(os.path.join(r, f) for r, _, fs in os.walk(tmp)
-                for f in fs if f.endswith(".trace.json.gz"))
-    return host_stages(path)
 
 
 def programs(strategy, mix, s, n, kh, layers):
@@ -126,7 +112,7 @@ def main():
     ms = time_fn(compiled, *args) * 1e3
     row = dict(program=name, attention_calls=per, ms=ms,
                ms_per_attention=ms / per,
-               **traced(compiled, args, a.calls if per == 1 else 1),
+               **traced(compiled, args, a.calls if per == 1 else 1, host_stages),
                **program_summary(hlo), branches=branch_launches(hlo))
     rows.append(row)
     print(f"{name}: {row}")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +36,7 @@ import jax_ring
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (packed_path_args, program_summary, random_qkv,  # noqa: E402
-                    use_packed_path, write)
+                    traced, use_packed_path, write)
 from profile_ring import gaps, gpu_events, summarise  # noqa: E402
 from strategies import mix_ids, setup  # noqa: E402
 
@@ -49,16 +48,8 @@ def profiled(step, args, calls: int, timeline_path=None):
   waits of over GAP_US added, the kernels by time) of ``calls`` calls of
   the compiled ``step``; GPU 0's kernel timeline written to
   ``timeline_path`` if given."""
-  jax.block_until_ready(step(*args))
-  with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp):
-      for _ in range(calls):
-        out = step(*args)
-      jax.block_until_ready(out)
-    trace = next(os.path.join(r, f) for r, _, fs in os.walk(tmp)
-                 for f in fs if f.endswith(".trace.json.gz"))
-    per = gpu_events(trace)
-    mean, detail, timeline = summarise(per, calls)
+  per = traced(step, args, calls, gpu_events)
+  mean, detail, timeline = summarise(per, calls)
   if timeline_path:
     with open(timeline_path, "w") as f:
       f.writelines(f"{t:10.1f} {d:8.1f} {st[:12]:12} {k:5} {n}\n"
