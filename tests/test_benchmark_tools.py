@@ -441,6 +441,6 @@ def test_profile_host_runs_one_call_and_stacked_layers(tmp_path, monkeypatch):
   assert [r["program"] for r in rows] == ["one", "layers"]
   assert all(r["ms"] > 0 and r["launches"] > 0 for r in rows)
   assert rows[1]["ms_per_attention"] == rows[1]["ms"] / 2
-  assert reach.tail_sizes(32) == (4, 32)
+  assert reach.tail_sizes(32, 8) == (4,)
   switch = max(rows[0]["branches"], key=len)
-  assert len(switch) == 1 + 2 + 1  # none, the 2 tail sizes, every step
+  assert len(switch) == 1 + 1 + 1  # none, the tail size, every step

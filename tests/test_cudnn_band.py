@@ -389,7 +389,7 @@ def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
   monkeypatch.setattr(tiles, "SIZES", (4, 8))
   # The reached step on the last quarter of a shard or the whole of it (the
   # library's four sizes would compile twice the blocks for no more cover).
-  monkeypatch.setattr(reach, "tail_sizes", lambda t: (-(-t // 4), t))
+  monkeypatch.setattr(reach, "TAIL_DIVISORS", (4,))
   monkeypatch.setattr(cudnn, "unsupported", lambda *_: None)  # as on a GPU
   monkeypatch.setitem(registry.BACKENDS, "cudnn", registry.Backend(
       "cudnn", cudnn.forward, cudnn.backward, lambda *_: None))

@@ -605,8 +605,8 @@ def _docs(lengths, ids=None):
 
 
 # Shards of 12: documents that cross a boundary by one row each side
-# (12), and by up to two (12, 24); ``reach.tail_sizes(12)`` is (1, 3, 6,
-# 12), so step 1 sends the last 1 and 3 rows of each shard.
+# (12), and by up to two (12, 24); ``reach.tail_sizes(12, 4)`` is (1, 3,
+# 6), so step 1 sends the last 1 and 3 rows of each shard.
 CROSS_ONE = _docs((11, 2, 10, 1, 1, 10, 1, 1, 11))
 CROSS_FEW = _docs((10, 3, 10, 3, 10, 3, 9))
 
@@ -659,16 +659,18 @@ def _needed_steps(cp, load_balance, causal, rows=False):
 def test_ring_crossing_rows(causal):
   """The rows documents cross at shard boundaries (shards of 12), the same
   on every device; a row's batch mate that crosses further sets them; and
-  the branch they pick: none, step 1 on 1, 3 or all 12 rows, or every
-  step (a later step is needed). Not under a causal mask, the queries that
-  reach the next shard are a shard's last rows, so the first rows that hold
-  them are the whole shard, and the step back (3, at cp = 4) is needed."""
+  the branch they pick: none, step 1 on 1 or 3 rows, or the path over
+  every step (a later step is needed, or documents cross by more than the
+  largest size, 6: that path stops after step 1). Not under a causal mask,
+  the queries that reach the next shard are a shard's last rows, so the
+  first rows that hold them are the whole shard, and the step back (3, at
+  cp = 4) is needed."""
   from jax_ring._src.strategies.ring import reach
   cp = 4
   f = _needed_steps(cp, None, causal, rows=True)
   cases = [(_docs((6,) * 8), 0, 0), (CROSS_ONE, 1, 12), (CROSS_FEW, 2, 12),
            (_docs((5, 11, 9, 7, 4, 12)), 8, 12), (_docs((S,)), 12, 12)]
-  branches = [0, 1, 2, 4, 5] if causal else [0, 5, 5, 5, 5]
+  branches = [0, 1, 2, 4, 4] if causal else [0, 4, 4, 4, 4]
   for (ids, want, want_full), branch in zip(cases, branches):
     for other in (_docs((6,) * 8), ids):
       need, rows = f(jnp.asarray(np.concatenate([ids, other])))

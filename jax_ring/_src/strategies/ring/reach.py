@@ -55,16 +55,19 @@ def _pairs(plan: ShardPlan, causal: bool) -> np.ndarray:
   return out
 
 
-# A step-1 tail is the shard's length ``t`` over one of these (rounded up),
-# or ``t``. Each size is a branch of the program, prepared at every run.
+# A step-1 tail is the shard's length ``t`` over one of these (rounded up).
+# Each size is a branch of the program, which XLA prepares at every run.
 TAIL_DIVISORS = (16, 4, 2)
 
 
-def tail_sizes(t: int) -> tuple[int, ...]:
+def tail_sizes(t: int, cp: int) -> tuple[int, ...]:
   """The static sizes, in tokens, of a step that pairs only the first query
-  rows of each shard with the last kv rows of the shard before it:
-  ``t / d`` (rounded up) for each ``d`` of ``TAIL_DIVISORS``, and ``t``."""
-  return tuple(sorted({-(-t // d) for d in TAIL_DIVISORS} | {t}))
+  rows of each shard with the last kv rows of the shard before it: ``t /
+  d`` (rounded up) for each ``d`` of ``TAIL_DIVISORS`` below ``t``, and, at
+  ``cp == 2``, ``t``. Where ``cp > 2`` the path over every step, stopped
+  after step 1, is that step on whole shards, so no branch of its own."""
+  sizes = {-(-t // d) for d in TAIL_DIVISORS} | {t}
+  return tuple(sorted(sizes if cp == 2 else sizes - {t}))
 
 
 def last_step(need):
@@ -75,12 +78,13 @@ def last_step(need):
 
 def branch(need, rows, t: int, cp: int):
   """``()`` int32, the branch ``schedule._reached_loop`` takes: 0, no step
-  after the own; ``1 + i``, step 1 only on ``tail_sizes(t)[i]`` rows, the
-  smallest that holds ``rows``; ``1 + len(tail_sizes(t))`` (only where cp >
-  2), every step up to the last that ``need (cp,)`` marks."""
+  after the own; ``1 + i``, step 1 only on ``tail_sizes(t, cp)[i]`` rows,
+  the smallest that holds ``rows``; ``1 + len(tail_sizes(t, cp))`` (only
+  where cp > 2), every step up to the last that ``need (cp,)`` marks (step
+  1 alone on whole shards where no size holds ``rows``)."""
   last = last_step(need)
-  sizes = tail_sizes(t)
-  index = 1 + jnp.searchsorted(jnp.asarray(sizes), rows,
+  sizes = tail_sizes(t, cp)
+  index = 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), rows,
                                method="compare_all")
   if cp > 2:
     index = jnp.where(last > 1, 1 + len(sizes), index)
@@ -172,6 +176,7 @@ def steps_of_rows(segment_ids, cp_size: int, causal: bool) -> dict:
     need = _of_gathered(gathered, gathered, plan, causal, True)
     index = int(branch(need[:cp_size] > 0, need[cp_size], t, cp_size))
     last = int(last_step(need[:cp_size] > 0))
-  sizes = tail_sizes(t)
+  sizes = tail_sizes(t, cp_size)
+  size = sizes[index - 1] if 0 < index <= len(sizes) else None
   return dict(last=last, rows=int(need[cp_size]), shard=t, branch=index,
-              size=sizes[index - 1] if 0 < index <= len(sizes) else None)
+              size=t if size is None and last == 1 else size)

@@ -165,9 +165,9 @@ def _reached_loop(plan, own, later, tail, k, v, ids, reached):
     held = (kv_lib.pack(k[:, end], v[:, end]), ids[:, end])
     return tail(size, _shift(held, plan, 1), first)
 
-  branches = ([lambda first: first] +
-              [functools.partial(cut, size) for size in reach.tail_sizes(t)])
-  if cp > 2:  # a document reaches past the previous shard
+  sizes = reach.tail_sizes(t, cp)
+  branches = [lambda first: first] + [functools.partial(cut, n) for n in sizes]
+  if cp > 2:  # documents reach past the previous shard, or past every size
     branches.append(lambda first: from_step(1, as_f32(first)))
   return lax.switch(reach.branch(need, rows, t, cp), branches, first)
 
