@@ -311,3 +311,46 @@ def test_auto_may_run_different_strategies_per_pass(monkeypatch):
   hlo = compiled.as_text()
   assert "all-to-all" in hlo and "collective-permute" in hlo
   _check_auto(inputs, compiled, args, back)
+
+
+# Rows of 48 tokens over 4 devices (shards of 12): documents inside the
+# shards, documents crossing boundaries by one row (step 1 on the last row
+# of each shard), and one document over the whole row (past every tail).
+@pytest.mark.parametrize("lengths, beyond", [
+    ((6,) * 8, False), ((11, 2, 10, 1, 1, 10, 1, 1, 11), False), ((S,), True)],
+    ids=["inside", "crossing", "one_document"])
+def test_auto_runs_the_ring_first_on_packed_contiguous_rows(
+    lengths, beyond, monkeypatch):
+  """Packed rows on contiguous shards, where the model picks Ulysses (as it
+  does for packed rows: it sees no document lengths): each pass runs each
+  device's own block and the ring's reach test, and Ulysses only where the
+  documents reach past what the ring's step-1 tails hold. Exact on every
+  branch, forward and gradients; the program holds both strategies."""
+  from jax_ring._src import auto
+  from jax_ring._src.strategies.ring import reach
+  real, cp = auto.estimate, 4
+  monkeypatch.setattr(auto, "estimate", lambda **kw: dataclasses.replace(
+      real(**kw), forward="ulysses", backward="ulysses"))
+  ids = np.broadcast_to(np.repeat(np.arange(len(lengths)), lengths)[None],
+                        (B, S)).astype(np.int32)
+  assert reach.steps_of_rows(ids, cp, True, beyond=True)["beyond"] == beyond
+  m = Mesh(np.array(jax.devices()[:cp]), ("cp",))
+  tok = NamedSharding(m, P(None, "cp"))
+  q, k, v, do = rank_coded_qkv(62, cp)
+  args = [jax.device_put(x, tok) for x in (q, k, v, do, jnp.asarray(ids))]
+  cpc = jax_ring.ContextParallel(axis="cp", strategy="auto",
+                                 load_balance=None, inputs="load_balanced")
+
+  @jax.jit
+  def fwd_bwd(q, k, v, do, ids):
+    out, vjp = jax.vjp(lambda q, k, v: jax_ring.dot_product_attention(
+        q, k, v, is_causal=True, segment_ids=ids, context_parallel=cpc,
+        implementation="xla"), q, k, v)
+    return out, vjp(do)
+
+  compiled = fwd_bwd.lower(*args).compile()
+  hlo = compiled.as_text()
+  assert "all-to-all" in hlo and "collective-permute" in hlo
+  out, grads = compiled(*args)
+  check((out, grads), q, k, v, do, ref.Case(
+      H**-0.5, is_causal=True, q_segment_ids=ids, kv_segment_ids=ids))

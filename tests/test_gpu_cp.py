@@ -11,7 +11,8 @@ axis        values                                              entry
 ==========  ==================================================  ===========
 strategy    ring: neighbour / gather sends x unrolled / scan;   shard_map
             all_gather (one-shot / ``kv_chunk_heads=1``);       and jit
-            ulysses; hybrid (U=2, R=cp/2; cp >= 4); auto (jit)
+            ulysses; hybrid (U=2, R=cp/2; cp >= 4); auto (jit;
+            dual-chunk, and contiguous: the ring first)
 mask        causal, full, window (crosses shards), padding
             lengths (odd), packed documents (odd lengths,
             crossing shards), soft cap
@@ -81,14 +82,18 @@ STRATEGIES = {
     "ulysses": ("ulysses", {}),
     "hybrid": ("hybrid", {}),
     "auto": ("auto", {}),
+    # On contiguous shards, packed rows that auto gives Ulysses run the
+    # ring's own block and reach test first (auto.ring_first).
+    "auto_contiguous": ("auto", {}),
 }
 # Layouts per strategy kind or name (others: dual_chunk, striped); all-gather
 # and hybrid take no striped layout.
 LAYOUTS = {"all_gather": ("dual_chunk", None), "hybrid": ("dual_chunk", None),
-           "ring_default": ("dual_chunk", None)}
+           "ring_default": ("dual_chunk", None),
+           "auto_contiguous": ("dual_chunk", None)}
 # Strategies run in some of their layouts only (each case keeps the shape
 # its (cp, mask, layout) has for the others).
-ONLY = {"ring_default": (None,)}
+ONLY = {"ring_default": (None,), "auto_contiguous": (None,)}
 MASKS = ("causal", "full", "window", "padding", "packed", "soft_cap")
 # At the largest cp only: sinks (causal; their gradient checked too), and
 # rows of many documents (MANY_DOCS a row).

@@ -191,8 +191,18 @@ def test_explain_says_which_ring_steps_the_rows_run():
   got, why = say(docs((48,)))
   assert (got["last"], got["size"]) == (3, None)
   assert "steps 1 to 3, each sending a whole shard's K/V" in why
+  # auto on contiguous shards, whose model picks Ulysses for these shapes:
+  # the ring's own block and reach test first, Ulysses past the tails.
   auto = jax_ring.ContextParallel(strategy="auto", load_balance=None)
-  assert say(docs((6,) * 8), auto)[1].startswith("if the ring runs, ")
+  assert jax_ring.explain((1, 48, 8, 16), (1, 48, 2, 16), cp_size=4,
+                          is_causal=True).forward == "ulysses"
+  assert say(docs((6,) * 8), auto)[1].startswith("the ring runs no step")
+  got, why = say(docs((48,)), auto)
+  assert got["beyond"] and why.startswith(
+      "each device's own block and the reach test, then Ulysses"), why
+  assert not say(docs((10, 3, 10, 3, 10, 3, 9)), auto)[0]["beyond"]
+  dual = jax_ring.ContextParallel(strategy="auto")  # dual-chunk: no reach
+  assert say(docs((6,) * 8), dual)[1].startswith("if the ring runs, ")
   for cpc in (jax_ring.ContextParallel(strategy="ring"),
               jax_ring.ContextParallel(strategy="ring", load_balance=None,
                                        kv_sends="gather")):

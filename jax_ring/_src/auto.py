@@ -217,6 +217,41 @@ def resolve(cpc: ContextParallel, mesh, q_shape, local_heads, kv_heads=None,
       cpc, strategy=choice.backward if backward else choice.forward)
 
 
+def ring_first(asked: ContextParallel, picked: ContextParallel, *,
+               packed: bool, window, same_length: bool) -> bool:
+  """Whether the automatic path, having picked Ulysses (``picked``) for a
+  pass of packed rows on contiguous shards, runs the ring's own block and
+  its reach test first, and Ulysses only where documents cross a shard
+  boundary by more than the ring's step-1 tails hold or reach past the
+  previous shard (``ShardPlan.beyond``). The model sees no document
+  lengths; the reach test sees them at run time. Only where the ring skips
+  steps: ``asked`` with the default loop and K/V sends, no window, one
+  axis, self-attention."""
+  return (asked.strategy == "auto" and not asked.is_hybrid and
+          picked.strategy == "ulysses" and packed and
+          asked.load_balance is None and window is None and same_length and
+          asked.loop == "unrolled" and asked.kv_sends is None)
+
+
+def _ring_first_noted(choice: Choice, cpc: ContextParallel, packed: bool,
+                      window, same_length: bool) -> tuple[Choice, bool]:
+  """``(choice, first)``: whether :func:`ring_first` holds for either
+  pass's pick, and ``choice`` with that said in its reason."""
+  first = any(ring_first(cpc.with_environment(),
+                         dataclasses.replace(cpc, strategy=pick),
+                         packed=packed, window=window,
+                         same_length=same_length)
+              for pick in (choice.forward, choice.backward))
+  if first:
+    choice = dataclasses.replace(choice, reason=choice.reason + (
+        "; packed rows on contiguous shards: a pass that picks ulysses runs "
+        "each device's own block and the ring's reach test first, and "
+        "Ulysses only where documents cross a shard boundary by more than "
+        "the ring's step-1 tails hold (half a shard) or reach past the "
+        "previous shard"))
+  return choice, first
+
+
 def explain(query_shape, key_shape, *, cp_size, is_causal=False,
             local_window_size=None, dtype_bytes=2,
             context_parallel: ContextParallel | None = None,
@@ -271,10 +306,6 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
                                     run_t, is_causal)
     defaults_["cudnn_packed"] = _one_run_each(np.asarray(segment_ids))
     defaults_["work"] = _work(np.asarray(segment_ids), is_causal)
-    if not cpc.is_hybrid and cpc.strategy in ("ring", "auto"):
-      defaults_["ring_steps"] = _ring_steps(
-          segment_ids, cpc, sizes[cpc.axis], run_t, is_causal,
-          window is None and defaults_["loop"][0] == "unrolled")
   if cpc.is_hybrid:
     return Choice("hybrid", "hybrid", {}, f"a pair of axes {cpc.axis!r} "
                   f"(sizes {tuple(sizes.values())}): Ulysses inside a ring",
@@ -289,6 +320,12 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
         choice, forward=cpc.strategy, backward=cpc.strategy,
         reason=f"strategy {cpc.strategy!r} as given; auto would model: "
         f"{choice.reason}")
+  choice, first = _ring_first_noted(choice, cpc, segment_ids is not None,
+                                    window, run_t == run_s)
+  if segment_ids is not None and cpc.strategy in ("ring", "auto"):
+    defaults_["ring_steps"] = _ring_steps(
+        segment_ids, cpc, sizes[cpc.axis], run_t, is_causal,
+        window is None and defaults_["loop"][0] == "unrolled", first)
   return dataclasses.replace(choice, defaults=defaults_)
 
 
@@ -346,13 +383,14 @@ def _padded(ids, run_t, is_causal):
       ids, pad, constant_values=ids.max() + 1)
 
 
-def _ring_steps(segment_ids, cpc, cp, run_t, is_causal,
-                skips) -> tuple[dict, str]:
+def _ring_steps(segment_ids, cpc, cp, run_t, is_causal, skips,
+                beyond=False) -> tuple[dict, str]:
   """explain's ``ring_steps`` entry: which ring steps these rows run
   (``reach.steps_of_rows``), where the ring skips the steps no document
   reaches (contiguous shards, the unrolled loop, the default K/V sends, no
-  window: ``skips`` the last two)."""
-  lead = "if the ring runs, " if cpc.strategy == "auto" else ""
+  window: ``skips`` the last two); ``beyond``: Ulysses takes what the
+  ring's tails leave (:func:`ring_first`)."""
+  lead = "if the ring runs, " if cpc.strategy == "auto" and not beyond else ""
   if cp == 1:
     return {}, "one device: the ring has no step after the own block"
   if not (skips and cpc.load_balance is None and cpc.kv_sends is None):
@@ -362,7 +400,14 @@ def _ring_steps(segment_ids, cpc, cp, run_t, is_causal,
   ids = np.asarray(segment_ids)
   if ids.size == 0:
     return {}, "no tokens"
-  got = reach.steps_of_rows(_padded(ids, run_t, is_causal), cp, is_causal)
+  got = reach.steps_of_rows(_padded(ids, run_t, is_causal), cp, is_causal,
+                           beyond)
+  if got["beyond"]:
+    return got, (
+        "each device's own block and the reach test, then Ulysses for the "
+        f"whole pass: documents reach {got['last']} shard(s) back and cross "
+        f"boundaries by up to {got['rows']} of each shard's {got['shard']} "
+        "rows, more than the ring's step 1 takes")
   if got["last"] == 0:
     why = "no step after each device's own block: no document crosses a shard"
   elif got["size"] is not None:

@@ -66,6 +66,7 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool,
     heads = None
   tp = size(heads)
   local_heads = n // tp
+  asked = cpc
   cpc = auto.resolve(cpc, mesh, q_shape.shape, local_heads,
                      kv_heads=max(1, k // tp), kv_seq=k_shape.shape[1],
                      value_head_dim=arg_shapes[2].shape[3],
@@ -74,11 +75,18 @@ def _axes(mesh, arg_shapes, cpc: ContextParallel, cfg, backward: bool,
                      packed="q_segment_ids" in present)
   validate.cp_shapes(cpc, mesh.shape, q_shape.shape, k_shape.shape,
                      local_heads)
+  beyond = None
+  if auto.ring_first(asked, cpc, packed="q_segment_ids" in present,
+                     window=cfg.local_window,
+                     same_length=q_shape.shape[1] == k_shape.shape[1]):
+    cpc, beyond = dataclasses.replace(cpc, strategy="ring"), "ulysses"
   strategy = STRATEGIES[cpc.strategy]
   # The ring's backward is lowered apart from its forward, so its K/V sends
   # cannot merge with the forward's (as they do inside one shard_map
   # program): it gathers K/V once instead, up to the ring's size cap.
   plan = strategy.plan(cpc, mesh.shape, "gather" if backward else "ring")
+  if beyond:
+    plan = dataclasses.replace(plan, beyond=beyond)
   return batch, heads, cpc.sequence_axes, strategy, plan
 
 

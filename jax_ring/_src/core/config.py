@@ -251,6 +251,10 @@ class ShardPlan:
       knows them (the automatic path); the ring's run-time choice of steps
       agrees over them (``ring.reach``). Inside a user's ``shard_map`` its
       manual axes serve.
+    beyond: the ring only, packed rows on contiguous shards: the strategy
+      that runs the whole pass instead where documents cross a shard
+      boundary by more than the ring's step-1 tails hold, or reach past
+      the previous shard (``ring.reach``; set by the automatic path).
   """
 
   axis_name: str
@@ -261,6 +265,7 @@ class ShardPlan:
   backward_kv: Literal["ring", "gather"] = "ring"
   kv_sends: KvSends | None = None
   mesh_axes: tuple[str, ...] = ()
+  beyond: Literal["ulysses"] | None = None
 
 
 # TransformerEngine's switch between its two ring loop forms, honoured for

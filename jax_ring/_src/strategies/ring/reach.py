@@ -60,14 +60,16 @@ def _pairs(plan: ShardPlan, causal: bool) -> np.ndarray:
 TAIL_DIVISORS = (16, 4, 2)
 
 
-def tail_sizes(t: int, cp: int) -> tuple[int, ...]:
+def tail_sizes(t: int, cp: int, beyond: bool = False) -> tuple[int, ...]:
   """The static sizes, in tokens, of a step that pairs only the first query
   rows of each shard with the last kv rows of the shard before it: ``t /
-  d`` (rounded up) for each ``d`` of ``TAIL_DIVISORS`` below ``t``, and, at
-  ``cp == 2``, ``t``. Where ``cp > 2`` the path over every step, stopped
-  after step 1, is that step on whole shards, so no branch of its own."""
+  d`` (rounded up) for each ``d`` of ``TAIL_DIVISORS`` below ``t``, and
+  ``t`` where cp == 2 and not ``beyond``. Otherwise a branch of its own
+  runs what the tails leave (:func:`branch`): the path over every step,
+  stopped after step 1 (step 1 on whole shards), or, ``beyond``, another
+  strategy."""
   sizes = {-(-t // d) for d in TAIL_DIVISORS} | {t}
-  return tuple(sorted(sizes if cp == 2 else sizes - {t}))
+  return tuple(sorted(sizes if cp == 2 and not beyond else sizes - {t}))
 
 
 def last_step(need):
@@ -76,17 +78,18 @@ def last_step(need):
   return jnp.max(jnp.where(need, jnp.arange(need.shape[0]), 0))
 
 
-def branch(need, rows, t: int, cp: int):
+def branch(need, rows, t: int, cp: int, beyond: bool = False):
   """``()`` int32, the branch ``schedule._reached_loop`` takes: 0, no step
-  after the own; ``1 + i``, step 1 only on ``tail_sizes(t, cp)[i]`` rows,
-  the smallest that holds ``rows``; ``1 + len(tail_sizes(t, cp))`` (only
-  where cp > 2), every step up to the last that ``need (cp,)`` marks (step
-  1 alone on whole shards where no size holds ``rows``)."""
+  after the own; ``1 + i``, step 1 only on ``tail_sizes(t, cp,
+  beyond)[i]`` rows, the smallest that holds ``rows``; ``1 +
+  len(tail_sizes(...))`` (where cp > 2 or ``beyond``), what the tails
+  leave: a step after step 1 that ``need (cp,)`` marks, or more crossing
+  rows than any size holds."""
   last = last_step(need)
-  sizes = tail_sizes(t, cp)
+  sizes = tail_sizes(t, cp, beyond)
   index = 1 + jnp.searchsorted(jnp.asarray(sizes, jnp.int32), rows,
                                method="compare_all")
-  if cp > 2:
+  if cp > 2 or beyond:
     index = jnp.where(last > 1, 1 + len(sizes), index)
   return jnp.where(last > 0, index, 0)
 
@@ -161,12 +164,14 @@ def needed_steps(tm: TokenMask, plan: ShardPlan, causal: bool,
   return (need[:cp] > 0, need[cp]) if rows else need > 0
 
 
-def steps_of_rows(segment_ids, cp_size: int, causal: bool) -> dict:
+def steps_of_rows(segment_ids, cp_size: int, causal: bool,
+                  beyond: bool = False) -> dict:
   """What the ring on contiguous shards runs for natural-order rows
   ``segment_ids (B, S)`` (host ints, S divisible by ``cp_size``): the
-  last needed step, the crossing rows, the shard length T, and the branch
-  (``branch``) with, where it is step 1 alone, its size. Computed as the
-  call computes it, on the host's CPU."""
+  last needed step, the crossing rows, the shard length T, the branch
+  (``branch``) with, where it is step 1 alone, its size, and whether
+  (``beyond``: another strategy takes what the tails leave) that strategy
+  runs the pass. Computed as the call computes it, on the host's CPU."""
   ids = np.asarray(segment_ids, np.int32)
   b, s = ids.shape
   t = s // cp_size
@@ -174,9 +179,12 @@ def steps_of_rows(segment_ids, cp_size: int, causal: bool) -> dict:
   with jax.default_device(jax.local_devices(backend="cpu")[0]):
     gathered = jnp.asarray(ids).reshape(b, cp_size, t)
     need = _of_gathered(gathered, gathered, plan, causal, True)
-    index = int(branch(need[:cp_size] > 0, need[cp_size], t, cp_size))
+    index = int(branch(need[:cp_size] > 0, need[cp_size], t, cp_size,
+                       beyond))
     last = int(last_step(need[:cp_size] > 0))
-  sizes = tail_sizes(t, cp_size)
+  sizes = tail_sizes(t, cp_size, beyond)
   size = sizes[index - 1] if 0 < index <= len(sizes) else None
+  handed = beyond and index == 1 + len(sizes)
   return dict(last=last, rows=int(need[cp_size]), shard=t, branch=index,
-              size=t if size is None and last == 1 else size)
+              size=t if size is None and last == 1 and not handed else size,
+              beyond=handed)

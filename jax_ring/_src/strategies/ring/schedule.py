@@ -46,7 +46,7 @@ from jax_ring._src.core import config, validate
 from jax_ring._src.core.config import (AttentionConfig, ContextParallel,
                                        KvSends, Loop, ShardPlan)
 from jax_ring._src.core.mask import TokenMask
-from jax_ring._src.strategies import base, kv as kv_lib, layout
+from jax_ring._src.strategies import base, kv as kv_lib, layout, ulysses
 from jax_ring._src.strategies.layout import LoadBalance
 from jax_ring._src.strategies.ring import blocks, reach, striped
 
@@ -122,12 +122,12 @@ def _gathered_loop(plan, first, later, kv, carry, own_last=False):
   return first(kv, carry) if own_last else carry
 
 
-def _reached_loop(plan, own, later, tail, k, v, ids, reached):
+def _reached_loop(plan, own, later, tail, k, v, tm, causal, beyond=None):
   """``own(kv)`` on the own K/V (held as the pair ``(k, v)``, not
-  stacked), then what ``reached = (need (cp,), rows)`` asks for
-  (``reach.needed_steps``, the same on every device; on contiguous shards
-  documents reach a prefix of the steps, and a step no document reaches
-  adds nothing), picked by one ``lax.switch``:
+  stacked), then what ``(need (cp,), rows) = reach.needed_steps(tm, ...)``
+  asks for (the same on every device; on contiguous shards documents
+  reach a prefix of the steps, and a step no document reaches adds
+  nothing), picked by one ``lax.switch``:
 
   * no step after the own: documents that all stay inside their shards
     cost one block and one branch test;
@@ -135,6 +135,8 @@ def _reached_loop(plan, own, later, tail, k, v, ids, reached):
     ``tail(size, kv, first)`` with the last ``size`` rows of device
     ``r - 1``'s K/V and ids (one permute of those rows), which adds its
     block into the first ``size`` rows of the own block's results;
+  * else, given ``beyond`` (another strategy's whole pass, in the own
+    block's structure; falsy: none), that;
   * else ``later(step, kv, carry)`` for steps ``1 .. m``, ``m`` the last
     step ``need`` marks, each fetching its K/V (``blocks.held_kv``'s form)
     straight from device ``r - step`` in one permute, two K/V held at a
@@ -145,8 +147,8 @@ def _reached_loop(plan, own, later, tail, k, v, ids, reached):
   The own block runs before the switch, queued ahead of the host's wait.
   Returns in the own block's dtypes."""
   cp = plan.cp_size
-  need, rows = reached
-  last = reach.last_step(need)
+  need, rows = reach.needed_steps(tm, plan, causal, rows=True)
+  last, ids = reach.last_step(need), tm.kv_ids()
   t = k.shape[1]
   first = own(((k, v), ids))
   dtypes = jax.tree.map(lambda a: a.dtype, first)
@@ -165,11 +167,27 @@ def _reached_loop(plan, own, later, tail, k, v, ids, reached):
     held = (kv_lib.pack(k[:, end], v[:, end]), ids[:, end])
     return tail(size, _shift(held, plan, 1), first)
 
-  sizes = reach.tail_sizes(t, cp)
+  handed = bool(beyond)
+  sizes = reach.tail_sizes(t, cp, handed)
   branches = [lambda first: first] + [functools.partial(cut, n) for n in sizes]
-  if cp > 2:  # documents reach past the previous shard, or past every size
+  if handed:
+    branches.append(lambda _: finish(beyond()))
+  elif cp > 2:  # documents reach past the previous shard, or past every size
     branches.append(lambda first: from_step(1, as_f32(first)))
-  return lax.switch(reach.branch(need, rows, t, cp), branches, first)
+  return lax.switch(reach.branch(need, rows, t, cp, handed), branches, first)
+
+
+def _beyond_plan(plan: ShardPlan) -> ShardPlan:
+  """The plan of ``plan.beyond`` (Ulysses), on the ring's axis."""
+  return ShardPlan(plan.axis_name, plan.cp_size, plan.load_balance)
+
+
+def _beyond_bwd(q, k, v, tm, out, lse, dout, cfg, plan):
+  """``plan.beyond``'s backward as the reached loop holds it: ``(dq,
+  dK/dV)``, the latter in K/V's moving form (``kv.pack``)."""
+  dq, dk, dv = ulysses.backward(q, k, v, tm, out, lse, dout, cfg,
+                                _beyond_plan(plan))
+  return dq, kv_lib.pack(dk, dv)
 
 
 def _merge_rows(first, part):
@@ -293,8 +311,8 @@ def forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
     out, lse = _reached_loop(
         plan, lambda kv: blocks.kind_fwd("diag" if cfg.is_causal else "full",
                                          q, tm, kv, qc, qc, cfgs, tm.same_ids),
-        later, tail, k, v, tm.kv_ids(),
-        reach.needed_steps(tm, plan, cfg.is_causal, rows=True))
+        later, tail, k, v, tm, cfg.is_causal, plan.beyond and functools.partial(
+            ulysses.forward, q, k, v, tm, cfg, _beyond_plan(plan)))
   else:
     out, lse = _kv_loop(plan)(plan, first, later, kv0, None)
   return out.astype(q.dtype), lse
@@ -365,9 +383,10 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
       return (kv_lib.add_rows(first[0], dq_i, 0),
               kv_lib.add_last(first[1], _shift(part, plan, -1)))
 
-    dq, dkv = _reached_loop(plan, first_bwd, later_parts, tail, k, v,
-                            tm.kv_ids(), reach.needed_steps(
-                                tm, plan, cfg.is_causal, rows=True))
+    dq, dkv = _reached_loop(
+        plan, first_bwd, later_parts, tail, k, v, tm, cfg.is_causal,
+        plan.beyond and functools.partial(_beyond_bwd, q, k, v, tm, *grads,
+                                          cfg, plan))
   elif parts_back:
     # The own step's part stays here: run last, it hides the last part's
     # send. Not where this backward gathers K/V itself (the automatic
