@@ -316,16 +316,18 @@ def test_auto_may_run_different_strategies_per_pass(monkeypatch):
 # Rows of 48 tokens over 4 devices (shards of 12): documents inside the
 # shards, documents crossing boundaries by one row (step 1 on the last row
 # of each shard), and one document over the whole row (past every tail).
-@pytest.mark.parametrize("lengths, beyond", [
-    ((6,) * 8, False), ((11, 2, 10, 1, 1, 10, 1, 1, 11), False), ((S,), True)],
-    ids=["inside", "crossing", "one_document"])
+@pytest.mark.parametrize("lengths, beyond, hv", [
+    ((6,) * 8, False, None), ((11, 2, 10, 1, 1, 10, 1, 1, 11), False, None),
+    ((S,), True, None), ((S,), True, 24)],
+    ids=["inside", "crossing", "one_document", "one_document_hv24"])
 def test_auto_runs_the_ring_first_on_packed_contiguous_rows(
-    lengths, beyond, monkeypatch):
+    lengths, beyond, hv, monkeypatch):
   """Packed rows on contiguous shards, where the model picks Ulysses (as it
   does for packed rows: it sees no document lengths): each pass runs each
   device's own block and the ring's reach test, and Ulysses only where the
   documents reach past what the ring's step-1 tails hold. Exact on every
-  branch, forward and gradients; the program holds both strategies."""
+  branch, forward and gradients, also with a value head dim unlike the
+  key's (dK/dV as a pair); the program holds both strategies."""
   from jax_ring._src import auto
   from jax_ring._src.strategies.ring import reach
   real, cp = auto.estimate, 4
@@ -336,7 +338,8 @@ def test_auto_runs_the_ring_first_on_packed_contiguous_rows(
   assert reach.steps_of_rows(ids, cp, True, beyond=True)["beyond"] == beyond
   m = Mesh(np.array(jax.devices()[:cp]), ("cp",))
   tok = NamedSharding(m, P(None, "cp"))
-  q, k, v, do = rank_coded_qkv(62, cp)
+  q, k, v, do = (rank_coded_qkv(62, cp) if hv is None else
+                 ref.random_qkv(63, B, S, S, 4, 2, H, hv=hv))
   args = [jax.device_put(x, tok) for x in (q, k, v, do, jnp.asarray(ids))]
   cpc = jax_ring.ContextParallel(axis="cp", strategy="auto",
                                  load_balance=None, inputs="load_balanced")
