@@ -680,6 +680,21 @@ def test_ring_crossing_rows(causal):
       assert got == branch, (ids, got)
 
 
+def test_ring_hands_what_its_tails_leave_to_another_strategy():
+  """With a strategy beyond the ring (the automatic path's Ulysses), the
+  step-1 tails stop at half a shard at every cp, and rows they do not
+  hold, or that need a later step, take that strategy's branch; alone,
+  the ring at cp = 2 runs step 1 on whole shards instead."""
+  from jax_ring._src.strategies.ring import reach
+  for cp, ids, beyond, size in (
+      (2, _docs((S,)), True, None), (2, _docs((S,)), False, S // 2),
+      (2, CROSS_FEW, True, 2), (4, CROSS_FEW, True, 3),
+      (4, _docs((5, 11, 9, 7, 4, 12)), True, None)):
+    got = reach.steps_of_rows(ids, cp, True, beyond=beyond)
+    assert (got["beyond"], got["size"]) == (beyond and size is None, size), (
+        cp, got)
+
+
 def test_ring_crossing_rows_with_padding_and_value_head_dim():
   """Step 1 on a shard's last rows only (CROSS_FEW: 3 of 12), with padding
   lengths inside the rows sent (row 1's keys end at 23: 2 of shard 1's
