@@ -20,6 +20,7 @@ shard) before the programs are traced, to weigh their branches.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gzip
 import json
@@ -45,19 +46,31 @@ STAGES = ("Thunks::Prepare", "Thunks::Initialize",
 
 def host_stages(trace_path: str) -> dict:
   """Each of ``STAGES``: its mean duration in ms over the runs and devices
-  of the trace (every device's thread records its own), and its count."""
+  of the trace (every device's thread records its own), and its count;
+  and ``to_first_kernel_ms``, the mean time from device 0's
+  ``ExecuteThunks`` to GPU 0's first kernel of that run (None without GPU
+  events)."""
   with gzip.open(trace_path) as f:
     events = json.load(f)["traceEvents"]
-  durs = collections.defaultdict(list)
+  gpu0 = {e["pid"] for e in events if e.get("ph") == "M" and e.get(
+      "name") == "process_name" and e["args"]["name"] == "/device:GPU:0"}
+  durs, starts = collections.defaultdict(list), []
+  kernels = sorted(e["ts"] for e in events
+                   if e.get("ph") == "X" and e.get("pid") in gpu0)
   for e in events:  # a device thread's events may lead with "[i] "
     name = e.get("name", "").split("] ", 1)[-1]
     if e.get("ph") == "X" and name in STAGES:
       durs[name].append(e["dur"] / 1e3)
+      if e["name"] == "[0] " + STAGES[-1]:
+        starts.append(e["ts"])
   out = {}
   for stage in STAGES:
     key = stage.split("::")[1].lower()
     out[f"{key}_ms"] = float(np.mean(durs[stage])) if durs[stage] else None
     out[f"{key}_count"] = len(durs[stage])
+  gaps = [kernels[i] - t for t in starts
+          if (i := bisect.bisect_left(kernels, t)) < len(kernels)]
+  out["to_first_kernel_ms"] = float(np.mean(gaps)) / 1e3 if gaps else None
   return out
 
 
@@ -118,8 +131,8 @@ def main():
     print(f"{name}: {row}")
   write("profile_host", rows, ["program", "attention_calls", "ms",
                                "ms_per_attention", "prepare_ms",
-                               "initialize_ms", "executethunks_ms",
-                               "launches"],
+                               "initialize_ms", "to_first_kernel_ms",
+                               "executethunks_ms", "launches"],
         dict(strategy=a.strategy, mix=a.mix, seq=a.seq, heads=a.heads,
              kv_heads=a.kv_heads, head_dim=128, dtype="bfloat16",
              packed_path=a.packed_path, tail_divisors=reach.TAIL_DIVISORS,

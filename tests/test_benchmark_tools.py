@@ -444,3 +444,27 @@ def test_profile_host_runs_one_call_and_stacked_layers(tmp_path, monkeypatch):
   assert reach.tail_sizes(32, 8) == (4,)
   switch = max(rows[0]["branches"], key=len)
   assert len(switch) == 1 + 1 + 1  # none, the tail size, every step
+
+
+def test_host_stages_reads_each_run_and_its_first_kernel(tmp_path):
+  """profile_host's trace reading: stages by name whichever device thread
+  records them, and the time from device 0's run to GPU 0's next kernel."""
+  import gzip
+  meta = lambda pid, name: dict(ph="M", name="process_name", pid=pid,
+                                args=dict(name=name))
+  x = lambda pid, name, ts, dur=1.0: dict(ph="X", pid=pid, tid=1, name=name,
+                                          ts=ts, dur=dur)
+  events = [meta(1, "/host:CPU"), meta(2, "/device:GPU:0"),
+            meta(3, "/device:GPU:1"),
+            x(1, "[0] GpuExecutable::ExecuteThunks", 100, 900),
+            x(1, "[1] GpuExecutable::ExecuteThunks", 100, 900),
+            x(1, "Thunks::Initialize", 110, 500),
+            x(1, "[0] GpuExecutable::ExecuteThunks", 2000, 900),
+            x(3, "kernel", 150), x(2, "kernel", 700), x(2, "kernel", 2300)]
+  path = tmp_path / "t.trace.json.gz"
+  with gzip.open(path, "wt") as f:
+    json.dump(dict(traceEvents=events), f)
+  got = profile_host.host_stages(str(path))
+  assert got["executethunks_count"] == 3 and got["prepare_ms"] is None
+  assert got["initialize_ms"] == 0.5 and got["executethunks_ms"] == 0.9
+  assert got["to_first_kernel_ms"] == (600 + 300) / 2 / 1e3
