@@ -4,7 +4,8 @@ program (as a model's layers run), and, from a jax.profiler trace, XLA's
 host stages at each run of each program: ``Thunks::Prepare`` and
 ``Thunks::Initialize`` (every thunk of the program, in every branch of
 every conditional, taken or not) and ``GpuExecutable::ExecuteThunks``
-(launches and host waits). Also the program's launches
+(launches and host waits), and the time from a run's start to GPU 0's
+first kernel. Also the program's launches
 (``common.program_summary``) and, for each conditional of its entry, the
 launches each branch holds (``common.branch_launches``). Printed and
 written to ``results/profile_host_<n>x<GPU>.json``.
@@ -13,8 +14,10 @@ written to ``results/profile_host_<n>x<GPU>.json``.
       --mix lognormal_balanced --seq 65536 --heads 32 --kv-heads 8
 
 ``--tail-divisors 16 4 2`` sets the contiguous ring's step-1 tail sizes
-(``reach.TAIL_DIVISORS``; the shard length over each, and the whole
-shard) before the programs are traced, to weigh their branches.
+(``reach.TAIL_DIVISORS``: the shard length over each) before the
+programs are traced, to weigh their branches. ``--strategy
+auto_contiguous`` is ``auto`` on contiguous shards (the ring first, then
+Ulysses past its tails).
 """
 
 from __future__ import annotations
