@@ -225,12 +225,11 @@ def ring_first(asked: ContextParallel, picked: ContextParallel, *,
   boundary by more than the ring's step-1 tails hold or reach past the
   previous shard (``ShardPlan.beyond``). The model sees no document
   lengths; the reach test sees them at run time. Only where the ring skips
-  steps: ``asked`` with the default loop and K/V sends, no window, one
-  axis, self-attention."""
+  steps (``reach.skips_steps``), on one axis, in self-attention."""
   return (asked.strategy == "auto" and not asked.is_hybrid and
-          picked.strategy == "ulysses" and packed and
-          asked.load_balance is None and window is None and same_length and
-          asked.loop == "unrolled" and asked.kv_sends is None)
+          picked.strategy == "ulysses" and packed and same_length and
+          reach.skips_steps(asked.load_balance, asked.loop, asked.kv_sends,
+                            window))
 
 
 def _ring_first_noted(choice: Choice, cpc: ContextParallel, packed: bool,
@@ -325,7 +324,8 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
   if segment_ids is not None and cpc.strategy in ("ring", "auto"):
     defaults_["ring_steps"] = _ring_steps(
         segment_ids, cpc, sizes[cpc.axis], run_t, is_causal,
-        window is None and defaults_["loop"][0] == "unrolled", first)
+        reach.skips_steps(cpc.load_balance, defaults_["loop"][0],
+                          cpc.kv_sends, window), first)
   return dataclasses.replace(choice, defaults=defaults_)
 
 
@@ -387,13 +387,13 @@ def _ring_steps(segment_ids, cpc, cp, run_t, is_causal, skips,
                 beyond=False) -> tuple[dict, str]:
   """explain's ``ring_steps`` entry: which ring steps these rows run
   (``reach.steps_of_rows``), where the ring skips the steps no document
-  reaches (contiguous shards, the unrolled loop, the default K/V sends, no
-  window: ``skips`` the last two); ``beyond``: Ulysses takes what the
-  ring's tails leave (:func:`ring_first`)."""
+  reaches (``skips``: ``reach.skips_steps`` of the call's options);
+  ``beyond``: Ulysses takes what the ring's tails leave
+  (:func:`ring_first`)."""
   lead = "if the ring runs, " if cpc.strategy == "auto" and not beyond else ""
   if cp == 1:
     return {}, "one device: the ring has no step after the own block"
-  if not (skips and cpc.load_balance is None and cpc.kv_sends is None):
+  if not skips:
     return {}, (f"{lead}every ring step runs: the ring skips steps only on "
                 "contiguous shards (load_balance=None) with the unrolled "
                 "loop, the default K/V sends and no window")

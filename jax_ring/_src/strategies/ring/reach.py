@@ -55,6 +55,18 @@ def _pairs(plan: ShardPlan, causal: bool) -> np.ndarray:
   return out
 
 
+def skips_steps(load_balance, loop, kv_sends, window) -> bool:
+  """Whether the ring, given these options, skips the steps no document
+  of a packed row reaches: contiguous shards, the unrolled loop, the
+  default K/V sends (a named ``kv_sends`` keeps its loop) and no window.
+  Not under dual-chunk: there a document that crosses a chunk boundary
+  reaches a device on each side, so most steps run, unoverlapped
+  (measured slower than the gathered K/V: docs/decisions.md, "Packed rows
+  on the ring")."""
+  return (load_balance is None and loop == "unrolled" and kv_sends is None
+          and window is None)
+
+
 # A step-1 tail is the shard's length ``t`` over one of these (rounded up).
 # Each size is a branch of the program, which XLA prepares at every run.
 TAIL_DIVISORS = (16, 4, 2)

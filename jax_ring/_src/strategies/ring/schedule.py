@@ -205,15 +205,11 @@ def _merge_rows(first, part):
 
 def _skips(plan: ShardPlan, tm: TokenMask, cfg: AttentionConfig) -> bool:
   """Whether the ring skips the steps no document reaches
-  (:func:`_reached_loop`): packed rows on contiguous shards, no window, the
-  unrolled loop and the default K/V sends (a named ``kv_sends`` keeps its
-  loop). Not under dual-chunk: there a document that crosses a chunk
-  boundary reaches a device on each side, so most steps run, unoverlapped
-  (measured slower than the gathered K/V: docs/decisions.md, "Packed rows
-  on the ring")."""
+  (:func:`_reached_loop`): packed rows, more than one device, and the
+  options of :func:`reach.skips_steps`."""
   return (tm.q_segment_ids is not None and plan.cp_size > 1 and
-          plan.kv_sends is None and plan.loop == "unrolled" and
-          plan.load_balance is None and cfg.local_window is None)
+          reach.skips_steps(plan.load_balance, plan.loop, plan.kv_sends,
+                            cfg.local_window))
 
 
 def _kv_loop(plan: ShardPlan):
