@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -70,13 +71,25 @@ def _gather_kv(k, v, plan: ShardPlan):
                       kv_lib.pack(k, v), 1)
 
 
-def _head_groups(num_heads: int, kv_heads: int, kv_chunk_heads):
-  """(query-head slice, kv-head slice) per group; query head n reads kv
-  head n // (N / K), so a group's query heads are contiguous too."""
-  g = kv_chunk_heads or kv_heads
-  per = num_heads // kv_heads
-  return [(slice(i * per, (i + g) * per), slice(i, i + g))
-          for i in range(0, kv_heads, g)]
+def _by_head_group(fn, plan: ShardPlan, q_parts, k, v):
+  """``fn(kv, *q_parts)`` where ``kv`` is the whole sequence's K/V
+  (:func:`_gather_kv`), once over all K kv heads, or, with
+  ``kv_chunk_heads = g``, for each of the K / g groups of g kv heads with
+  the N g / K query heads that read them (query head n reads kv head
+  n // (N / K), so a group's query heads are contiguous), as a
+  ``lax.map``: one group's gathered K/V live at a time, and the program
+  holds one group's calls. ``q_parts`` are split along axis 2 (heads); the
+  results, each with heads on axis 2, are put back in head order."""
+  groups = k.shape[2] // (plan.kv_chunk_heads or k.shape[2])
+  if groups == 1:
+    return fn(_gather_kv(k, v, plan), *q_parts)
+  split = lambda x: jnp.moveaxis(
+      x.reshape(x.shape[:2] + (groups, -1) + x.shape[3:]), 2, 0)
+  join = lambda x: jnp.moveaxis(x, 0, 2).reshape(
+      x.shape[1:3] + (-1,) + x.shape[4:])
+  out = lax.map(lambda a: fn(_gather_kv(a[0], a[1], plan), *a[2:]),
+                tuple(split(x) for x in (k, v, *q_parts)))
+  return jax.tree.map(join, out)
 
 
 # --- which calls a device makes -----------------------------------------------
@@ -204,13 +217,10 @@ def forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   out, both in the shards' layout."""
   r = lax.axis_index(plan.axis_name)
   kv_ids = _gathered_ids(tm, plan)
-  outs, lses = [], []
-  for qh, kh in _head_groups(q.shape[2], k.shape[2], plan.kv_chunk_heads):
-    kv = _gather_kv(k[:, :, kh], v[:, :, kh], plan)
-    o, l = _forward_group(q[:, :, qh], kv, kv_ids, tm, cfg, plan, r)
-    outs.append(o)
-    lses.append(l)
-  return jnp.concatenate(outs, 2).astype(q.dtype), jnp.concatenate(lses, 2)
+  out, lse = _by_head_group(
+      lambda kv, q: _forward_group(q, kv, kv_ids, tm, cfg, plan, r),
+      plan, (q,), k, v)
+  return out.astype(q.dtype), lse
 
 
 def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
@@ -218,19 +228,16 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   """``(dq, dk, dv)`` on local shards from the global ``out``/``lse``."""
   r = lax.axis_index(plan.axis_name)
   kv_ids = _gathered_ids(tm, plan)
-  dout = dout.astype(q.dtype)
-  dqs, dks, dvs = [], [], []
-  for qh, kh in _head_groups(q.shape[2], k.shape[2], plan.kv_chunk_heads):
-    kv = _gather_kv(k[:, :, kh], v[:, :, kh], plan)
-    dq, dkv = _backward_group(q[:, :, qh], kv, kv_ids, tm, out[:, :, qh],
-                              lse[:, :, qh], dout[:, :, qh], cfg, plan, r)
+
+  def group(kv, q, out, lse, dout):
+    dq, dkv = _backward_group(q, kv, kv_ids, tm, out, lse, dout, cfg, plan,
+                              r)
     # f32, own rows
     dkv = kv_lib.along(lambda x, ax: _scatter_sum(x, plan, ax), dkv, 1)
-    dqs.append(dq)
-    dks.append(dkv[0])
-    dvs.append(dkv[1])
-  cat = lambda xs, dtype: jnp.concatenate(xs, 2).astype(dtype)
-  return cat(dqs, q.dtype), cat(dks, k.dtype), cat(dvs, v.dtype)
+    return dq, dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+
+  return _by_head_group(group, plan, (q, out, lse, dout.astype(q.dtype)),
+                        k, v)
 
 
 # The strategy's record: its plan and its checks.
