@@ -132,14 +132,15 @@ def main():
                **program_summary(hlo), branches=branch_launches(hlo))
     rows.append(row)
     print(f"{name}: {row}")
-  write("profile_host", rows, ["program", "attention_calls", "ms",
-                               "ms_per_attention", "prepare_ms",
-                               "initialize_ms", "to_first_kernel_ms",
-                               "executethunks_ms", "launches"],
-        dict(strategy=a.strategy, mix=a.mix, seq=a.seq, heads=a.heads,
-             kv_heads=a.kv_heads, head_dim=128, dtype="bfloat16",
-             packed_path=a.packed_path, tail_divisors=reach.TAIL_DIVISORS,
-             xla_flags=os.environ.get("XLA_FLAGS", "")), mode=a.mode)
+    # Written after each program: the layers' one compiles for minutes.
+    write("profile_host", rows, ["program", "attention_calls", "ms",
+                                 "ms_per_attention", "prepare_ms",
+                                 "initialize_ms", "to_first_kernel_ms",
+                                 "executethunks_ms", "launches"],
+          dict(strategy=a.strategy, mix=a.mix, seq=a.seq, heads=a.heads,
+               kv_heads=a.kv_heads, head_dim=128, dtype="bfloat16",
+               packed_path=a.packed_path, tail_divisors=reach.TAIL_DIVISORS,
+               xla_flags=os.environ.get("XLA_FLAGS", "")), mode=a.mode)
 
 
 if __name__ == "__main__":

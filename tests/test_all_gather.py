@@ -136,11 +136,14 @@ def test_kernel_calls_are_static_and_see_only_visible_kv(causal, window):
     assert got == sorted(want), (kind, got)
 
 
-def test_kv_chunk_heads_is_bitwise_no_chunking():
+@pytest.mark.parametrize("hv", [H, H // 2], ids=["hv_h", "hv_half"])
+def test_kv_chunk_heads_is_bitwise_no_chunking(hv):
   """Head groups are independent in the kernel (no cross-head reduction), so
-  one group at a time gives the very same bits, outputs and grads."""
+  one group at a time gives the very same bits, outputs and grads; with a
+  value head dim unlike the key's, K and V move as a pair."""
   cp = 2
   q, k, v, do = coded_qkv(50, cp, 4)
+  v, do = v[..., :hv], do[..., :hv]
   ids = jnp.asarray(ref.random_segments(51, B, S, 3))
   kw = dict(is_causal=True, load_balance="dual_chunk",
             local_window_size=(7, 0), query_seq_lengths=jnp.asarray(Q_LENGTHS),

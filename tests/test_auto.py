@@ -357,3 +357,40 @@ def test_auto_runs_the_ring_first_on_packed_contiguous_rows(
   out, grads = compiled(*args)
   check((out, grads), q, k, v, do, ref.Case(
       H**-0.5, is_causal=True, q_segment_ids=ids, kv_segment_ids=ids))
+
+
+def test_auto_weighs_the_load_of_contiguous_shards():
+  """On contiguous shards under a causal mask the last device sees every
+  key: the ring's and all-gather's compute is scaled by its work over the
+  mean, (2 cp - 1) / cp, and Ulysses (even by heads) is not. On the stored
+  4 x H100 run of one 64k document, the all-gather's forward on contiguous
+  shards (auto's pick there before this weight) took 1.7x Ulysses'; the
+  model now picks Ulysses for that forward."""
+  def times(seq, lb, **kw):
+    choice = jax_ring.explain(
+        (1, seq, 32, 128), (1, seq, 8, 128), cp_size=4,
+        context_parallel=jax_ring.ContextParallel(strategy="auto",
+                                                   load_balance=lb), **kw)
+    return choice, {s: t["forward"] for s, t in choice.times_ms.items()}
+
+  ids = dict(is_causal=True)
+  contiguous, t_c = times(65536, None, **ids)
+  dual, t_d = times(65536, "dual_chunk", **ids)
+  assert (dual.forward, contiguous.forward) == ("all_gather", "ulysses")
+  assert t_c["ulysses"] == t_d["ulysses"]
+  got = measured("strategies_4xH100", "composite_4_one")["rows"][0]
+  one = [r for r in measured("strategies_4xH100", "crossing_4")["rows"]
+         if r["mix"] == "one"][0]
+  assert got["auto_contiguous_fwd_ms"] > 1.5 * one["ulysses_fwd_ms"]
+  # Compute-bound (1M tokens): the ratio tends to 7/4; a window of 256
+  # keys leaves the shards nearly even; without a causal mask they are.
+  _, long_c = times(1 << 20, None, **ids)
+  _, long_d = times(1 << 20, "dual_chunk", **ids)
+  assert 1.70 < long_c["all_gather"] / long_d["all_gather"] <= 1.75
+  _, win_c = times(1 << 20, None, is_causal=True, local_window_size=(255, 0))
+  _, win_d = times(1 << 20, "dual_chunk", is_causal=True,
+                   local_window_size=(255, 0))
+  assert 1.0 <= win_c["all_gather"] / win_d["all_gather"] < 1.001
+  _, full_c = times(65536, None, is_causal=False)
+  _, full_d = times(65536, "dual_chunk", is_causal=False)
+  assert full_c == full_d

@@ -17,7 +17,12 @@ its own strategy. Per device, for one layer:
 * overlap: the ring's time is its own step's compute, then cp - 1 steps
   of ``max(compute, comm)`` each, plus ``STEP_US`` per step (launches,
   predicates, merges); the all-gather and Ulysses add their communication
-  to their compute.
+  to their compute;
+* balance: the ring and the all-gather compute each device's own rows, so
+  they wait for the most-loaded device: their compute is scaled by its
+  work over the mean (:func:`_imbalance`: (2 cp - 1) / cp on contiguous
+  shards under a causal mask, where the last shard sees every key).
+  Ulysses computes every row for some heads, so it is even in any layout.
 
 Ulysses is a candidate only when the local query heads divide by cp,
 all-gather only without the striped layout and without segment ids, and
@@ -136,19 +141,38 @@ def _tflops(length, backward):
                                                           FWD_L_SLOW)
 
 
+def _imbalance(cp, seq, is_causal, window, load_balance) -> float:
+  """The most-loaded device's work over the mean where each device
+  computes its own rows: 1 unless the shards are contiguous under a causal
+  mask; then query i sees min(i, w) + 1 keys (w the window's left reach,
+  or every earlier key), summed over each shard in closed form."""
+  if load_balance is not None or not is_causal:
+    return 1.0
+  w = seq if window is None else window[0]
+
+  def seen(n):  # keys seen by queries 0 .. n - 1
+    m = min(n, w + 1)
+    return n + m * (m - 1) / 2 + w * (n - m)
+
+  t = seq // cp
+  work = [seen((r + 1) * t) - seen(r * t) for r in range(cp)]
+  return max(work) / (sum(work) / cp)
+
+
 def _pass_ms(backward, *, batch, seq, heads, kv_heads, head_dim, cp, share,
              dtype_bytes, load_balance, cross, value_head_dim=None,
-             packed=False) -> dict:
+             packed=False, imbalance=1.0) -> dict:
   """Modelled milliseconds of each candidate for one pass (``cross``:
   T != S, which only Ulysses serves; ``packed``: segment ids, which
-  all-gather does not serve well, see the module doc)."""
+  all-gather does not serve well, see the module doc; ``imbalance``: the
+  ring's and all-gather's most-loaded device over the mean)."""
   work, sends = (2.5, 3) if backward else (1.0, 1)
   dims = head_dim + (value_head_dim or head_dim)  # q k^T, then p v
   flops = work * 2 * batch * seq * seq * heads * dims * share / cp
   gathered = _kv_bytes(batch, seq, kv_heads, head_dim, value_head_dim,
                        dtype_bytes)
   frac = (cp - 1) / cp
-  compute = flops / (_tflops(seq / cp, backward) * 1e12)
+  compute = imbalance * flops / (_tflops(seq / cp, backward) * 1e12)
   per_step = max(compute / cp, sends * gathered / cp / (P2P_GBS * 1e9))
   times = {} if cross else {"ring": (compute / cp + (cp - 1) * per_step +
                                     cp * STEP_US * 1e-6)}
@@ -178,7 +202,8 @@ def estimate(*, batch, seq, heads, kv_heads, head_dim, cp, is_causal=True,
   kw = dict(batch=batch, seq=seq, heads=heads, kv_heads=kv_heads,
             head_dim=head_dim, cp=cp, share=share, dtype_bytes=dtype_bytes,
             load_balance=load_balance, value_head_dim=value_head_dim,
-            cross=kv_seq is not None and kv_seq != seq, packed=packed)
+            cross=kv_seq is not None and kv_seq != seq, packed=packed,
+            imbalance=_imbalance(cp, seq, is_causal, window, load_balance))
   by_pass = {p: _pass_ms(p == "backward", **kw) for p in PASSES}
   picks, why = {}, []
   for p, times in by_pass.items():
