@@ -12,7 +12,8 @@ whatever the number of documents, where cuDNN's ragged calls pay for
 every document's tile and statistics (design.md, packed documents).
 
 Shapes: q ``(B, T, N, H)``, k ``(B, T, K, H)``, v ``(B, T, K, Hv)``, ids
-``(B, T)``; a tile's logits ``(B, T / P, K, N / K, P, W)`` float32. The
+``(B, T)``; a tile's logits ``(B, K, T / P, N / K, P, W)`` float32 (the
+heads first, so that every product's batch dimensions lead). The
 numerics are the ``xla`` backend's: float32 logits and statistics, the
 probabilities cast to the values' dtype for their product, the backward
 from the given (global) ``out`` and ``lse``; a row that sees no key gives
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jax_ring._src.backends.xla import einsum
 from jax_ring._src.core.mask import MASK_VALUE
@@ -63,39 +65,55 @@ def size_index(longest):
                           method="compare_all").astype(jnp.int32)
 
 
-def _windows(x, p: int, ahead: bool):
-  """``(B, T, ...)`` -> ``(B, T / P, W, ...)``: each tile's rows after the
-  previous tile's (and before the next one's if ``ahead``), zeros past the
-  row's ends; T padded to a multiple of ``p``."""
+def _tiled(x, p: int):
+  """``(B, T, ...)`` -> ``(B, T / P, P, ...)``, T padded with zeros to a
+  multiple of ``p``."""
   b, t = x.shape[:2]
   nt = -(-t // p)
   x = jnp.pad(x, [(0, 0), (0, nt * p - t)] + [(0, 0)] * (x.ndim - 2))
-  x = x.reshape(b, nt, p, *x.shape[2:])
-  edge = [(0, 0), (1, 1)] + [(0, 0)] * (x.ndim - 2)
+  return x.reshape(b, nt, p, *x.shape[2:])
+
+
+def _windows(x, axis: int, ahead: bool):
+  """Tiles on ``axis``, their rows on ``axis + 1`` -> each tile's window
+  on ``axis + 1``: the previous tile's rows, its own (and the next one's
+  if ``ahead``), zeros past the row's ends."""
+  edge = [(0, 0)] * x.ndim
+  edge[axis] = (1, 1)
   padded = jnp.pad(x, edge)
-  parts = [padded[:, :nt], x] + ([padded[:, 2:]] if ahead else [])
-  return jnp.concatenate(parts, 2)
+  nt = x.shape[axis]
+  take = lambda i: lax.slice_in_dim(padded, i, i + nt, axis=axis)
+  return jnp.concatenate([take(0), x] + ([take(2)] if ahead else []),
+                         axis + 1)
 
 
-def _from_windows(xw, p: int, ahead: bool, t: int):
-  """The adjoint of :func:`_windows`: ``(B, T / P, W, ...)`` summed back
-  onto ``(B, T, ...)``."""
-  b, nt = xw.shape[:2]
-  parts = jnp.split(xw, 3 if ahead else 2, axis=2)
-  edge = [(0, 0), (0, 1)] + [(0, 0)] * (xw.ndim - 2)
-  out = parts[1] + jnp.pad(parts[0], edge)[:, 1:]  # tile i's previous: i - 1
+def _from_windows(xw, ahead: bool, t: int):
+  """The adjoint of :func:`_kv`: ``(B, K, T / P, W, D)`` summed back onto
+  ``(B, T, K, D)``."""
+  b, kh, nt, _, d = xw.shape
+  parts = jnp.split(xw, 3 if ahead else 2, axis=3)
+  edge = [(0, 0), (0, 0), (0, 1), (0, 0), (0, 0)]
+  out = parts[1] + jnp.pad(parts[0], edge)[:, :, 1:]  # tile i's previous
   if ahead:
-    out = out + jnp.pad(parts[2], [(0, 0), (1, 0)] + edge[2:])[:, :nt]
-  return out.reshape(b, nt * p, *xw.shape[3:])[:, :t]
+    out = out + jnp.pad(parts[2], [(0, 0), (0, 0), (1, 0), (0, 0), (0, 0)]
+                        )[:, :, :nt]
+  out = jnp.moveaxis(out, 1, 3)  # (B, T / P, P, K, D)
+  return out.reshape(b, -1, kh, d)[:, :t]
+
+
+def _kv(x, p: int, ahead: bool):
+  """Keys or values ``(B, T, K, D)`` -> their windows
+  ``(B, K, T / P, W, D)``."""
+  return _windows(jnp.moveaxis(_tiled(x, p), 3, 1), 2, ahead)
 
 
 def _visible(ids, config, p: int, t: int):
-  """``(B, T / P, 1, 1, P, W)`` bool: query ``i`` of a tile sees key ``j``
+  """``(B, 1, T / P, 1, P, W)`` bool: query ``i`` of a tile sees key ``j``
   of its window (same id, inside the band and the row)."""
   ahead = _ahead(config)
-  nt = -(-t // p)
-  qid = jnp.pad(ids, [(0, 0), (0, nt * p - t)]).reshape(-1, nt, p)
-  kid = _windows(ids, p, ahead)
+  qid = _tiled(ids, p)
+  kid = _windows(qid, 1, ahead)
+  nt = qid.shape[1]
   q_pos = jnp.arange(nt * p, dtype=jnp.int32).reshape(nt, p)
   k_pos = (jnp.arange(nt, dtype=jnp.int32)[:, None] - 1) * p + jnp.arange(
       kid.shape[2], dtype=jnp.int32)[None]
@@ -107,63 +125,67 @@ def _visible(ids, config, p: int, t: int):
   if right is not None:
     keep &= rel <= right
   vis = (qid[:, :, :, None] == kid[:, :, None, :]) & keep[None]
-  return vis[:, :, None, None]
+  return vis[:, None, :, None]
 
 
 def _queries(x, p: int, kh: int):
-  """``(B, T, N, D)`` -> ``(B, T / P, P, K, N / K, D)``, T padded."""
+  """``(B, T, N, D)`` -> ``(B, K, T / P, N / K, P, D)``, T padded: the
+  heads lead, so every product's batch dimensions (B, K, T / P) lead in
+  each operand and no product needs its operands moved."""
   b, t, n, d = x.shape
-  nt = -(-t // p)
-  x = jnp.pad(x, [(0, 0), (0, nt * p - t), (0, 0), (0, 0)])
-  return x.reshape(b, nt, p, kh, n // kh, d)
+  x = _tiled(x, p).reshape(b, -1, p, kh, n // kh, d)
+  return jnp.transpose(x, (0, 3, 1, 4, 2, 5))
 
 
 def _rows(x, p: int, kh: int):
-  """Per-row statistics ``(B, T, N)`` -> ``(B, T / P, K, N / K, P)``."""
-  return jnp.moveaxis(_queries(x[..., None], p, kh)[..., 0], 2, -1)
+  """Per-row statistics ``(B, T, N)`` -> ``(B, K, T / P, N / K, P)``."""
+  return _queries(x[..., None], p, kh)[..., 0]
+
+
+def _unqueries(x, t: int):
+  """The inverse of :func:`_queries`, with any trailing axes:
+  ``(B, K, T / P, N / K, P, ...)`` -> ``(B, T, N, ...)``."""
+  b, kh, nt, g, p = x.shape[:5]
+  x = jnp.transpose(x, (0, 2, 4, 1, 3, *range(5, x.ndim)))
+  return x.reshape(b, nt * p, kh * g, *x.shape[5:])[:, :t]
 
 
 def forward(q, k, v, ids, config, p: int):
   """``(out (B, T, N, Hv), lse (B, T, N) float32)`` of the block whose
   documents each hold at most ``p`` tokens."""
-  b, t, n, _ = q.shape
-  kh, hv, ahead = k.shape[2], v.shape[3], _ahead(config)
+  t, kh, ahead = q.shape[1], k.shape[2], _ahead(config)
   vis = _visible(ids, config, p, t)
-  s = einsum("bipkgh,bijkh->bikgpj", _queries(q, p, kh),
-              _windows(k, p, ahead)) * config.scale
+  s = einsum("bkigph,bkijh->bkigpj", _queries(q, p, kh),
+             _kv(k, p, ahead)) * config.scale
   s = jnp.where(vis, s, MASK_VALUE)
   m = s.max(-1)
   e = jnp.where(vis, jnp.exp(s - m[..., None]), 0.0)
   l = e.sum(-1)
-  o = einsum("bikgpj,bijkh->bikgph", e.astype(v.dtype),
-              _windows(v, p, ahead))
+  o = einsum("bkigpj,bkijh->bkigph", e.astype(v.dtype), _kv(v, p, ahead))
   seen = l != 0  # a NaN logit makes l NaN, kept
   o = jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0)
   lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), MASK_VALUE)
-  nt = o.shape[1]
-  out = jnp.moveaxis(o, 4, 2).reshape(b, nt * p, n, hv)[:, :t]
-  lse = jnp.moveaxis(lse, 4, 2).reshape(b, nt * p, n)[:, :t]
-  return out.astype(q.dtype), lse
+  return (_unqueries(o, t).astype(q.dtype),
+          _unqueries(lse[..., None], t)[..., 0])
 
 
 def backward(q, k, v, ids, out, lse, dout, config, p: int):
   """``(dq, dk, dv)`` of the block, from the given ``out`` and ``lse``."""
-  b, t, n, h = q.shape
-  kh, ahead = k.shape[2], _ahead(config)
+  t, kh, ahead = q.shape[1], k.shape[2], _ahead(config)
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
   qt, dot = _queries(q, p, kh), _queries(dout, p, kh)
-  kw, vw = _windows(k, p, ahead), _windows(v, p, ahead)
+  kw, vw = _kv(k, p, ahead), _kv(v, p, ahead)
   vis = _visible(ids, config, p, t)
-  s = einsum("bipkgh,bijkh->bikgpj", qt, kw) * config.scale
+  s = einsum("bkigph,bkijh->bkigpj", qt, kw) * config.scale
   lse_t = _rows(lse.astype(jnp.float32), p, kh)
   # exp(-inf) = 0 exactly for hidden entries, whatever lse is.
   pr = jnp.exp(jnp.where(vis, s - lse_t[..., None], -jnp.inf))
-  dvw = einsum("bikgpj,bipkgh->bijkh", pr.astype(dout.dtype), dot)
-  dp = einsum("bipkgh,bijkh->bikgpj", dot, vw)
+  dvw = einsum("bkigpj,bkigph->bkijh", pr.astype(dout.dtype), dot)
+  dp = einsum("bkigph,bkijh->bkigpj", dot, vw)
   ds = (pr * (dp - _rows(delta, p, kh)[..., None]) * config.scale).astype(
       q.dtype)
-  dq = einsum("bikgpj,bijkh->bipkgh", ds, kw)
-  dkw = einsum("bikgpj,bipkgh->bijkh", ds, qt)
-  dq = dq.reshape(b, -1, n, h)[:, :t].astype(q.dtype)
-  return (dq, _from_windows(dkw, p, ahead, t).astype(k.dtype),
-          _from_windows(dvw, p, ahead, t).astype(v.dtype))
+  dq = einsum("bkigpj,bkijh->bkigph", ds, kw)
+  dkw = einsum("bkigpj,bkigph->bkijh", ds, qt)
+  return (_unqueries(dq, t).astype(q.dtype),
+          _from_windows(dkw, ahead, t).astype(k.dtype),
+          _from_windows(dvw, ahead, t).astype(v.dtype))
