@@ -75,11 +75,13 @@ struct Mask {
 ffi::Error Describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                     const ffi::AnyBuffer& v, const Mask& mask, bool backward,
                     int32_t device, float scale, SdpaKey* key) {
-  const std::string shapes =
-      "q " + Shape(q) + ", k " + Shape(k) + ", v " + Shape(v);
+  // Formatted only for a message: XLA calls every handler at every run.
+  auto shapes = [&] {
+    return "q " + Shape(q) + ", k " + Shape(k) + ", v " + Shape(v);
+  };
   if (q.dimensions().size() != 4 || k.dimensions().size() != 4 ||
       v.dimensions().size() != 4) {
-    return Invalid("q, k, v must be rank 4, got " + shapes);
+    return Invalid("q, k, v must be rank 4, got " + shapes());
   }
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (q.element_type() != k.element_type() ||
@@ -89,7 +91,7 @@ ffi::Error Describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   }
   if (kd[0] != qd[0] || kd[3] != qd[3] || qd[2] % kd[2] != 0 ||
       !(vd.first(3) == kd.first(3))) {
-    return Invalid("incompatible " + shapes +
+    return Invalid("incompatible " + shapes() +
                    ": need q (B, T, N, H), k (B, S, K, H), v (B, S, K, Hv) "
                    "with N % K == 0");
   }
@@ -97,7 +99,7 @@ ffi::Error Describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
       mask.col_start >= kd[1]) {
     return Invalid("row_start " + std::to_string(mask.row_start) +
                    " / col_start " + std::to_string(mask.col_start) +
-                   " out of range for " + shapes);
+                   " out of range for " + shapes());
   }
   if (mask.slots < 0 || (mask.slots > 0 && (mask.row_start || mask.col_start))) {
     return Invalid("packed documents (slots = " + std::to_string(mask.slots) +
@@ -107,7 +109,7 @@ ffi::Error Describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
       mask.ragged_len > std::max(qd[1], kd[1])) {
     return Invalid("ragged_len " + std::to_string(mask.ragged_len) +
                    " needs packed documents (slots > 0) and at most the "
-                   "longer of " + shapes + "'s sequence lengths");
+                   "longer of " + shapes() + "'s sequence lengths");
   }
   *key = SdpaKey{backward,
                  q.element_type() == ffi::BF16 ? Dtype::kBF16 : Dtype::kF16,
