@@ -15,7 +15,9 @@ written to ``results/profile_host_<n>x<GPU>.json``.
 
 ``--tail-divisors 16 4 2`` sets the contiguous ring's step-1 tail sizes
 (``reach.TAIL_DIVISORS``: the shard length over each) before the
-programs are traced, to weigh their branches. ``--strategy
+programs are traced, to weigh their branches; ``--tail-divisors`` alone
+leaves none (at cp > 2 the switch is then: no step, or the path over
+every step, or, under ``auto``, Ulysses). ``--strategy
 auto_contiguous`` is ``auto`` on contiguous shards (the ring first, then
 Ulysses past its tails).
 """
@@ -112,12 +114,13 @@ def main():
   p.add_argument("--kv-heads", type=int, default=8)
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--calls", type=int, default=4)
-  p.add_argument("--tail-divisors", type=int, nargs="+", default=None)
+  p.add_argument("--tail-divisors", type=int, nargs="*", default=None,
+                 help="reach.TAIL_DIVISORS; given with none: no tails")
   p.add_argument("--mode", default="default")
   packed_path_args(p)
   a = p.parse_args()
   use_packed_path(a.packed_path)
-  if a.tail_divisors:
+  if a.tail_divisors is not None:
     reach.TAIL_DIVISORS = tuple(a.tail_divisors)
   one, many, args = programs(a.strategy, a.mix, a.seq, a.heads, a.kv_heads,
                              a.layers)
