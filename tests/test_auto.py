@@ -377,6 +377,8 @@ def test_auto_weighs_the_load_of_contiguous_shards():
   contiguous, t_c = times(65536, None, **ids)
   dual, t_d = times(65536, "dual_chunk", **ids)
   assert (dual.forward, contiguous.forward) == ("all_gather", "ulysses")
+  assert "wait for the last, 1.75x the mean causal work" in contiguous.reason
+  assert "wait for the last" not in dual.reason
   assert t_c["ulysses"] == t_d["ulysses"]
   got = measured("strategies_4xH100", "composite_4_one")["rows"][0]
   one = [r for r in measured("strategies_4xH100", "crossing_4")["rows"]

@@ -199,11 +199,12 @@ def estimate(*, batch, seq, heads, kv_heads, head_dim, cp, is_causal=True,
   share = 0.5 if is_causal else 1.0
   if window is not None:
     share = min(share, (sum(window) + 1) / seq)
+  imbalance = _imbalance(cp, seq, is_causal, window, load_balance)
   kw = dict(batch=batch, seq=seq, heads=heads, kv_heads=kv_heads,
             head_dim=head_dim, cp=cp, share=share, dtype_bytes=dtype_bytes,
             load_balance=load_balance, value_head_dim=value_head_dim,
             cross=kv_seq is not None and kv_seq != seq, packed=packed,
-            imbalance=_imbalance(cp, seq, is_causal, window, load_balance))
+            imbalance=imbalance)
   by_pass = {p: _pass_ms(p == "backward", **kw) for p in PASSES}
   picks, why = {}, []
   for p, times in by_pass.items():
@@ -218,7 +219,9 @@ def estimate(*, batch, seq, heads, kv_heads, head_dim, cp, is_causal=True,
                              f"causal={is_causal}; times modelled from H200 "
                              "measurements)") + (
       "; segment ids: no all-gather (its packed blocks pair each device's "
-      "documents with the whole row's)" if packed else "")
+      "documents with the whole row's)" if packed else "") + (
+      f"; contiguous shards: the ring and all-gather wait for the last, "
+      f"{imbalance:.2f}x the mean causal work" if imbalance > 1 else "")
   return Choice(picks["forward"], picks["backward"], times_ms, reason)
 
 
