@@ -131,7 +131,8 @@ def main():
     ms = time_fn(compiled, *args) * 1e3
     row = dict(program=name, attention_calls=per, ms=ms,
                ms_per_attention=ms / per,
-               **traced(compiled, args, a.calls if per == 1 else 1, host_stages),
+               **traced(compiled, args, a.calls if per == 1 else 1,
+                        host_stages),
                **program_summary(hlo), branches=branch_launches(hlo))
     rows.append(row)
     print(f"{name}: {row}")

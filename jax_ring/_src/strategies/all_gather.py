@@ -155,7 +155,8 @@ def _on_device(fn, r, tm: TokenMask, kv_ids, cfg: AttentionConfig,
   branch's masks are static, unless the mask ignores position."""
   if not cfg.positional:
     c = t // len(layout.chunk_ids(plan, 0))
-    q_len = layout.prefix(tm.q_lengths, layout.chunk_ids(plan, r), c)  # traced r is fine
+    # A traced device index r is fine here: no static band.
+    q_len = layout.prefix(tm.q_lengths, layout.chunk_ids(plan, r), c)
     return fn([_Call(slice(0, t), slice(0, t * plan.cp_size), BlockMask(
         q_segment_ids=tm.q_segment_ids, kv_segment_ids=kv_ids,
         q_lengths=q_len, kv_lengths=tm.kv_lengths))])
