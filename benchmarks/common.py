@@ -275,6 +275,23 @@ def use_packed_path(path: str) -> None:
   tiles.SIZES = tiles.DEFAULT_SIZES if path == "pass" else ()
 
 
+def tail_args(p) -> None:
+  """``--tail-divisors``: the contiguous ring's step-1 tail sizes, set
+  with :func:`use_tail_divisors` before anything is traced."""
+  p.add_argument("--tail-divisors", type=int, nargs="*", default=None,
+                 help="reach.TAIL_DIVISORS, the shard length over each tail "
+                 "size (default: the library's); given alone, no tails")
+
+
+def use_tail_divisors(divisors) -> tuple:
+  """Set ``reach.TAIL_DIVISORS`` (None: keep the library's); returns the
+  divisors in force, for the results file."""
+  from jax_ring._src.strategies.ring import reach
+  if divisors is not None:
+    reach.TAIL_DIVISORS = tuple(divisors)
+  return reach.TAIL_DIVISORS
+
+
 def write(name, rows, columns, extra=None, mode="default", path=None,
           show=True):
   """Print ``rows`` (dicts) as a table of ``columns`` (unless not

@@ -37,12 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_ring
-from jax_ring._src.strategies.ring import reach
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (branch_launches, packed_path_args,  # noqa: E402
-                    program_summary, random_qkv, time_fn, traced,
-                    use_packed_path, write)
+                    program_summary, random_qkv, tail_args, time_fn,
+                    traced, use_packed_path, use_tail_divisors, write)
 from strategies import mix_ids, setup  # noqa: E402
 
 STAGES = ("Thunks::Prepare", "Thunks::Initialize",
@@ -114,14 +113,12 @@ def main():
   p.add_argument("--kv-heads", type=int, default=8)
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--calls", type=int, default=4)
-  p.add_argument("--tail-divisors", type=int, nargs="*", default=None,
-                 help="reach.TAIL_DIVISORS; given with none: no tails")
+  tail_args(p)
   p.add_argument("--mode", default="default")
   packed_path_args(p)
   a = p.parse_args()
   use_packed_path(a.packed_path)
-  if a.tail_divisors is not None:
-    reach.TAIL_DIVISORS = tuple(a.tail_divisors)
+  divisors = use_tail_divisors(a.tail_divisors)
   one, many, args = programs(a.strategy, a.mix, a.seq, a.heads, a.kv_heads,
                              a.layers)
   rows = []
@@ -143,7 +140,7 @@ def main():
                                  "executethunks_ms", "launches"],
           dict(strategy=a.strategy, mix=a.mix, seq=a.seq, heads=a.heads,
                kv_heads=a.kv_heads, head_dim=128, dtype="bfloat16",
-               packed_path=a.packed_path, tail_divisors=reach.TAIL_DIVISORS,
+               packed_path=a.packed_path, tail_divisors=divisors,
                xla_flags=os.environ.get("XLA_FLAGS", "")), mode=a.mode)
 
 

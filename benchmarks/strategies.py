@@ -27,7 +27,8 @@ local GPU (for hybrid, not its ring's size). A name ending
 shards instead of the dual-chunk layout. A packed row's efficiency is
 against the single GPU on the same ids; ``<name>_fwdbwd_eff_vs_one``
 divides it by the strategy's efficiency on one document of the same
-length (target >= 0.9). Writes
+length (target >= 0.9). ``--tail-divisors`` sets the contiguous ring's
+step-1 tail sizes (``common.tail_args``). Writes
 benchmarks/results/strategies_<count>x<gpu>.json (``--mode``: the run's name
 there).
 """
@@ -50,7 +51,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import jax_ring  # noqa: E402
 from common import (document_ids, lognormal_lengths,  # noqa: E402
                     packed_path_args, random_qkv, rel_err, ring_args,
-                    ring_kwargs, shape_args, time_fn, use_packed_path, write)
+                    ring_kwargs, shape_args, tail_args, time_fn,
+                    use_packed_path, use_tail_divisors, write)
 
 def default_strategies(cp: int) -> list[str]:
   hybrids = [f"hybrid_{u}x{cp // u}" for u in range(2, cp // 2 + 1)
@@ -154,6 +156,7 @@ def report(rows, a):
                 "auto_vs_best_fwdbwd"],
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
                    packed_path=a.packed_path,
+                   tail_divisors=a.tail_divisors,
                    **ring_kwargs(a),
                    efficiency="(single-GPU cuDNN time / cp) / strategy time",
                    path="automatic (jit + NamedSharding + ContextParallel)"),
@@ -171,8 +174,10 @@ def main():
   p.add_argument("--implementation", default="cudnn",
                  help="single-GPU baseline backend (xla for a CPU dry run)")
   packed_path_args(p)
+  tail_args(p)
   a = p.parse_args()
   use_packed_path(a.packed_path)
+  a.tail_divisors = use_tail_divisors(a.tail_divisors)
   cp = jax.device_count()
   a.strategies = a.strategies or default_strategies(cp)
   causal = True
