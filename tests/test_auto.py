@@ -373,9 +373,8 @@ def test_auto_weighs_the_load_of_contiguous_shards():
                                                    load_balance=lb), **kw)
     return choice, {s: t["forward"] for s, t in choice.times_ms.items()}
 
-  ids = dict(is_causal=True)
-  contiguous, t_c = times(65536, None, **ids)
-  dual, t_d = times(65536, "dual_chunk", **ids)
+  contiguous, t_c = times(65536, None, is_causal=True)
+  dual, t_d = times(65536, "dual_chunk", is_causal=True)
   assert (dual.forward, contiguous.forward) == ("all_gather", "ulysses")
   assert "wait for the last, 1.75x the mean causal work" in contiguous.reason
   assert "wait for the last" not in dual.reason
@@ -386,8 +385,8 @@ def test_auto_weighs_the_load_of_contiguous_shards():
   assert got["auto_contiguous_fwd_ms"] > 1.5 * one["ulysses_fwd_ms"]
   # Compute-bound (1M tokens): the ratio tends to 7/4; a window of 256
   # keys leaves the shards nearly even; without a causal mask they are.
-  _, long_c = times(1 << 20, None, **ids)
-  _, long_d = times(1 << 20, "dual_chunk", **ids)
+  _, long_c = times(1 << 20, None, is_causal=True)
+  _, long_d = times(1 << 20, "dual_chunk", is_causal=True)
   assert 1.70 < long_c["all_gather"] / long_d["all_gather"] <= 1.75
   _, win_c = times(1 << 20, None, is_causal=True, local_window_size=(255, 0))
   _, win_d = times(1 << 20, "dual_chunk", is_causal=True,

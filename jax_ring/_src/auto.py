@@ -145,7 +145,9 @@ def _imbalance(cp, seq, is_causal, window, load_balance) -> float:
   """The most-loaded device's work over the mean where each device
   computes its own rows: 1 unless the shards are contiguous under a causal
   mask; then query i sees min(i, w) + 1 keys (w the window's left reach,
-  or every earlier key), summed over each shard in closed form."""
+  or every earlier key), summed over each shard in closed form: the
+  measure of ``layout.work_balance`` for one document, which the model
+  takes every row to be, with a window too and without a pass over S."""
   if load_balance is not None or not is_causal:
     return 1.0
   w = seq if window is None else window[0]
