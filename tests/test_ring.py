@@ -605,8 +605,9 @@ def _docs(lengths, ids=None):
 
 
 # Shards of 12: documents that cross a boundary by one row each side
-# (12), and by up to two (12, 24); ``reach.tail_sizes(12, 4)`` is (1, 3,
-# 6), so step 1 sends the last 1 and 3 rows of each shard.
+# (12), and by up to two (12, 24); ``reach.tail_sizes(12, 4)`` is (3,), so
+# step 1 sends the last 3 rows of each shard (with the divisors 16, 4, 2:
+# the last 1 and 3 rows).
 CROSS_ONE = _docs((11, 2, 10, 1, 1, 10, 1, 1, 11))
 CROSS_FEW = _docs((10, 3, 10, 3, 10, 3, 9))
 
@@ -656,16 +657,17 @@ def _needed_steps(cp, load_balance, causal, rows=False):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_ring_crossing_rows(causal):
+def test_ring_crossing_rows(causal, monkeypatch):
   """The rows documents cross at shard boundaries (shards of 12), the same
   on every device; a row's batch mate that crosses further sets them; and
-  the branch they pick: none, step 1 on 1 or 3 rows, or the path over
-  every step (a later step is needed, or documents cross by more than the
-  largest size, 6: that path stops after step 1). Not under a causal mask,
-  the queries that reach the next shard are a shard's last rows, so the
-  first rows that hold them are the whole shard, and the step back (3, at
-  cp = 4) is needed."""
+  the branch they pick, with three tail sizes (1, 3, 6): none, step 1 on
+  1 or 3 rows, or the path over every step (a later step is needed, or
+  documents cross by more than the largest size: that path stops after
+  step 1). Not under a causal mask, the queries that reach the next shard
+  are a shard's last rows, so the first rows that hold them are the whole
+  shard, and the step back (3, at cp = 4) is needed."""
   from jax_ring._src.strategies.ring import reach
+  monkeypatch.setattr(reach, "TAIL_DIVISORS", (16, 4, 2))
   cp = 4
   f = _needed_steps(cp, None, causal, rows=True)
   cases = [(_docs((6,) * 8), 0, 0), (CROSS_ONE, 1, 12), (CROSS_FEW, 2, 12),
@@ -680,12 +682,14 @@ def test_ring_crossing_rows(causal):
       assert got == branch, (ids, got)
 
 
-def test_ring_hands_what_its_tails_leave_to_another_strategy():
+def test_ring_hands_what_its_tails_leave_to_another_strategy(monkeypatch):
   """With a strategy beyond the ring (the automatic path's Ulysses), the
-  step-1 tails stop at half a shard at every cp, and rows they do not
-  hold, or that need a later step, take that strategy's branch; alone,
-  the ring at cp = 2 runs step 1 on whole shards instead."""
+  step-1 tails (here 1/16, 1/4 and 1/2 of a shard) stop short of a whole
+  shard at every cp, and rows they do not hold, or that need a later
+  step, take that strategy's branch; alone, the ring at cp = 2 runs step
+  1 on whole shards instead."""
   from jax_ring._src.strategies.ring import reach
+  monkeypatch.setattr(reach, "TAIL_DIVISORS", (16, 4, 2))
   for cp, ids, beyond, size in (
       (2, _docs((S,)), True, None), (2, _docs((S,)), False, S // 2),
       (2, CROSS_FEW, True, 2), (4, CROSS_FEW, True, 3),

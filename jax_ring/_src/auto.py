@@ -272,12 +272,14 @@ def _ring_first_noted(choice: Choice, cpc: ContextParallel, packed: bool,
                          same_length=same_length)
               for pick in (choice.forward, choice.backward))
   if first:
+    most = (f"1/{min(reach.TAIL_DIVISORS)} of a shard"
+            if reach.TAIL_DIVISORS else "none")
     choice = dataclasses.replace(choice, reason=choice.reason + (
         "; packed rows on contiguous shards: a pass that picks ulysses runs "
         "each device's own block and the ring's reach test first, and "
         "Ulysses only where documents cross a shard boundary by more than "
-        "the ring's step-1 tails hold (half a shard) or reach past the "
-        "previous shard"))
+        f"the ring's step-1 tails hold ({most}) or reach past the previous "
+        "shard"))
   return choice, first
 
 

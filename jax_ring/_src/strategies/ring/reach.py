@@ -68,8 +68,10 @@ def skips_steps(load_balance, loop, kv_sends, window) -> bool:
 
 
 # A step-1 tail is the shard's length ``t`` over one of these (rounded up).
-# Each size is a branch of the program, which XLA prepares at every run.
-TAIL_DIVISORS = (16, 4, 2)
+# Each size is a branch of the program, whose work XLA prepares at every
+# run, taken or not, in every layer: one size (docs/decisions.md, "One
+# step-1 tail").
+TAIL_DIVISORS = (4,)
 
 
 def tail_sizes(t: int, cp: int, beyond: bool = False) -> tuple[int, ...]:
