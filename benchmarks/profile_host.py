@@ -19,7 +19,9 @@ programs are traced, to weigh their branches; ``--tail-divisors`` alone
 leaves none (at cp > 2 the switch is then: no step, or the path over
 every step, or, under ``auto``, Ulysses). ``--strategy
 auto_contiguous`` is ``auto`` on contiguous shards (the ring first, then
-Ulysses past its tails).
+Ulysses past its tails). ``--scan`` runs the layers as a ``lax.scan``
+over one layer's program, as a model that scans its layers holds them:
+XLA then prepares one layer's work a run, not ``--layers`` copies.
 """
 
 from __future__ import annotations
@@ -78,9 +80,11 @@ def host_stages(trace_path: str) -> dict:
   return out
 
 
-def programs(strategy, mix, s, n, kh, layers):
+def programs(strategy, mix, s, n, kh, layers, scan=False):
   """(one forward+backward, ``layers`` of them chained in one program,
-  their arguments) over every local device."""
+  their arguments) over every local device. ``scan``: the layers as a
+  ``lax.scan`` over one layer's program (as models that scan their layers
+  hold them), not ``layers`` copies of it."""
   q, k, v, _ = random_qkv(0, s, n, kh, 128)
   ids = mix_ids(mix, s)
   cpc, sh, to, _ = setup(strategy, jax.device_count(), "dual_chunk")
@@ -94,12 +98,18 @@ def programs(strategy, mix, s, n, kh, layers):
     return jax.grad(loss, (0, 1, 2))(q, k, v)
 
   def stacked(q, k, v, ids):
-    total = jnp.zeros((), jnp.float32)
-    for _ in range(layers):  # each layer's queries depend on the last one's
+    def layer(carry, _):  # each layer's queries depend on the last one's
+      q, total = carry
       dq, dk, dv = grads(q, k, v, ids)
-      q = (q + 1e-3 * dq).astype(q.dtype)
       total += dk.astype(jnp.float32).sum() + dv.astype(jnp.float32).sum()
-    return q, total
+      return ((q + 1e-3 * dq).astype(q.dtype), total), None
+
+    carry = (q, jnp.zeros((), jnp.float32))
+    if scan:
+      return jax.lax.scan(layer, carry, None, length=layers)[0]
+    for _ in range(layers):
+      carry = layer(carry, None)[0]
+    return carry
 
   return jax.jit(grads), jax.jit(stacked), (q, k, v, ids)
 
@@ -112,6 +122,8 @@ def main():
   p.add_argument("--heads", type=int, default=32)
   p.add_argument("--kv-heads", type=int, default=8)
   p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--scan", action="store_true",
+                 help="the layers as a lax.scan over one layer's program")
   p.add_argument("--calls", type=int, default=4)
   tail_args(p)
   p.add_argument("--mode", default="default")
@@ -120,9 +132,10 @@ def main():
   use_packed_path(a.packed_path)
   divisors = use_tail_divisors(a.tail_divisors)
   one, many, args = programs(a.strategy, a.mix, a.seq, a.heads, a.kv_heads,
-                             a.layers)
+                             a.layers, a.scan)
   rows = []
-  for name, fn, per in (("one", one, 1), ("layers", many, a.layers)):
+  for name, fn, per in (("one", one, 1),
+                        ("scan" if a.scan else "layers", many, a.layers)):
     compiled = fn.lower(*args).compile()
     hlo = compiled.as_text()
     ms = time_fn(compiled, *args) * 1e3
@@ -141,6 +154,7 @@ def main():
           dict(strategy=a.strategy, mix=a.mix, seq=a.seq, heads=a.heads,
                kv_heads=a.kv_heads, head_dim=128, dtype="bfloat16",
                packed_path=a.packed_path, tail_divisors=divisors,
+               scan=a.scan,
                xla_flags=os.environ.get("XLA_FLAGS", "")), mode=a.mode)
 
 

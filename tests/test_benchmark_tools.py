@@ -427,26 +427,30 @@ ENTRY %main (p: s32[]) -> s32[] {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("divisors", [["8"], []], ids=["one_tail", "none"])
+@pytest.mark.parametrize("divisors, scan", [(["8"], []), ([], ["--scan"])],
+                         ids=["one_tail", "none_scanned"])
 def test_profile_host_runs_one_call_and_stacked_layers(tmp_path, monkeypatch,
-                                                       divisors):
+                                                       divisors, scan):
   """profile_host on 8 CPU devices: both programs run and are timed, the
   tail sizes it is given are the ones traced (and recorded), and the
   ring's switch shows one branch a tail size (or none given, no such
-  branch) beside none and every step. No host stages on CPU: XLA:CPU
+  branch) beside none and every step; the layers unrolled hold each
+  layer's work, scanned one layer's. No host stages on CPU: XLA:CPU
   records none."""
   from jax_ring._src.strategies.ring import reach
   monkeypatch.setattr(reach, "TAIL_DIVISORS", reach.TAIL_DIVISORS)
   rows = dry_run(profile_host, ["--seq", "256", "--heads", "4",
                                 "--kv-heads", "2", "--layers", "2",
-                                "--calls", "1", "--tail-divisors",
+                                "--calls", "1", *scan, "--tail-divisors",
                                 *divisors], tmp_path, monkeypatch)
-  assert [r["program"] for r in rows] == ["one", "layers"]
+  assert [r["program"] for r in rows] == ["one", "scan" if scan else "layers"]
   assert all(r["ms"] > 0 and r["launches"] > 0 for r in rows)
   assert rows[1]["ms_per_attention"] == rows[1]["ms"] / 2
   assert reach.tail_sizes(32, 8) == ((4,) if divisors else ())
   switch = max(rows[0]["branches"], key=len)
   assert len(switch) == 1 + len(divisors) + 1  # none, tails, every step
+  held = rows[1]["launches"] / rows[0]["launches"]
+  assert held < 1.5 if scan else held > 1.5, held
 
 
 def test_host_stages_reads_each_run_and_its_first_kernel(tmp_path):

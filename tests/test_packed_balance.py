@@ -173,8 +173,8 @@ def test_balance_documents_refuses_an_id_in_two_runs():
 def test_explain_says_which_ring_steps_the_rows_run():
   """``ring_steps``: on contiguous shards (4 of 12 tokens) the branch the
   ring's reach test takes for the given rows, as the call computes it:
-  none, step 1 on the last 1 or 3 rows of a shard, or every step to the
-  last reached; and, where the ring runs every step (dual-chunk, a
+  none, step 1 on the last 3 rows of a shard (its one tail, a quarter),
+  or every step to the last reached; and, where the ring runs every step (dual-chunk, a
   named K/V source), that it does."""
   docs = lambda lengths: np.repeat(np.arange(len(lengths)), lengths)[None]
   contiguous = jax_ring.ContextParallel(strategy="ring", load_balance=None)
@@ -184,8 +184,8 @@ def test_explain_says_which_ring_steps_the_rows_run():
   got, why = say(docs((6,) * 8))
   assert (got["last"], got["rows"]) == (0, 0) and "no step after" in why
   got, why = say(docs((11, 2, 10, 1, 1, 10, 1, 1, 11)))
-  assert (got["rows"], got["size"]) == (1, 1), got
-  assert why == ("the ring runs one step, on the last 1 of each shard's 12 "
+  assert (got["rows"], got["size"]) == (1, 3), got
+  assert why == ("the ring runs one step, on the last 3 of each shard's 12 "
                  "rows: documents cross shard boundaries by at most 1 rows")
   assert say(docs((10, 3, 10, 3, 10, 3, 9)))[0]["size"] == 3
   got, why = say(docs((48,)))
