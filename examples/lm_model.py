@@ -48,6 +48,7 @@ class ModelConfig:
   rules: tuple = ()
   param_rules: tuple | None = None  # the weights' (FSDP); None: rules
   remat: bool | str = False  # True, False or "attention" (LlamaConfig)
+  scan_layers: bool = False  # the blocks as one lax.scan (LlamaConfig)
 
   def llama(self) -> models.LlamaConfig:
     return models.LlamaConfig(
@@ -60,7 +61,8 @@ class ModelConfig:
         logits_soft_cap=self.logits_soft_cap, dtype=self.dtype,
         param_dtype=self.param_dtype, implementation=self.implementation,
         context_parallel=self.context_parallel, rules=self.rules,
-        param_rules=self.param_rules, remat=self.remat)
+        param_rules=self.param_rules, remat=self.remat,
+        scan_layers=self.scan_layers)
 
   def num_params(self) -> int:
     return self.llama().num_params()

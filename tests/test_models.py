@@ -144,9 +144,9 @@ def packed_batch(seed):
   return tokens, ids, docs
 
 
-def context_parallel_model(name, strategy, checkpoints):
+def context_parallel_model(name, strategy, checkpoints, **options):
   """(mesh, its ContextParallel, the model loaded onto data=2 x
-  context=4, FSDP weights)."""
+  context=4, FSDP weights; ``options``: more DecoderConfig fields)."""
   mesh = mesh_2x4()
   cpc = jax_ring.ContextParallel(axis="context", strategy=strategy,
                                  inputs="load_balanced")
@@ -154,7 +154,7 @@ def context_parallel_model(name, strategy, checkpoints):
   model = models.load_pretrained(
       checkpoints[name][0], mesh=mesh, implementation="xla",
       context_parallel=cpc, rules=rules,
-      param_rules=jrf.fsdp_rules(rules, ("data", "context")))
+      param_rules=jrf.fsdp_rules(rules, ("data", "context")), **options)
   return mesh, cpc, model
 
 
@@ -209,19 +209,24 @@ def torch_loss_and_grads(hf, tokens, docs):
   return float(loss.detach()), grads
 
 
-GRADIENT_CASES = [("gemma3", "ring"),
-                  pytest.param("gemma2", "auto", marks=pytest.mark.slow),
-                  pytest.param("qwen3", "ulysses", marks=pytest.mark.slow)]
+# llama3's two layers alike, scanned: one group a layer.
+GRADIENT_CASES = [("gemma3", "ring", False), ("llama3", "ring", True),
+                  pytest.param("gemma2", "auto", False,
+                               marks=pytest.mark.slow),
+                  pytest.param("qwen3", "ulysses", False,
+                               marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("name, strategy", GRADIENT_CASES)
-def test_gradients_match_torch(name, strategy, checkpoints):
+@pytest.mark.parametrize("name, strategy, scan", GRADIENT_CASES)
+def test_gradients_match_torch(name, strategy, scan, checkpoints):
   """The loss and every weight's gradient, context-parallel on packed
-  documents, against torch's on transformers run per document. (The
-  tokens avoid the pad id: transformers' embedding keeps that row out of
-  its gradient, ``padding_idx``; the model here does not.)"""
+  documents, against torch's on transformers run per document, the
+  blocks unrolled or (``scan``) scanned. (The tokens avoid the pad id:
+  transformers' embedding keeps that row out of its gradient,
+  ``padding_idx``; the model here does not.)"""
   hf = checkpoints[name][1]
-  mesh, cpc, model = context_parallel_model(name, strategy, checkpoints)
+  mesh, cpc, model = context_parallel_model(name, strategy, checkpoints,
+                                            scan_layers=scan)
   tokens, ids, docs = packed_batch(7)
   tokens = np.maximum(tokens, 1)
   batch = jrf.prepare_lm_batch(tokens, ids, mesh=mesh,
@@ -523,6 +528,35 @@ def test_a_checkpoint_that_does_not_match_its_config_is_named(checkpoints,
       "does not match its config.json: missing ['model.layers.2.input_"
       "layernorm.weight'")):
     models.load_pretrained(tmp_path)
+
+
+def test_scanned_layers_run_whole_groups_as_one_scan():
+  """``scan_layers``: the attention here repeats every 3 layers (two
+  sliding, one global), so 8 layers run as one scan over 2 groups of 3,
+  then 2 unrolled; logits and gradients are the unrolled blocks' up to
+  float32 rounding."""
+  kinds = ("sliding_attention",) * 2 + ("full_attention",)
+  cfg = models.DecoderConfig(
+      vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=8,
+      num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=5,
+      layer_types=(kinds * 3)[:8], implementation="xla")
+  assert cfg.layer_period() == 3
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, V, (2, 24)))
+  positions = jnp.broadcast_to(jnp.arange(24), (2, 24))
+  results = {}
+  for scan in (False, True):
+    gdef, params = nnx.split(models.Decoder(cfg.replace(scan_layers=scan),
+                                            rngs=nnx.Rngs(0)))
+    logits = lambda p: nnx.merge(gdef, p)(tokens, positions)
+    eqns = jax.make_jaxpr(logits)(params).jaxpr.eqns
+    assert [e.params["length"] for e in eqns if e.primitive.name == "scan"
+            ] == ([2] if scan else [])
+    loss = lambda p: jnp.mean(logits(p) ** 2)
+    results[scan] = jax.jit(jax.value_and_grad(loss))(params)
+  np.testing.assert_allclose(results[True][0], results[False][0], rtol=1e-5)
+  for got, want in zip(jax.tree.leaves(results[True][1]),
+                       jax.tree.leaves(results[False][1])):
+    assert relative_error(np.asarray(got), np.asarray(want)) <= 1e-5
 
 
 def test_remat_modes_give_the_same_loss_and_gradients(checkpoints):

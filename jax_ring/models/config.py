@@ -132,6 +132,13 @@ class DecoderConfig:
       A policy on names cannot do the last: the attention is a custom-VJP
       call, whose residuals a ``jax.checkpoint`` policy does not see, so
       the block is split around it instead.
+    scan_layers: run the blocks as one ``lax.scan`` over groups of
+      ``layer_period()`` layers (the blocks past the last whole group
+      after it), so that the compiled program holds one group: it compiles,
+      and XLA prepares it at each run, once rather than once a layer. The
+      weights keep their per-layer layout (checkpoints, generation) and
+      are stacked at each call, a copy of the scanned layers' weights.
+      The same numbers as the unrolled blocks.
   """
 
   vocab_size: int
@@ -167,6 +174,7 @@ class DecoderConfig:
   rules: tuple = ()
   param_rules: tuple | None = None
   remat: bool | Literal["attention"] = False
+  scan_layers: bool = False
 
   def __post_init__(self):
     if self.remat not in (False, True, "attention"):
@@ -221,6 +229,15 @@ class DecoderConfig:
         param_dtype=self.param_dtype, implementation=self.implementation,
         context_parallel=self.context_parallel, rules=self.rules,
         param_rules=self.param_rules)
+
+  def layer_period(self) -> int:
+    """The fewest layers ``p`` after which the layers' attention repeats:
+    layer ``l`` attends as layer ``l - p`` for every ``l >= p`` (1: every
+    layer alike; Gemma 3's five sliding layers and one global: 6)."""
+    kinds = [self.attention(layer) for layer in range(self.num_layers)]
+    return next(p for p in range(1, self.num_layers + 1)
+                if all(kinds[l] == kinds[l - p]
+                       for l in range(p, self.num_layers)))
 
   def num_params(self) -> int:
     e, m, v = self.hidden_size, self.intermediate_size, self.vocab_size

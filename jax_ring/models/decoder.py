@@ -176,15 +176,13 @@ class Decoder(nnx.Module):
     cfg = self.cfg
     x = constrain(self.embed_tokens(inputs), ("batch", "length", EMBED),
                   cfg.rules)
-    for block in self.layers:
-      if cfg.remat == "attention":
-        q, k, v = nnx.remat(lambda b, *a: b.project(*a))(block, x, positions)
-        out = block.attn.attend(q, k, v, segment_ids)
-        x = nnx.remat(lambda b, *a: b.finish(*a))(block, x, out)
-      elif cfg.remat:
-        x = nnx.remat(lambda b, *a: b(*a))(block, x, positions, segment_ids)
-      else:
-        x = block(x, positions, segment_ids)
+    step = lambda block, x: _run_block(cfg.remat, block, x, positions,
+                                       segment_ids)
+    blocks = list(self.layers)
+    if cfg.scan_layers:
+      x, blocks = _scan_blocks(blocks, cfg.layer_period(), step, x)
+    for block in blocks:
+      x = step(block, x)
     return self.final_norm(x)
 
   def output_weights(self):
@@ -205,6 +203,44 @@ class Decoder(nnx.Module):
     cfg = self.cfg
     logits = (x @ self.output_weights().astype(cfg.dtype)).astype(jnp.float32)
     return soft_cap(logits, cfg.final_logits_soft_cap)
+
+
+def _run_block(remat, block: Block, x, positions, segment_ids):
+  """One block on ``x (B, S, E)``, recomputing in the backward what
+  ``remat`` (``DecoderConfig.remat``) says."""
+  if remat == "attention":
+    q, k, v = nnx.remat(lambda b, *a: b.project(*a))(block, x, positions)
+    out = block.attn.attend(q, k, v, segment_ids)
+    return nnx.remat(lambda b, *a: b.finish(*a))(block, x, out)
+  if remat:
+    return nnx.remat(lambda b, *a: b(*a))(block, x, positions, segment_ids)
+  return block(x, positions, segment_ids)
+
+
+def _scan_blocks(blocks: list, period: int, step, x):
+  """``(x, the blocks left)``: ``step(block, x)`` over the first ``groups =
+  len(blocks) // period`` groups of ``period`` blocks as one ``lax.scan``
+  whose body runs one group, over the groups' weights stacked here, at each
+  call (a copy of those weights; their gradients unstack in the backward).
+  The blocks past the last whole group are left to the caller; fewer than
+  two groups scan nothing."""
+  groups = len(blocks) // period
+  if groups < 2:
+    return x, blocks
+  graphs, stacked = [], []
+  for j in range(period):  # the j-th block of every group
+    split = [nnx.split(blocks[g * period + j]) for g in range(groups)]
+    graphs.append(split[0][0])
+    stacked.append(jax.tree.map(lambda *w: jnp.stack(w),
+                                *(state for _, state in split)))
+
+  def body(x, group):
+    for graph, state in zip(graphs, group):
+      x = step(nnx.merge(graph, state), x)
+    return x, None
+
+  x, _ = jax.lax.scan(body, x, stacked)
+  return x, blocks[groups * period:]
 
 
 def soft_cap(logits, cap: float | None):
