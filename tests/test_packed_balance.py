@@ -174,8 +174,8 @@ def test_explain_says_which_ring_steps_the_rows_run():
   """``ring_steps``: on contiguous shards (4 of 12 tokens) the branch the
   ring's reach test takes for the given rows, as the call computes it:
   none, step 1 on the last 3 rows of a shard (its one tail, a quarter),
-  or every step to the last reached; and, where the ring runs every step (dual-chunk, a
-  named K/V source), that it does."""
+  or every step to the last reached; and, where the ring runs every step
+  (dual-chunk, a named K/V source), that it does."""
   docs = lambda lengths: np.repeat(np.arange(len(lengths)), lengths)[None]
   contiguous = jax_ring.ContextParallel(strategy="ring", load_balance=None)
   say = lambda ids, cpc=contiguous, causal=True: jax_ring.explain(

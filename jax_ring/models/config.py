@@ -138,7 +138,8 @@ class DecoderConfig:
       and XLA prepares it at each run, once rather than once a layer. The
       weights keep their per-layer layout (checkpoints, generation) and
       are stacked at each call, a copy of the scanned layers' weights.
-      The same numbers as the unrolled blocks.
+      The unrolled blocks' numbers, up to float rounding (the loop's
+      fusions differ).
   """
 
   vocab_size: int
