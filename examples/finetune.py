@@ -197,6 +197,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="the loss takes the vocabulary this many entries at a "
                  "time, so the float32 logits are never whole (default: "
                  "whole)")
+  p.add_argument("--scan-layers", action="store_true",
+                 help="run the blocks as one lax.scan, so the step compiles "
+                 "one group of layers (DecoderConfig.scan_layers)")
   run_dir.add_flags(p, "finetune")
   train_lm.add_process_flags(p)
   p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -359,7 +362,8 @@ def build(args, model_dir, shape: dict[str, int]):
       context_parallel=cpc, rules=rules,
       param_rules=jrf.fsdp_rules(rules, fsdp) if fsdp else None,
       remat={"none": False, "block": True, "attention": "attention"}[
-          args.remat or ("attention" if gpu else "none")])
+          args.remat or ("attention" if gpu else "none")],
+      scan_layers=args.scan_layers)
   tx = train_lm.make_optimizer(args.lr, args.warmup, args.steps)
   state, train_step, graphdef = train_lm.make_train_step(
       model, tx, functools.partial(models.lm_loss,
