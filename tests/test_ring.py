@@ -643,16 +643,19 @@ def test_ring_skips_steps_no_document_reaches(ids, causal, cp):
                                    kv_segment_ids=ids))
 
 
-def _needed_steps(cp, load_balance, causal, rows=False):
+def _needed_steps(cp, load_balance, causal, rows=False, two=False):
   """``ids (B, S) -> (cp, cp)``: each device's mask of needed ring steps;
-  with ``rows``, also ``(cp,)``: each device's crossing rows."""
+  with ``rows``, also ``(cp,)``: each device's crossing rows. ``two``: the
+  ids given as query and kv ids apart (numbered together)."""
   from jax_ring._src.core.config import ShardPlan
   from jax_ring._src.core.mask import TokenMask
   from jax_ring._src.strategies.ring import reach
   plan = ShardPlan("cp", cp, load_balance)
+  masks = (lambda ids: TokenMask(q_segment_ids=ids, kv_segment_ids=ids + 0)
+           if two else TokenMask.of(ids, ids, None, None))
   return jax.jit(jax.shard_map(
       lambda ids: jax.tree.map(lambda x: x[None], reach.needed_steps(
-          TokenMask.of(ids, ids, None, None), plan, causal, rows)),
+          masks(ids), plan, causal, rows)),
       mesh=mesh(cp), in_specs=P(None, "cp"), out_specs=P("cp")))
 
 
@@ -748,11 +751,13 @@ def test_ring_reach_marks_the_steps_documents_cross(load_balance, cases):
 def test_ring_reach_equals_a_set_intersection(load_balance, causal):
   """Random rows of few ids (so ids recur in several runs and chunks), two
   rows a batch: the mask of needed steps is, step by step, whether some
-  chunk pair that the step makes and the mask lets meet shares an id."""
+  chunk pair that the step makes and the mask lets meet shares an id;
+  the same with the ids given as query and kv ids apart."""
   from jax_ring._src.core.config import ShardPlan
   from jax_ring._src.strategies import layout
   cp = 4
   f = _needed_steps(cp, load_balance, causal)
+  f_two = _needed_steps(cp, load_balance, causal, two=True)
   order = [layout.chunk_ids(ShardPlan("cp", cp, load_balance), r)
            for r in range(cp)]  # each device's chunks, in global order
   n = len(order[0])
@@ -771,8 +776,9 @@ def test_ring_reach_equals_a_set_intersection(load_balance, causal):
                                                            (2, S)), ids)
     chunks = ids.reshape(2, cp * n, -1)  # the shards' chunks, in order
     want = [needed(chunks, step) for step in range(cp)]
-    got = np.asarray(f(jnp.asarray(ids, jnp.int32))).reshape(cp, cp)
-    assert (got == np.asarray(want)[None]).all(), (distinct, got, want)
+    for g in (f, f_two):
+      got = np.asarray(g(jnp.asarray(ids, jnp.int32))).reshape(cp, cp)
+      assert (got == np.asarray(want)[None]).all(), (distinct, got, want)
 
 
 @pytest.mark.parametrize("entry", ["shard_map", "jit"])

@@ -3,8 +3,9 @@ queries with its keys adds nothing, so the ring skips it: its K/V are not
 sent and its block does not run.
 
 Every device all-gathers the ring's query and kv ids (``(cp, B, T)``
-int32 each) and numbers the distinct ids of each row (one sort); two
-``(B, 2S, G)`` bool tables mark which of the G = cp x chunks query
+int32 each; one array where they are the same ids) and numbers the
+distinct ids of each row (one sort); two ``(B, S, G)`` bool tables (``(B,
+2S, G)`` for two id arrays) mark which of the G = cp x chunks query
 chunks, and which kv chunks, hold each id, and one reduction finds the
 (query chunk, kv chunk) pairs that share one. A step is needed where
 some pair it makes (and the mask lets meet: causal, the kv chunk
@@ -134,16 +135,18 @@ def _of_gathered(q_ids, kv_ids, plan: ShardPlan, causal: bool,
                  rows: bool):
   """``(cp,)`` int32 needed steps, then (``rows``) the crossing rows, from
   every device's ids ``(B, cp, T)`` (device-major, in the shards'
-  layout)."""
+  layout); ``kv_ids`` None: the query ids (numbered once)."""
   cp = plan.cp_size
   b, _, t = q_ids.shape
   g = cp * len(layout.chunk_ids(plan, 0))
-  ids = jnp.concatenate([q_ids, kv_ids], 1).reshape(b, -1)  # queries, keys
+  pair = q_ids if kv_ids is None else jnp.concatenate([q_ids, kv_ids], 1)
+  ids = pair.reshape(b, -1)  # queries, then keys
   n = ids.shape[1]
   _, number = jax.vmap(lambda row: jnp.unique(row, return_inverse=True,
                                               size=n))(ids)
-  number = number.reshape(b, 2, n // 2)
-  chunk = np.arange(n // 2) // (n // (2 * g))  # r * chunks + x
+  number = (jnp.stack([number, number], 1) if kv_ids is None else
+            number.reshape(b, 2, n // 2))
+  chunk = np.arange(cp * t) // (cp * t // g)  # r * chunks + x
   at = jnp.arange(b)[:, None]
   held = lambda side: jnp.zeros((b, n, g), bool).at[
       at, number[:, side], chunk[None]].set(True)
@@ -162,12 +165,14 @@ def needed_steps(tm: TokenMask, plan: ShardPlan, causal: bool,
   With ``rows`` (contiguous shards only), also ``_crossing_rows``, the same
   on every device. Call inside ``shard_map`` (or a partition rule) on this
   device's ids (``tm``'s, packed). One sort of the gathered ids a row, then
-  two ``(B, 2S, G)`` bool tables (S: the global length)."""
+  two ``(B, S, G)`` bool tables (S: the global length; 2S for query and kv
+  ids apart)."""
   cp = plan.cp_size
   b, t = tm.q_segment_ids.shape
   every = lambda ids: lax.all_gather(ids.astype(jnp.int32), plan.axis_name
                                      ).reshape(cp, b, t).transpose(1, 0, 2)
-  need = _of_gathered(every(tm.q_segment_ids), every(tm.kv_ids()), plan,
+  need = _of_gathered(every(tm.q_segment_ids),
+                      None if tm.same_ids else every(tm.kv_ids()), plan,
                       causal, rows)
   manual = jax.sharding.get_abstract_mesh().manual_axes  # in shard_map
   others = tuple(sorted((set(plan.mesh_axes) | set(manual)) -
@@ -192,7 +197,7 @@ def steps_of_rows(segment_ids, cp_size: int, causal: bool,
   plan = ShardPlan("cp", cp_size, None)
   with jax.default_device(jax.local_devices(backend="cpu")[0]):
     gathered = jnp.asarray(ids).reshape(b, cp_size, t)
-    need = _of_gathered(gathered, gathered, plan, causal, True)
+    need = _of_gathered(gathered, None, plan, causal, True)
     index = int(branch(need[:cp_size] > 0, need[cp_size], t, cp_size,
                        beyond))
     last = int(last_step(need[:cp_size] > 0))
