@@ -534,7 +534,8 @@ def test_scanned_layers_run_whole_groups_as_one_scan():
   """``scan_layers``: the attention here repeats every 3 layers (two
   sliding, one global), so 8 layers run as one scan over 2 groups of 3,
   then 2 unrolled; logits and gradients are the unrolled blocks' up to
-  float32 rounding."""
+  float32 rounding, also with each block but its attention
+  rematerialised inside the scan."""
   kinds = ("sliding_attention",) * 2 + ("full_attention",)
   cfg = models.DecoderConfig(
       vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=8,
@@ -544,19 +545,20 @@ def test_scanned_layers_run_whole_groups_as_one_scan():
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, V, (2, 24)))
   positions = jnp.broadcast_to(jnp.arange(24), (2, 24))
   results = {}
-  for scan in (False, True):
-    gdef, params = nnx.split(models.Decoder(cfg.replace(scan_layers=scan),
-                                            rngs=nnx.Rngs(0)))
+  for scan, remat in ((False, False), (True, False), (True, "attention")):
+    gdef, params = nnx.split(models.Decoder(
+        cfg.replace(scan_layers=scan, remat=remat), rngs=nnx.Rngs(0)))
     logits = lambda p: nnx.merge(gdef, p)(tokens, positions)
     eqns = jax.make_jaxpr(logits)(params).jaxpr.eqns
     assert [e.params["length"] for e in eqns if e.primitive.name == "scan"
             ] == ([2] if scan else [])
     loss = lambda p: jnp.mean(logits(p) ** 2)
-    results[scan] = jax.jit(jax.value_and_grad(loss))(params)
-  np.testing.assert_allclose(results[True][0], results[False][0], rtol=1e-5)
-  for got, want in zip(jax.tree.leaves(results[True][1]),
-                       jax.tree.leaves(results[False][1])):
-    assert relative_error(np.asarray(got), np.asarray(want)) <= 1e-5
+    results[scan, remat] = jax.jit(jax.value_and_grad(loss))(params)
+  want_loss, want = results.pop((False, False))
+  for got_loss, got in results.values():
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert relative_error(np.asarray(a), np.asarray(b)) <= 1e-5
 
 
 def test_remat_modes_give_the_same_loss_and_gradients(checkpoints):
