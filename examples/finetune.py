@@ -197,9 +197,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="the loss takes the vocabulary this many entries at a "
                  "time, so the float32 logits are never whole (default: "
                  "whole)")
-  p.add_argument("--scan-layers", action="store_true",
+  p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction,
+                 default=True,
                  help="run the blocks as one lax.scan, so the step compiles "
-                 "one group of layers (DecoderConfig.scan_layers)")
+                 "one group of layers (DecoderConfig.scan_layers; "
+                 "--no-scan-layers: unrolled)")
   run_dir.add_flags(p, "finetune")
   train_lm.add_process_flags(p)
   p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -48,7 +48,7 @@ class ModelConfig:
   rules: tuple = ()
   param_rules: tuple | None = None  # the weights' (FSDP); None: rules
   remat: bool | str = False  # True, False or "attention" (LlamaConfig)
-  scan_layers: bool = False  # the blocks as one lax.scan (LlamaConfig)
+  scan_layers: bool = True  # the blocks as one lax.scan (LlamaConfig)
 
   def llama(self) -> models.LlamaConfig:
     return models.LlamaConfig(

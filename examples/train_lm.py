@@ -145,9 +145,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--remat-attention", action="store_true",
                  help="rematerialise each block but its attention (whose "
                  "q, k, v, output and logsumexp are kept)")
-  p.add_argument("--scan-layers", action="store_true",
+  p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction,
+                 default=True,
                  help="run the blocks as one lax.scan: the step compiles "
-                 "one block, not one a layer")
+                 "one block, not one a layer (--no-scan-layers: unrolled)")
   p.add_argument("--shard-weights", action="store_true",
                  help="FSDP: split weights and optimizer state over the data "
                  "and context axes (default: replicated on each)")
@@ -289,8 +290,7 @@ def build(args, devices=None):
     model_kw["remat"] = args.remat
   if args.remat_attention:
     model_kw["remat"] = "attention"
-  if args.scan_layers:
-    model_kw["scan_layers"] = True
+  model_kw["scan_layers"] = args.scan_layers
   rules = model_rules(data="data" if "data" in shape else None, context=seq,
                       tensor="tensor" if "tensor" in shape else None)
   # FSDP: weights (and Adam's moments) split over the data and context axes.

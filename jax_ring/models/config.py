@@ -139,7 +139,8 @@ class DecoderConfig:
       weights keep their per-layer layout (checkpoints, generation) and
       are stacked at each call, a copy of the scanned layers' weights.
       The unrolled blocks' numbers, up to float rounding (the loop's
-      fusions differ).
+      fusions differ). ``False`` unrolls the blocks, each its own copy
+      in the program.
   """
 
   vocab_size: int
@@ -175,7 +176,7 @@ class DecoderConfig:
   rules: tuple = ()
   param_rules: tuple | None = None
   remat: bool | Literal["attention"] = False
-  scan_layers: bool = False
+  scan_layers: bool = True
 
   def __post_init__(self):
     if self.remat not in (False, True, "attention"):
