@@ -208,6 +208,8 @@ CP_REFUSALS = {
                           "strategy 'all_gather' needs the query and key "
                           "sequences equally long"),
     "auto_t_ne_s_heads": (dict(strategy="auto", s=32, n=2, k=1),
+                          "strategy 'auto' runs Ulysses where the query "
+                          "length (16) differs from the key length (32): "
                           "ulysses_attention splits query heads over axis "
                           "'cp': query heads (2) must be divisible by its "
                           "size (4)"),

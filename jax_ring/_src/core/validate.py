@@ -224,12 +224,15 @@ def mesh_axis(axis_name) -> int:
         "axis") from None
 
 
-def ulysses_heads(num_heads: int, axis_name: str, cp_size: int) -> None:
-  """Ulysses splits query heads over the axis: N % cp == 0."""
+def ulysses_heads(num_heads: int, axis_name: str, cp_size: int,
+                  why: str = "") -> None:
+  """Ulysses splits query heads over the axis: N % cp == 0. ``why``: what
+  made the call Ulysses, leading the message."""
   if num_heads % cp_size:
     raise ValueError(
-        f"ulysses_attention splits query heads over axis {axis_name!r}: query "
-        f"heads ({num_heads}) must be divisible by its size ({cp_size})")
+        f"{why}ulysses_attention splits query heads over axis {axis_name!r}: "
+        f"query heads ({num_heads}) must be divisible by its size "
+        f"({cp_size})")
 
 
 def kv_chunk_heads(kv_chunk_heads, kv_heads: int) -> None:
@@ -424,11 +427,14 @@ def cp_shapes(cp, sizes, q_shape, k_shape, local_heads,
           f"{total} (inputs='load_balanced': the arrays are in the layout "
           f"already; natural-order inputs are padded)")
   strategy_layout(strategy, cp.load_balance)
+  why = ""
   if strategy == "auto" and q_shape[1] != k_shape[1]:
     strategy = "ulysses"  # its one candidate for T != S
+    why = (f"strategy 'auto' runs Ulysses where the query length "
+           f"({q_shape[1]}) differs from the key length ({k_shape[1]}): ")
   self_attention(strategy, q_shape, k_shape)
   if strategy in ("ulysses", "hybrid"):
-    ulysses_heads(local_heads, cp.ulysses_axis, sizes[cp.ulysses_axis])
+    ulysses_heads(local_heads, cp.ulysses_axis, sizes[cp.ulysses_axis], why)
   ring_cp = sizes[cp.ring_axis] if strategy == "hybrid" else total
   ring_options(cp.load_balance, cp.loop, t // ring_cp, ring_cp, cp.kv_sends)
   if s != t:  # Ulysses: the keys take the layout too
