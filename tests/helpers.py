@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_ring
 import reference as ref
@@ -103,6 +103,49 @@ def check(got, q, k, v, do, case):
 # -- the block kernel ------------------------------------------------------
 
 TILES = dict(block_q=16, block_kv=8)
+
+
+def check_public_call(cpc, mesh, shape, *, t, s, docs, seed, eager=False,
+                      spec=None, pair=False, **kw):
+  """Forward and gradients of ``jax_ring.dot_product_attention`` on
+  natural-order arrays of ``shape = (B, N, K, H)`` at query and key lengths
+  ``t``, ``s`` (plain under ``jax.set_mesh``, or placed by ``spec`` along
+  the sequence) against the float64 reference. ``docs``: documents a row
+  (None: no segment ids; ``t``: every token its own); ``pair``: the ids as
+  a (query, key) pair; ``kw``: more of the call's options, in the
+  reference's terms too (``local_window_size``, ``is_causal``,
+  ``key_value_seq_lengths``, ``sinks``)."""
+  b, n, kh, h = shape
+  q, k, v, do = ref.random_qkv(seed, b, t, s, n, kh, h)
+  ids = None if docs is None else ref.random_segments(seed, b, t, docs)
+  if docs == t:  # every token a document of its own
+    ids = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+  causal = kw.pop("is_causal", True)
+  window = kw.get("local_window_size")
+  case = ref.Case(h**-0.5, is_causal=causal, q_segment_ids=ids,
+                  kv_segment_ids=ids,
+                  kv_lengths=kw.get("key_value_seq_lengths"),
+                  window=None if window is None else tuple(window))
+  want, _, g = ref.attention(q, k, v, case, dout=do, sinks=kw.get("sinks"))
+
+  put = (lambda x: jnp.asarray(x)) if spec is None else (
+      lambda x: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec)))
+
+  def f(q, k, v, *sinks):
+    seg = None if ids is None else (put(ids), put(ids)) if pair else put(ids)
+    return jax_ring.dot_product_attention(
+        q, k, v, is_causal=causal, segment_ids=seg, context_parallel=cpc,
+        **(kw | ({"sinks": sinks[0]} if sinks else {})))
+
+  args = tuple(map(put, (q, k, v))) + ((kw["sinks"],) if "sinks" in kw
+                                       else ())
+  with jax.set_mesh(mesh):
+    vjp = lambda *a: jax.vjp(f, *a)
+    out, back = (vjp if eager else jax.jit(vjp))(*args)
+    grads = back(put(do))
+  ref.assert_close(out, want, jnp.float32, "out")
+  for name, x in zip(("q", "k", "v", "sinks"), grads):
+    ref.assert_close(x, g[name], jnp.float32, "d" + name)
 
 
 def run_kernel(q, k, v, do, case, bias=None, dlse=None, **tiles):

@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import jax_ring
-import reference as ref
+from helpers import check_public_call
 from jax_ring._src.core import registry
 
 B, N, K, H = 2, 8, 2, 16
@@ -29,45 +29,10 @@ def _mesh(shape, names, kind=jax.sharding.AxisType.Auto):
                        devices=jax.devices()[:int(np.prod(shape))])
 
 
-def _check(cpc, mesh, *, t=S, s=S, docs=5, seed=0, eager=False, spec=None,
-           pair=False, **kw):
-  """Forward and gradients of a call on natural-order arrays (plain under
-  ``jax.set_mesh``, or placed by ``spec`` along the sequence) against the
-  float64 reference; ``pair``: the ids as a (query, key) pair. ``docs``: documents a
-  row (None: no segment ids); ``kw``: more of the call's options, in the
-  reference's terms too (``local_window_size``, ``is_causal``,
-  ``key_value_seq_lengths``, ``sinks``)."""
-  q, k, v, do = ref.random_qkv(seed, B, t, s, N, K, H)
-  ids = None if docs is None else ref.random_segments(seed, B, t, docs)
-  if docs == t:  # every token a document of its own
-    ids = np.broadcast_to(np.arange(t, dtype=np.int32), (B, t))
-  causal = kw.pop("is_causal", True)
-  lengths = kw.get("key_value_seq_lengths")
-  window = kw.get("local_window_size")
-  case = ref.Case(H**-0.5, is_causal=causal, q_segment_ids=ids,
-                  kv_segment_ids=ids, kv_lengths=lengths,
-                  window=None if window is None else tuple(window))
-  want, _, g = ref.attention(q, k, v, case, dout=do, sinks=kw.get("sinks"))
-
-  put = (lambda x: jnp.asarray(x)) if spec is None else (
-      lambda x: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec)))
-
-  def f(q, k, v, *sinks):
-    seg = None if ids is None else (put(ids), put(ids)) if pair else put(ids)
-    return jax_ring.dot_product_attention(
-        q, k, v, is_causal=causal, segment_ids=seg, context_parallel=cpc,
-        **(kw | ({"sinks": sinks[0]} if sinks else {})))
-
-  args = tuple(map(put, (q, k, v))) + ((kw["sinks"],) if "sinks" in kw
-                                       else ())
-  do = put(do)
-  with jax.set_mesh(mesh):
-    vjp = lambda *a: jax.vjp(f, *a)
-    out, back = (vjp if eager else jax.jit(vjp))(*args)
-    grads = back(do)
-  ref.assert_close(out, want, jnp.float32, "out")
-  for name, x in zip(("q", "k", "v", "sinks"), grads):
-    ref.assert_close(x, g[name], jnp.float32, "d" + name)
+def _check(cpc, mesh, *, t=S, s=S, docs=5, seed=0, **kw):
+  """:func:`helpers.check_public_call` at this module's shapes."""
+  check_public_call(cpc, mesh, (B, N, K, H), t=t, s=s, docs=docs, seed=seed,
+                    **kw)
 
 
 @pytest.mark.parametrize("strategy, options, shape", [

@@ -1,14 +1,19 @@
-"""Property tests: random shapes, tiles and masks against the reference."""
+"""Property tests against the float64 reference: random shapes, tiles and
+masks of the block kernel, and random calls of the public API on the
+simulated devices."""
 
 import dataclasses
 
 import hypothesis.strategies as st
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+import jax_ring
 import reference as ref
-from helpers import check_kernel
+from helpers import check_kernel, check_public_call
 
 
 @st.composite
@@ -51,3 +56,65 @@ test_random_problems_match_reference = _examples(4)(
     given(problems())(_matches_reference))
 test_many_random_problems_match_reference = pytest.mark.slow(_examples(60)(
     given(problems())(_matches_reference)))
+
+
+# -- random calls of the public API on the simulated mesh ------------------
+
+LAYOUTS = {"ring": ("dual_chunk", "striped", None),
+           "all_gather": ("dual_chunk", None),
+           "auto": ("dual_chunk", "striped", None)}
+
+
+@st.composite
+def public_calls(draw):
+  """A call the API serves: strategy, its options and mesh, heads, odd
+  lengths (T != S where Ulysses serves it), documents, masks, sinks."""
+  strategy = draw(st.sampled_from(
+      ["ring", "all_gather", "ulysses", "hybrid", "auto"]))
+  n, kh = draw(st.sampled_from([(8, 2), (8, 8), (8, 4)]))
+  if strategy == "hybrid":
+    mesh_shape, names = draw(st.sampled_from([(2, 2), (2, 4), (4, 2)])), (
+        "u", "r")
+  else:
+    mesh_shape, names = (draw(st.sampled_from([2, 4, 8])),), ("cp",)
+  opts = {}
+  if strategy in LAYOUTS:
+    opts["load_balance"] = draw(st.sampled_from(LAYOUTS[strategy]))
+  if strategy == "ring":
+    opts["loop"] = draw(st.sampled_from(["scan", "unrolled"]))
+    opts["kv_sends"] = draw(st.sampled_from([None, "gather", "neighbour"]))
+  t = draw(st.integers(3, 70))
+  s = t
+  if strategy in ("ulysses", "auto") and draw(st.booleans()):
+    s = draw(st.integers(3, 70))
+  docs = draw(st.sampled_from([None, 1, 2, 5, 17, t])) if s == t else None
+  causal = draw(st.booleans())
+  kw = dict(is_causal=causal, eager=draw(st.integers(0, 5)) == 0,
+            pair=docs is not None and draw(st.booleans()))
+  if draw(st.booleans()):
+    kw["local_window_size"] = (draw(st.integers(0, 12)),
+                               0 if causal else draw(st.integers(0, 12)))
+  if draw(st.booleans()):
+    kw["sinks"] = jnp.linspace(-1.0, 1.0, n, dtype=jnp.float32)
+  if docs is None and draw(st.booleans()):
+    kw["key_value_seq_lengths"] = jnp.asarray(
+        [draw(st.integers(1, s)) for _ in range(2)], jnp.int32)
+  cpc = jax_ring.ContextParallel(
+      axis=names if strategy == "hybrid" else "cp", strategy=strategy,
+      **opts)
+  return cpc, mesh_shape, names, (2, n, kh, draw(st.sampled_from([8, 16]))), (
+      t, s, docs, draw(st.integers(0, 999)), kw)
+
+
+@pytest.mark.slow
+@_examples(40)
+@given(public_calls())
+def test_random_public_calls_match_reference(call):
+  """Forward and gradients of random calls (every strategy, layout and
+  loop; odd lengths; documents; windows, sinks, key lengths; eager or
+  jitted) against the float64 reference on the simulated devices."""
+  cpc, mesh_shape, names, shape, (t, s, docs, seed, kw) = call
+  mesh = jax.make_mesh(mesh_shape, names,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(names),
+                       devices=jax.devices()[:int(np.prod(mesh_shape))])
+  check_public_call(cpc, mesh, shape, t=t, s=s, docs=docs, seed=seed, **kw)
