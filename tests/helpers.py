@@ -108,15 +108,17 @@ TILES = dict(block_q=16, block_kv=8)
 def check_public_call(cpc, mesh, shape, *, t, s, docs, seed, eager=False,
                       spec=None, pair=False, **kw):
   """Forward and gradients of ``jax_ring.dot_product_attention`` on
-  natural-order arrays of ``shape = (B, N, K, H)`` at query and key lengths
+  natural-order arrays of ``shape = (B, N, K, H[, Hv])`` at query and key
+  lengths
   ``t``, ``s`` (plain under ``jax.set_mesh``, or placed by ``spec`` along
   the sequence) against the float64 reference. ``docs``: documents a row
   (None: no segment ids; ``t``: every token its own); ``pair``: the ids as
   a (query, key) pair; ``kw``: more of the call's options, in the
   reference's terms too (``local_window_size``, ``is_causal``,
   ``key_value_seq_lengths``, ``sinks``)."""
-  b, n, kh, h = shape
-  q, k, v, do = ref.random_qkv(seed, b, t, s, n, kh, h)
+  b, n, kh, h, *hv = shape
+  q, k, v, do = ref.random_qkv(seed, b, t, s, n, kh, h,
+                               hv=hv[0] if hv else None)
   ids = None if docs is None else ref.random_segments(seed, b, t, docs)
   if docs == t:  # every token a document of its own
     ids = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))

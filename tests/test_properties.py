@@ -67,8 +67,9 @@ LAYOUTS = {"ring": ("dual_chunk", "striped", None),
 
 @st.composite
 def public_calls(draw):
-  """A call the API serves: strategy, its options and mesh, heads, odd
-  lengths (T != S where Ulysses serves it), documents, masks, sinks."""
+  """A call the API serves: strategy, its options and mesh, heads, value
+  head dims, odd lengths (T != S where Ulysses serves it), documents,
+  masks, sinks."""
   strategy = draw(st.sampled_from(
       ["ring", "all_gather", "ulysses", "hybrid", "auto"]))
   n, kh = draw(st.sampled_from([(8, 2), (8, 8), (8, 4)]))
@@ -102,8 +103,10 @@ def public_calls(draw):
   cpc = jax_ring.ContextParallel(
       axis=names if strategy == "hybrid" else "cp", strategy=strategy,
       **opts)
-  return cpc, mesh_shape, names, (2, n, kh, draw(st.sampled_from([8, 16]))), (
-      t, s, docs, draw(st.integers(0, 999)), kw)
+  h = draw(st.sampled_from([8, 16]))
+  shape = (2, n, kh, h, draw(st.sampled_from([h, h, 12])))  # Hv
+  return cpc, mesh_shape, names, shape, (t, s, docs,
+                                         draw(st.integers(0, 999)), kw)
 
 
 @pytest.mark.slow
