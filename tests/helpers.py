@@ -110,10 +110,10 @@ def check_public_call(cpc, mesh, shape, *, t, s, docs, seed, eager=False,
   """Forward and gradients of ``jax_ring.dot_product_attention`` on
   natural-order arrays of ``shape = (B, N, K, H[, Hv])`` at query and key
   lengths ``t``, ``s`` (plain under ``jax.set_mesh``, or placed by
-  ``spec`` along the sequence) against the float64 reference. ``docs``: documents a row
-  (None: no segment ids; ``t``: every token its own); ``pair``: the ids as
-  a (query, key) pair; ``kw``: more of the call's options, in the
-  reference's terms too (``local_window_size``, ``is_causal``,
+  ``spec`` along the sequence) against the float64 reference. ``docs``:
+  documents a row (None: no segment ids; ``t``: every token its own);
+  ``pair``: the ids as a (query, key) pair; ``kw``: more of the call's
+  options, in the reference's terms too (``local_window_size``, ``is_causal``,
   ``key_value_seq_lengths``, ``sinks``)."""
   b, n, kh, h, *hv = shape
   q, k, v, do = ref.random_qkv(seed, b, t, s, n, kh, h,
