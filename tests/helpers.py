@@ -105,6 +105,16 @@ def check(got, q, k, v, do, case):
 TILES = dict(block_q=16, block_kv=8)
 
 
+def document_ids(seed, b, t, docs):
+  """``(B, T)`` segment ids of ``docs`` random documents a row (``t``:
+  every token its own; None: no ids)."""
+  if docs is None:
+    return None
+  if docs == t:
+    return np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+  return ref.random_segments(seed, b, t, docs)
+
+
 def check_public_call(cpc, mesh, shape, *, t, s, docs, seed, eager=False,
                       spec=None, pair=False, **kw):
   """Forward and gradients of ``jax_ring.dot_product_attention`` on
@@ -118,9 +128,7 @@ def check_public_call(cpc, mesh, shape, *, t, s, docs, seed, eager=False,
   b, n, kh, h, *hv = shape
   q, k, v, do = ref.random_qkv(seed, b, t, s, n, kh, h,
                                hv=hv[0] if hv else None)
-  ids = None if docs is None else ref.random_segments(seed, b, t, docs)
-  if docs == t:  # every token a document of its own
-    ids = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+  ids = document_ids(seed, b, t, docs)
   causal = kw.pop("is_causal", True)
   window = kw.get("local_window_size")
   case = ref.Case(h**-0.5, is_causal=causal, q_segment_ids=ids,

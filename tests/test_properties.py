@@ -1,6 +1,6 @@
 """Property tests against the float64 reference: random shapes, tiles and
-masks of the block kernel, and random calls of the public API on the
-simulated devices."""
+masks of the block kernel, random calls of the public API, and random
+calls of the strategies inside shard_map, on the simulated devices."""
 
 import dataclasses
 
@@ -10,10 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from jax.sharding import PartitionSpec as P
 
 import jax_ring
 import reference as ref
-from helpers import check_kernel, check_public_call
+from helpers import (check_kernel, check_public_call, document_ids,
+                     layout_vjp, mesh)
 
 
 @st.composite
@@ -117,7 +119,76 @@ def test_random_public_calls_match_reference(call):
   loop; odd lengths; documents; windows, sinks, key lengths; eager or
   jitted) against the float64 reference on the simulated devices."""
   cpc, mesh_shape, names, shape, (t, s, docs, seed, kw) = call
-  mesh = jax.make_mesh(mesh_shape, names,
+  grid = jax.make_mesh(mesh_shape, names,
                        axis_types=(jax.sharding.AxisType.Auto,) * len(names),
                        devices=jax.devices()[:int(np.prod(mesh_shape))])
-  check_public_call(cpc, mesh, shape, t=t, s=s, docs=docs, seed=seed, **kw)
+  check_public_call(cpc, grid, shape, t=t, s=s, docs=docs, seed=seed, **kw)
+
+
+# -- random calls of the strategies inside a user's shard_map --------------
+
+SHARD_MAP = {"ring": jax_ring.ring_attention,
+             "all_gather": jax_ring.all_gather_attention,
+             "ulysses": jax_ring.ulysses_attention}
+
+
+@st.composite
+def shard_map_calls(draw):
+  """A strategy's call on local shards: layout, loop and sends, heads,
+  value head dims, lengths the layout divides, documents or query and key
+  lengths, windows, soft caps, scales, sinks."""
+  name = draw(st.sampled_from(sorted(SHARD_MAP)))
+  cp = draw(st.sampled_from([2, 4, 8]))
+  lb = draw(st.sampled_from(LAYOUTS.get(name, LAYOUTS["ring"])))
+  t = (2 * cp if lb == "dual_chunk" else cp) * draw(st.integers(1, 5))
+  n, kh = draw(st.sampled_from([(8, 2), (8, 8), (8, 4)]))
+  h = draw(st.sampled_from([8, 16]))
+  shape = (draw(st.integers(1, 2)), n, kh, h, draw(st.sampled_from([h, 12])))
+  causal = draw(st.booleans())
+  kw = dict(is_causal=causal, scale=draw(st.sampled_from([None, 0.3])),
+            logits_soft_cap=draw(st.sampled_from([None, 5.0])))
+  if name == "ring":
+    kw["loop"] = draw(st.sampled_from(["scan", "unrolled"]))
+    kw["kv_sends"] = draw(st.sampled_from([None, "gather", "neighbour"]))
+  if name == "all_gather" and draw(st.booleans()):
+    kw["kv_chunk_heads"] = 1
+  if draw(st.booleans()):
+    kw["local_window_size"] = (draw(st.integers(0, 10)),
+                               0 if causal else draw(st.integers(0, 10)))
+  if draw(st.booleans()):
+    kw["sinks"] = jnp.linspace(-1.0, 1.0, n, dtype=jnp.float32)
+  docs = draw(st.sampled_from([None, None, 1, 3, 7, t]))
+  if docs is None and draw(st.booleans()):
+    for side in ("query_seq_lengths", "key_value_seq_lengths"):
+      kw[side] = jnp.asarray(
+          [draw(st.integers(1, t)) for _ in range(shape[0])], jnp.int32)
+  return name, cp, lb, shape, t, docs, draw(st.integers(0, 999)), kw
+
+
+@pytest.mark.slow
+@_examples(40)
+@given(shard_map_calls())
+def test_random_shard_map_calls_match_reference(call):
+  """Forward and gradients of the strategies inside ``shard_map`` on
+  inputs in their layout, against the float64 reference."""
+  name, cp, lb, (b, n, kh, h, hv), t, docs, seed, kw = call
+  q, k, v, do = ref.random_qkv(seed, b, t, t, n, kh, h, hv=hv)
+  ids = document_ids(seed, b, t, docs)
+  case = ref.Case(
+      kw["scale"] or h**-0.5, is_causal=kw["is_causal"],
+      window=kw.get("local_window_size"), soft_cap=kw["logits_soft_cap"],
+      q_segment_ids=ids, kv_segment_ids=ids,
+      q_lengths=kw.get("query_seq_lengths"),
+      kv_lengths=kw.get("key_value_seq_lengths"))
+  want, _, g = ref.attention(q, k, v, case, dout=do, sinks=kw.get("sinks"))
+  spec, extra = P(None, "cp"), () if ids is None else (jnp.asarray(ids),)
+  f = jax.shard_map(
+      lambda q, k, v, *ids: SHARD_MAP[name](
+          q, k, v, axis_name="cp", load_balance=lb, implementation="xla",
+          segment_ids=ids[0] if ids else None, **kw),
+      mesh=mesh(cp), in_specs=(spec,) * (3 + len(extra)),
+      out_specs=spec)
+  out, grads = layout_vjp(f, cp, lb, q, k, v, do, *extra)
+  ref.assert_close(out, want, jnp.float32, "out")
+  for x, key in zip(grads, "qkv"):
+    ref.assert_close(x, g[key], jnp.float32, "d" + key)
