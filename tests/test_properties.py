@@ -62,8 +62,10 @@ test_many_random_problems_match_reference = pytest.mark.slow(_examples(60)(
 
 # -- random calls of the public API on the simulated mesh ------------------
 
+# Each strategy's layouts (hybrid: its default alone).
 LAYOUTS = {"ring": ("dual_chunk", "striped", None),
            "all_gather": ("dual_chunk", None),
+           "ulysses": ("dual_chunk", "striped", None),
            "auto": ("dual_chunk", "striped", None)}
 
 
@@ -139,7 +141,7 @@ def shard_map_calls(draw):
   lengths, windows, soft caps, scales, sinks."""
   name = draw(st.sampled_from(sorted(SHARD_MAP)))
   cp = draw(st.sampled_from([2, 4, 8]))
-  lb = draw(st.sampled_from(LAYOUTS.get(name, LAYOUTS["ring"])))
+  lb = draw(st.sampled_from(LAYOUTS[name]))
   t = (2 * cp if lb == "dual_chunk" else cp) * draw(st.integers(1, 5))
   n, kh = draw(st.sampled_from([(8, 2), (8, 8), (8, 4)]))
   h = draw(st.sampled_from([8, 16]))
