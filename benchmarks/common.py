@@ -193,6 +193,22 @@ def document_ids(lengths) -> np.ndarray:
   return np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)[None]
 
 
+def row_documents(segment_ids) -> np.ndarray:
+  """The token counts of the documents of ``segment_ids`` (rows of ids,
+  each id one document within its row; 0 is padding), row after row."""
+  counts = (np.bincount(np.asarray(r))[1:] for r in segment_ids)
+  return np.concatenate([c[c > 0] for c in counts])
+
+
+def causal_keys(lengths, window: int | None = None) -> float:
+  """The keys the queries of documents of ``lengths`` tokens see, summed:
+  each query its own document's earlier tokens and itself, the last
+  ``window`` of them where a window is given."""
+  n = np.asarray(lengths, np.float64)
+  full = np.minimum(n, window) if window else n
+  return float(np.sum(full * (full + 1) / 2 + (n - full) * (window or 0)))
+
+
 def rel_err(got, want) -> float:
   """max |got - want| / max |want|, in float32: the benchmarks' error of a
   sharded result against the single-GPU one."""

@@ -61,13 +61,10 @@ def flops_per_token(cfg, doc_lengths, tokens: int) -> float:
   """6 P plus the attention's FLOPs, per token of ``tokens`` row tokens
   whose documents have ``doc_lengths`` (a query sees its own document's
   earlier keys, within the window on a sliding layer)."""
+  from common import causal_keys
   lookup = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
-  keys = 0.0  # over layers and queries
-  for layer in range(cfg.num_layers):
-    w = cfg.attention(layer).sliding_window
-    for n in doc_lengths:
-      full = min(n, w) if w else n
-      keys += full * (full + 1) / 2 + (n - full) * (w or 0)
+  keys = sum(causal_keys(doc_lengths, cfg.attention(layer).sliding_window)
+             for layer in range(cfg.num_layers))
   return (6 * (cfg.num_params() - lookup) +
           12 * cfg.num_heads * cfg.head_dim * keys / tokens)
 
@@ -116,10 +113,10 @@ def one(model: str, seq: int, steps: int, peak_tflops: float,
     result = finetune.train(args)
     cfg = models.config_from_hf(json.loads(
         (result["model_dir"] / "config.json").read_text()))
+  from common import row_documents
   rows = [result["data"].row(i)[1] for i in range(steps)]  # segment ids
-  lengths = np.concatenate([np.bincount(r)[1:] for r in rows])
-  lengths = lengths[lengths > 0]  # each row's documents, in tokens
   segments = np.concatenate(rows)
+  lengths = row_documents(rows)
   per_token = flops_per_token(cfg, lengths, segments.size)
   tokens_per_s = result["tokens_per_s"]
   stats = jax.devices()[0].memory_stats() or {}

@@ -15,6 +15,10 @@ after one compiling step. MFU = model FLOPs / (step time x devices x peak):
 with P the parameters in matrix products (the embedding table, a lookup,
 is left out; the unembedding is in), L layers, S the sequence, Hq query
 heads of size D. Remat's extra forward is not counted, by convention.
+The rows are packed files (each its own document), so a query sees far
+fewer keys than S / 2: ``work_mfu`` counts 12 L Hq D times the keys a
+query sees on average in the timed rows (``mean_keys``) instead, the
+work the step must do; ``mfu`` is the unpacked row's convention.
 ``--peak-tflops`` defaults to the H100/H200 SXM datasheet's dense bf16
 989 TFLOP/s.
 
@@ -48,18 +52,29 @@ import shlex
 import sys
 import time
 
+import numpy as np
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 
-def model_flops_per_token(cfg, seq: int) -> float:
+def model_flops_per_token(cfg, seq: int, documents=None) -> float:
+  """6 P + the attention's FLOPs per token: those of one causal row of
+  ``seq`` tokens (6 L S Hq D), or, given ``documents = (counts, tokens)``
+  (the token counts of the documents packed in ``tokens`` row tokens),
+  12 L Hq D times the keys a query sees on average (its own document's
+  earlier tokens and itself)."""
+  from common import causal_keys
   # The embedding table is a lookup; tied, the same table is also the
   # unembedding, a product.
   lookup = 0 if cfg.llama().tie_word_embeddings else (
       cfg.vocab_size * cfg.embed_dim)
   matmul_params = cfg.num_params() - lookup
-  attention = 6 * cfg.num_layers * seq * cfg.num_heads * cfg.head_dim
-  return 6 * matmul_params + attention
+  per_key = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+  if documents is None:
+    return 6 * matmul_params + per_key * seq / 2
+  counts, tokens = documents
+  return 6 * matmul_params + per_key * causal_keys(counts) / tokens
 
 
 # Kernel families of a training step's trace (names as cuDNN, cuBLAS,
@@ -122,11 +137,15 @@ class Run:
     self.args = train_lm.parse_args(argv)
     self.built = train_lm.build(self.args, devices)
     self.corpus = train_lm.Corpus()
+    self.documents = []  # the token counts of the documents batch() fed
 
   def batch(self, seq: int, step: int = 0):
     import jax_ring.flax as jrf
+    from common import row_documents
     b = self.built
     tokens, seg = self.corpus.batch(step, self.args.seed, b["batch"], seq)
+    self.documents.append(row_documents(seg) if self.packed else
+                          np.full(b["batch"], seq))
     return jrf.prepare_lm_batch(tokens, seg if self.packed else None,
                                 mesh=b["mesh"], spec=b["spec"],
                                 context_parallel=b["cfg"].context_parallel)
@@ -157,6 +176,7 @@ class Run:
     import jax
     b = self.built
     state, times = b["state"], []
+    self.documents = []
     with jax.set_mesh(b["mesh"]):
       for step in range(steps + 1):
         batch = self.batch(seq, step)
@@ -168,8 +188,10 @@ class Run:
     b["state"] = state  # the old one was donated
     stats = jax.devices()[0].memory_stats() or {}
     t = sorted(times)[len(times) // 2]
+    counts = np.concatenate(self.documents[1:])  # the timed steps' rows
     return dict(seq=seq, step_s=t, tokens_per_s=b["batch"] * seq / t,
-                loss=loss, peak_bytes_in_use=stats.get("peak_bytes_in_use"))
+                loss=loss, peak_bytes_in_use=stats.get("peak_bytes_in_use"),
+                documents=(counts, steps * b["batch"] * seq))
 
 
 def longest(run: Run, limit: int, probe: tuple[int, int], granule: int,
@@ -270,7 +292,7 @@ def main():
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 4)
   sys.path.insert(0, str(ROOT / "benchmarks"))
-  from common import environment, results_path, write
+  from common import causal_keys, environment, results_path, write
 
   n = jax.device_count()
   common_argv = (["--preset", a.preset, "--quiet", "--strategy", a.strategy]
@@ -285,6 +307,8 @@ def main():
     cfg = next(iter(runs.values())).built["cfg"]
     extra = dict(preset=a.preset, params=cfg.num_params(),
                  strategy=a.strategy, peak_tflops=a.peak_tflops,
+                 work_mfu="the same with 12 L Hq D x mean_keys (the keys a "
+                 "query sees in the timed steps' packed rows) for 6 L S Hq D",
                  mfu="model FLOPs/token (6P + 6 L S Hq D) x tokens/s / "
                  "(devices x peak)", longest=longest_rows,
                  memory_fraction=os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
@@ -295,7 +319,8 @@ def main():
       extra["longest_ratio"] = (longest_rows[1]["longest_seq"] /
                                 longest_rows[0]["longest_seq"])
     write("lm_training", kept.get("rows", []) + rows,
-          ["devices", "seq", "step_s", "tokens_per_s", "mfu", "loss"],
+          ["devices", "seq", "step_s", "tokens_per_s", "mfu", "work_mfu",
+           "loss"],
           extra=extra, mode=a.mode)
     return extra
 
@@ -340,9 +365,14 @@ def main():
     before = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use")
     t0 = time.perf_counter()
     r = run.throughput(seq, a.steps)
+    documents = r.pop("documents")
+    peak = devices * a.peak_tflops * 1e12
     r.update(devices=devices, params=cfg.num_params(), bytes_in_use_before=
              before, mfu=model_flops_per_token(cfg, seq) *
-             r["tokens_per_s"] / (devices * a.peak_tflops * 1e12),
+             r["tokens_per_s"] / peak, work_mfu=model_flops_per_token(
+                 cfg, seq, documents) * r["tokens_per_s"] / peak,
+             documents=int(documents[0].size), mean_keys=causal_keys(
+                 documents[0]) / documents[1],
              wall_s=time.perf_counter() - t0)
     if first and not a.skip_analysis:  # against the allocator's peak
       r["analysed_peak_bytes"] = run.compile_peak(seq)["peak"]

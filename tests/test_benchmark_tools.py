@@ -365,6 +365,10 @@ def test_model_presets_have_the_checkpoints_sizes(preset, params,
   attention = 6 * llama.num_layers * seq * llama.num_heads * llama.head_dim
   assert lm_training.model_flops_per_token(cfg, seq) == (
       6 * matmul_params + attention)
+  # The same row as two documents of S / 2: each query sees half the keys.
+  work = lm_training.model_flops_per_token(cfg, seq, ([seq // 2] * 2, seq))
+  per_key = 12 * llama.num_layers * llama.num_heads * llama.head_dim
+  assert work == 6 * matmul_params + per_key * (seq // 2 + 1) / 2
 
 
 def test_fine_tuning_flops_count_each_documents_keys():
@@ -475,3 +479,18 @@ def test_host_stages_reads_each_run_and_its_first_kernel(tmp_path):
   assert got["executethunks_count"] == 3 and got["prepare_ms"] is None
   assert got["initialize_ms"] == 0.5 and got["executethunks_ms"] == 0.9
   assert got["to_first_kernel_ms"] == (600 + 300) / 2 / 1e3
+
+
+def test_causal_keys_count_each_querys_keys():
+  """Against a count over a (T, T) mask of two documents, 0 padding."""
+  seg = np.array([1, 1, 1, 1, 1, 2, 2, 0, 0])
+  lengths = common.row_documents([seg])
+  assert list(lengths) == [5, 2]
+  i = np.arange(seg.size)
+  for window in (None, 2, 3):
+    see = ((seg[:, None] == seg[None]) & (seg[:, None] > 0) &
+           (i[None] <= i[:, None]))
+    if window:
+      see &= i[:, None] - i[None] < window
+    assert common.causal_keys(lengths, window) == see.sum()
+
