@@ -130,6 +130,23 @@ def test_context_parallel_training_matches_single_device(shard_weights):
   assert err <= STEPS_TOL, (err, got_losses, want_losses)
 
 
+def test_fsdp_splits_the_optimizer_moments_as_their_weights():
+  """--shard-weights: Adam's two moments of each weight lie as the weight
+  does (split over data x context), not whole on every device."""
+  make_mesh()
+  built = train_lm.build(train_lm.parse_args(
+      ["--preset", "micro", "--mesh", f"data={DP},context={CP}",
+       "--shard-weights"]))
+  params = jax.tree.leaves(built["state"]["params"])
+  opt = [x for x in jax.tree.leaves(built["state"]["opt_state"]) if x.ndim]
+  assert len(opt) == 2 * len(params)  # mu and nu, in the params' order
+  for i, x in enumerate(opt):
+    w = params[i % len(params)]
+    assert x.shape == w.shape and x.sharding.is_equivalent_to(
+        w.sharding, x.ndim), (i, x.sharding, w.sharding)
+  assert sum(("data", "context") in w.sharding.spec for w in params) == 16
+
+
 def test_resume_continues_the_uninterrupted_trajectory(tmp_path):
   make_mesh()
 
