@@ -152,6 +152,41 @@ def branch_launches(hlo: str) -> list[list[int]]:
   return out
 
 
+def loop_contents(hlo: str) -> list[dict]:
+  """For each while loop of a compiled program's entry computation (a
+  ``lax.scan`` over layers is one), what its body runs at every trip,
+  with all it calls: launching instructions (as :func:`program_summary`
+  counts them), sorts and scatters (a packed row's document analysis, the
+  same at every layer) and conditionals (each a host wait a trip, outside
+  a command buffer); ``trips`` where XLA knows the count. Work that XLA
+  hoisted out of the loop (it depends on no carried value) is not here."""
+  body, calls, fused = _computations(hlo)
+  entry = next((line.split("(")[0].split()[-1].lstrip("%")
+                for line in hlo.splitlines() if line.startswith("ENTRY")), None)
+
+  def reach(name, seen):
+    if name in body and name not in seen:
+      seen.add(name)
+      for c in calls[name]:
+        reach(c, seen)
+    return seen
+
+  out = []
+  for line in body.get(entry, ()):
+    loop = re.search(r" while\(.*body=%?([\w.\-]+)", line)
+    if not loop:
+      continue
+    trips = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+    inside = [l for n in reach(loop.group(1), set()) if n not in fused
+              for l in body[n]]
+    count = lambda *ops: sum(any(op in l for op in ops) for l in inside)
+    out.append(dict(trips=int(trips.group(1)) if trips else None,
+                    launches=count(*_LAUNCH), sorts=count(" sort("),
+                    scatters=count(" scatter("),
+                    conditionals=count(" conditional(")))
+  return out
+
+
 def traced(fn, args, calls: int, read):
   """``read(path)`` of a jax.profiler trace (its ``.trace.json.gz``) of
   ``calls`` runs of ``fn(*args)``, after one run outside it."""

@@ -41,9 +41,10 @@ import numpy as np
 import jax_ring
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import (branch_launches, packed_path_args,  # noqa: E402
-                    program_summary, random_qkv, tail_args, time_fn,
-                    traced, use_packed_path, use_tail_divisors, write)
+from common import (branch_launches, loop_contents,  # noqa: E402
+                    packed_path_args, program_summary, random_qkv,
+                    tail_args, time_fn, traced, use_packed_path,
+                    use_tail_divisors, write)
 from strategies import mix_ids, setup  # noqa: E402
 
 STAGES = ("Thunks::Prepare", "Thunks::Initialize",
@@ -143,7 +144,8 @@ def main():
                ms_per_attention=ms / per,
                **traced(compiled, args, a.calls if per == 1 else 1,
                         host_stages),
-               **program_summary(hlo), branches=branch_launches(hlo))
+               **program_summary(hlo), branches=branch_launches(hlo),
+               loops=loop_contents(hlo))
     rows.append(row)
     print(f"{name}: {row}")
     # Written after each program: the layers' one compiles for minutes.

@@ -430,6 +430,24 @@ ENTRY %main (p: s32[]) -> s32[] {
   assert common.branch_launches(hlo) == [[4, 0], [2, 0]]
 
 
+def test_loop_contents_counts_what_a_scan_runs_each_trip():
+  """A compiled scan of 3 trips whose body sorts its carry and branches
+  on it: the loop's sort and conditional are counted, with its trips."""
+  import jax
+  import jax.numpy as jnp
+
+  def body(x, _):
+    x = jnp.sort(x) * 1.5
+    return jax.lax.cond(x[0] > 0, lambda y: y + 1, lambda y: y - 1, x), None
+
+  f = jax.jit(lambda x: jax.lax.scan(body, x, None, length=3)[0])
+  hlo = f.lower(jnp.arange(8.0)[::-1]).compile().as_text()
+  (loop,) = common.loop_contents(hlo)
+  assert loop["trips"] == 3 and loop["sorts"] == 1, loop
+  assert loop["conditionals"] == 1 and loop["scatters"] == 0, loop
+  assert loop["launches"] >= 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("divisors, scan", [(["8"], []), ([], ["--scan"])],
                          ids=["one_tail", "none_scanned"])
@@ -455,6 +473,9 @@ def test_profile_host_runs_one_call_and_stacked_layers(tmp_path, monkeypatch,
   assert len(switch) == 1 + len(divisors) + 1  # none, tails, every step
   held = rows[1]["launches"] / rows[0]["launches"]
   assert held < 1.5 if scan else held > 1.5, held
+  if scan:  # the layers' loop, and what each layer runs in it
+    assert any(loop["trips"] == 2 and loop["launches"]
+               for loop in rows[1]["loops"]), rows[1]["loops"]
 
 
 def test_host_stages_reads_each_run_and_its_first_kernel(tmp_path):
