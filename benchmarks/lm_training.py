@@ -16,9 +16,10 @@ with P the parameters in matrix products (the embedding table, a lookup,
 is left out; the unembedding is in), L layers, S the sequence, Hq query
 heads of size D. Remat's extra forward is not counted, by convention.
 The rows are packed files (each its own document), so a query sees far
-fewer keys than S / 2: ``work_mfu`` counts 12 L Hq D times the keys a
-query sees on average in the timed rows (``mean_keys``) instead, the
-work the step must do; ``mfu`` is the unpacked row's convention.
+fewer keys than S / 2: ``work_mfu`` counts 12 L Hq D times the keys each
+query sees in the timed rows instead (``mean_keys`` on average), the work
+the steps must do, over their summed time; ``mfu`` is the unpacked row's
+convention, at the median step.
 ``--peak-tflops`` defaults to the H100/H200 SXM datasheet's dense bf16
 989 TFLOP/s.
 
@@ -188,10 +189,23 @@ class Run:
     b["state"] = state  # the old one was donated
     stats = jax.devices()[0].memory_stats() or {}
     t = sorted(times)[len(times) // 2]
-    counts = np.concatenate(self.documents[1:])  # the timed steps' rows
     return dict(seq=seq, step_s=t, tokens_per_s=b["batch"] * seq / t,
                 loss=loss, peak_bytes_in_use=stats.get("peak_bytes_in_use"),
-                documents=(counts, steps * b["batch"] * seq))
+                step_times_s=times)
+
+  def work(self, seq: int, times, peak_flops: float) -> dict:
+    """The timed steps' work (:meth:`throughput`'s last run): their
+    documents, the keys a query saw on average, and ``work_mfu``, the FLOPs
+    the steps had to do over the time they took, all steps together (a
+    packed step's work, and so its time, follows its documents)."""
+    from common import causal_keys
+    cfg, tokens = self.built["cfg"], self.built["batch"] * seq
+    rows = self.documents[1:]  # the compiling step is not timed
+    flops = sum(model_flops_per_token(cfg, seq, (c, tokens)) * tokens
+                for c in rows)
+    return dict(documents=int(sum(c.size for c in rows)),
+                mean_keys=sum(map(causal_keys, rows)) / (tokens * len(rows)),
+                work_mfu=flops / sum(times) / peak_flops)
 
 
 def longest(run: Run, limit: int, probe: tuple[int, int], granule: int,
@@ -292,7 +306,7 @@ def main():
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 4)
   sys.path.insert(0, str(ROOT / "benchmarks"))
-  from common import causal_keys, environment, results_path, write
+  from common import environment, results_path, write
 
   n = jax.device_count()
   common_argv = (["--preset", a.preset, "--quiet", "--strategy", a.strategy]
@@ -307,8 +321,9 @@ def main():
     cfg = next(iter(runs.values())).built["cfg"]
     extra = dict(preset=a.preset, params=cfg.num_params(),
                  strategy=a.strategy, peak_tflops=a.peak_tflops,
-                 work_mfu="the same with 12 L Hq D x mean_keys (the keys a "
-                 "query sees in the timed steps' packed rows) for 6 L S Hq D",
+                 work_mfu="the timed steps' FLOPs (12 L Hq D x the keys "
+                 "each query sees, for 6 L S Hq D) / their summed time / "
+                 "(devices x peak)",
                  mfu="model FLOPs/token (6P + 6 L S Hq D) x tokens/s / "
                  "(devices x peak)", longest=longest_rows,
                  memory_fraction=os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"],
@@ -365,15 +380,11 @@ def main():
     before = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use")
     t0 = time.perf_counter()
     r = run.throughput(seq, a.steps)
-    documents = r.pop("documents")
     peak = devices * a.peak_tflops * 1e12
     r.update(devices=devices, params=cfg.num_params(), bytes_in_use_before=
              before, mfu=model_flops_per_token(cfg, seq) *
-             r["tokens_per_s"] / peak, work_mfu=model_flops_per_token(
-                 cfg, seq, documents) * r["tokens_per_s"] / peak,
-             documents=int(documents[0].size), mean_keys=causal_keys(
-                 documents[0]) / documents[1],
-             wall_s=time.perf_counter() - t0)
+             r["tokens_per_s"] / peak, wall_s=time.perf_counter() - t0,
+             **run.work(seq, r["step_times_s"], peak))
     if first and not a.skip_analysis:  # against the allocator's peak
       r["analysed_peak_bytes"] = run.compile_peak(seq)["peak"]
     rows.append(r)

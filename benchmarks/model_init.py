@@ -5,8 +5,8 @@ under one ``nnx.jit``, each in a process of its own with a time bound.
   python benchmarks/model_init.py --preset llama3-8b [--bound 100]
 
 Each row: seconds from the call to the arrays being ready (compiling
-included) and the allocator's peak; a run that passes ``--bound`` is
-recorded as not finished. Writes benchmarks/results/model_init_<kind>.json.
+included) and the allocator's peak; a process that passes ``--bound``
+(its start included) or fails is recorded as not finished, with why. Writes benchmarks/results/model_init_<kind>.json.
 """
 
 from __future__ import annotations
@@ -61,9 +61,12 @@ def main():
       out = subprocess.run(cmd, capture_output=True, text=True, check=True,
                            timeout=a.bound).stdout
       rows.append(json.loads(out.strip().splitlines()[-1]))
-    except subprocess.TimeoutExpired:
-      rows.append(dict(preset=a.preset, how=how, seconds=a.bound,
-                       finished=False))
+    except subprocess.TimeoutExpired:  # the bound covers the process's start
+      rows.append(dict(preset=a.preset, how=how, seconds=None,
+                       finished=False, note=f"not done after {a.bound} s"))
+    except subprocess.CalledProcessError as e:
+      rows.append(dict(preset=a.preset, how=how, seconds=None,
+                       finished=False, note=e.stderr.strip()[-300:]))
   write("model_init", rows, ["preset", "how", "seconds", "finished",
                              "peak_gb"], extra=dict(bound_s=a.bound),
         mode=a.mode)

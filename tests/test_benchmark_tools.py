@@ -507,6 +507,9 @@ def test_causal_keys_count_each_querys_keys():
   seg = np.array([1, 1, 1, 1, 1, 2, 2, 0, 0])
   lengths = common.row_documents([seg])
   assert list(lengths) == [5, 2]
+  # Row after row (each row's ids in order): id 1 of both rows, twice.
+  two = np.array([2, 2, 2, 1, 1, 1, 1, 1, 1])
+  assert list(common.row_documents([seg, two])) == [5, 2, 6, 3]
   i = np.arange(seg.size)
   for window in (None, 2, 3):
     see = ((seg[:, None] == seg[None]) & (seg[:, None] > 0) &

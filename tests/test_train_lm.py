@@ -145,6 +145,11 @@ def test_fsdp_splits_the_optimizer_moments_as_their_weights():
     assert x.shape == w.shape and x.sharding.is_equivalent_to(
         w.sharding, x.ndim), (i, x.sharding, w.sharding)
   assert sum(("data", "context") in w.sharding.spec for w in params) == 16
+  # The rest (the step count) on the whole mesh, as the step expects.
+  rest = [x for x in jax.tree.leaves(built["state"]["opt_state"])
+          if not x.ndim]
+  assert rest and all(x.sharding.mesh == built["mesh"] and
+                      x.sharding.spec == P() for x in rest)
 
 
 def test_resume_continues_the_uninterrupted_trajectory(tmp_path):
