@@ -54,8 +54,9 @@ import jax
 import jax.numpy as jnp
 
 import jax_ring
-from common import (PACKED_PATHS, document_ids, lognormal_lengths,
-                    random_qkv, shape_args, time_fn, use_packed_path, write)
+from common import (PACKED_PATHS, causal_keys, document_ids,
+                    lognormal_lengths, random_qkv, shape_args, time_fn,
+                    use_packed_path, write)
 
 TABLES = ("default", "sinks", "mla", "packed", "empty")
 SINK_SHAPES = ((64, 8, 64), (32, 8, 128))  # (N, K, D): gpt-oss; Llama-like
@@ -213,7 +214,7 @@ def packed_table(a):
       q, k, v, is_causal=True, implementation=impl), (q, k, v), do,
         flops(s, n, d, d, True))
   for mix, ids, lengths in packed_rows(s, a.packed_docs):
-    work = float((lengths * (lengths + 1) / 2).sum()) / (s * s / 2)
+    work = causal_keys(lengths) / (s * s / 2)
     fl = tuple(f * work for f in flops(s, n, d, d, True))
     row = dict(seq=s, heads=n, kv_heads=kh, mix=mix, documents=len(lengths),
                longest=int(lengths.max()), work=work,

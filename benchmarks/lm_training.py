@@ -138,18 +138,23 @@ class Run:
     self.args = train_lm.parse_args(argv)
     self.built = train_lm.build(self.args, devices)
     self.corpus = train_lm.Corpus()
-    self.documents = []  # the token counts of the documents batch() fed
 
   def batch(self, seq: int, step: int = 0):
     import jax_ring.flax as jrf
-    from common import row_documents
     b = self.built
     tokens, seg = self.corpus.batch(step, self.args.seed, b["batch"], seq)
-    self.documents.append(row_documents(seg) if self.packed else
-                          np.full(b["batch"], seq))
     return jrf.prepare_lm_batch(tokens, seg if self.packed else None,
                                 mesh=b["mesh"], spec=b["spec"],
                                 context_parallel=b["cfg"].context_parallel)
+
+  def documents(self, seq: int, step: int) -> np.ndarray:
+    """The token counts of the documents :meth:`batch` feeds at ``step``
+    (a row each, unpacked)."""
+    from common import row_documents
+    b = self.built["batch"]
+    if not self.packed:
+      return np.full(b, seq)
+    return row_documents(self.corpus.batch(step, self.args.seed, b, seq)[1])
 
   def compile(self, seq: int):
     import jax
@@ -177,7 +182,6 @@ class Run:
     import jax
     b = self.built
     state, times = b["state"], []
-    self.documents = []
     with jax.set_mesh(b["mesh"]):
       for step in range(steps + 1):
         batch = self.batch(seq, step)
@@ -194,13 +198,14 @@ class Run:
                 step_times_s=times)
 
   def work(self, seq: int, times, peak_flops: float) -> dict:
-    """The timed steps' work (:meth:`throughput`'s last run): their
-    documents, the keys a query saw on average, and ``work_mfu``, the FLOPs
-    the steps had to do over the time they took, all steps together (a
-    packed step's work, and so its time, follows its documents)."""
+    """The work of :meth:`throughput`'s timed steps (1 to ``len(times)``;
+    step 0 compiles): their documents, the keys a query saw on average,
+    and ``work_mfu``, the FLOPs the steps had to do over the time they
+    took, all steps together (a packed step's work, and so its time,
+    follows its documents)."""
     from common import causal_keys
     cfg, tokens = self.built["cfg"], self.built["batch"] * seq
-    rows = self.documents[1:]  # the compiling step is not timed
+    rows = [self.documents(seq, step) for step in range(1, len(times) + 1)]
     flops = sum(model_flops_per_token(cfg, seq, (c, tokens)) * tokens
                 for c in rows)
     return dict(documents=int(sum(c.size for c in rows)),
