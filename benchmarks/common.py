@@ -312,18 +312,21 @@ def packed_path_args(p) -> None:
   p.add_argument("--packed-path", default="pass", choices=PACKED_PATHS,
                  help="one handler a block pass where it serves the shapes, "
                  "rows of short documents as dense band tiles (pass, the "
-                 "library's default), the same without the tiles (handler), "
-                 "or the calls' switch and loop (calls)")
+                 "library's default), the same with the tiles as Pallas "
+                 "kernels and 128-token tiles too (pallas), without the "
+                 "tiles (handler), or the calls' switch and loop (calls)")
 
 
-PACKED_PATHS = ("pass", "handler", "calls")
+PACKED_PATHS = ("pass", "pallas", "handler", "calls")
 
 
 def use_packed_path(path: str) -> None:
   """Make packed cuDNN blocks run as ``path`` (see packed_path_args)."""
   from jax_ring._src.backends.cudnn import passes, tiles
   passes.ENABLED = path != "calls"
-  tiles.SIZES = tiles.DEFAULT_SIZES if path == "pass" else ()
+  tiles.KERNEL = "pallas" if path == "pallas" else "xla"
+  tiles.SIZES = {"pass": tiles.DEFAULT_SIZES,
+                 "pallas": (32, 64, 128)}.get(path, ())
 
 
 def tail_args(p) -> None:

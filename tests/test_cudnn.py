@@ -302,7 +302,9 @@ PACKED = {
 
 @pytest.mark.parametrize("name, smallest, path", [
     (name, smallest, path) for name in PACKED for smallest in (32, 16)
-    for path in ("pass", "calls")] + [(name, 32, "tiles") for name in PACKED])
+    for path in ("pass", "calls")] + [
+        (name, 32, path) for name in PACKED
+        for path in ("tiles", "tiles_pallas")])
 def test_packed_documents_through_ragged_offsets(name, smallest, path,
                                                  monkeypatch):
   """Packed rows through the length classes' ragged calls (SMALLEST = 16:
@@ -310,12 +312,17 @@ def test_packed_documents_through_ragged_offsets(name, smallest, path,
   calls), every served mask, against the float64 reference: one handler a
   pass, the calls' switch and loop, and the pass with its tiles' branch
   (which takes the rows of one id array whose documents all fit a tile:
-  ``many_causal``, ``many_window_causal``, ``short_full``)."""
+  ``many_causal``, ``many_window_causal``, ``short_full``), as XLA's
+  products or as the Pallas kernels (``tiles_pallas``, with 128-token
+  tiles as well)."""
   import ragged_cudnn
   from jax_ring._src.backends.cudnn import passes, tiles
   monkeypatch.setattr(packed, "SMALLEST", smallest)
   monkeypatch.setattr(passes, "ENABLED", path != "calls")
-  if path != "tiles":
+  if path == "tiles_pallas":
+    monkeypatch.setattr(tiles, "KERNEL", "pallas")
+    monkeypatch.setattr(tiles, "SIZES", (32, 64, 128))
+  elif path != "tiles":
     monkeypatch.setattr(tiles, "SIZES", ())
   one_handler = path != "calls"
   q_ids, kv_ids, kw = PACKED[name]
@@ -339,6 +346,8 @@ def test_packed_documents_through_ragged_offsets(name, smallest, path,
   hlo = jax.jit(f).lower(q, k, v, ids).as_text()
   assert "jax_ring_sdpa_fwd" in hlo and "jax_ring_sdpa_bwd" in hlo
   assert ("jax_ring_sdpa_fwd_pass" in hlo) == one_handler
+  if path == "tiles_pallas" and kv_ids is None and not kw.get("kv_offset"):
+    assert "jax_ring_band_tiles" in hlo
   # Which branch runs: cuDNN (one call, or several) wherever the ids fit.
   mask = jax_ring.BlockMask(
       q_offset=case.q_offset, kv_offset=case.kv_offset, q_segment_ids=ids[0],
@@ -512,3 +521,34 @@ def test_head_dims_cudnn_cannot_take_fall_back_with_a_reason():
   with pytest.raises(ValueError, match="does not support query/key head dim "
                      "192 with value head dim 132"):
     jax_ring.dot_product_attention(q, k, v, implementation="cudnn")
+
+
+def test_pallas_tiles_inside_shard_map(monkeypatch):
+  """The tiles' Pallas kernels inside ``shard_map`` (the ring's and
+  Ulysses' blocks are there), one GPU per row of a 1-device mesh: out and
+  every gradient equal the float64 reference's."""
+  from jax.sharding import PartitionSpec as Spec
+  from jax_ring._src.backends.cudnn import tiles
+  monkeypatch.setattr(tiles, "KERNEL", "pallas")
+  monkeypatch.setattr(tiles, "SIZES", (32, 64, 128))
+  ids = np.arange(P_T, dtype=np.int32)[None].repeat(B, 0) // np.array(
+      [[100], [37]], np.int32)
+  q, k, v, do = ref.random_qkv(21, B, P_T, P_T, N, K, 128, jnp.bfloat16)
+  case = ref.Case(128**-0.5, q_segment_ids=ids, kv_segment_ids=ids,
+                  is_causal=True)
+  mesh = jax.make_mesh((1,), ("x",))
+
+  def f(q, k, v, ids):
+    out, vjp = jax.vjp(lambda q, k, v: jax_ring.dot_product_attention(
+        q, k, v, is_causal=True, segment_ids=ids, scale=128**-0.5,
+        implementation="cudnn"), q, k, v)
+    return out, vjp(do)
+
+  g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=Spec("x"),
+                            out_specs=Spec("x")))
+  assert "jax_ring_band_tiles" in g.lower(q, k, v, jnp.asarray(ids)).as_text()
+  out, (dq, dk, dv) = g(q, k, v, jnp.asarray(ids))
+  r_out, _, r_g = ref.attention(q, k, v, case, dout=do)
+  ref.assert_close(out, r_out, q.dtype, "out")
+  for gname, got in (("q", dq), ("k", dk), ("v", dv)):
+    ref.assert_close(got, r_g[gname], q.dtype, "d" + gname)

@@ -171,3 +171,82 @@ def test_tiles_inside_shard_map(small_tiles, monkeypatch):
   check(layout_vjp(f, cp, None, q, k, v, do, jnp.asarray(ids)), q, k, v, do,
         ref.Case(8**-0.5, is_causal=True, q_segment_ids=ids,
                  kv_segment_ids=ids))
+
+
+@pytest.mark.parametrize("most, p, kw", [
+    (16, 16, dict(is_causal=True)),
+    (9, 16, dict(window=(2, 6))),
+], ids=["causal", "window_ahead"])
+def test_pallas_tiles_interpreted(most, p, kw):
+  """The tiles' Pallas kernels (interpreted on the CPU) on rows of 61
+  tokens (a padded last tile), GQA, a value head dim unlike the key's,
+  bfloat16: out, lse and every gradient equal the float64 reference's, and
+  out and the gradients equal the XLA form's to a bfloat16 ulp."""
+  from jax_ring._src.backends.cudnn import tiles_pallas
+  ids = short_ids(most, 2, 61, most)
+  q, k, v, do = (x.astype(jnp.bfloat16) for x in ref.random_qkv(
+      7, 2, 61, 61, 4, 2, 16, hv=32))
+  case = ref.Case(0.3, q_segment_ids=ids, kv_segment_ids=ids, **kw)
+  cfg = ref.config(case)
+
+  @jax.jit
+  def both(q, k, v, ids):
+    out, lse = tiles_pallas.forward(q, k, v, ids, cfg, p, interpret=True)
+    grads = tiles_pallas.backward(q, k, v, ids, out, lse, do, cfg, p,
+                                  interpret=True)
+    x_out, x_lse = tiles.forward(q, k, v, ids, cfg, p)
+    return (out, lse, grads), (x_out, x_lse, tiles.backward(
+        q, k, v, ids, out, lse, do, cfg, p))
+
+  (out, lse, grads), (x_out, _, x_grads) = both(q, k, v, jnp.asarray(ids))
+  r_out, r_lse, r_g = ref.attention(q, k, v, case, dout=do)
+  ref.assert_close(out, r_out, q.dtype, "out")
+  ref.assert_close(lse, r_lse, q.dtype, "lse")
+  for gname, got, xla_got in zip("qkv", grads, x_grads):
+    ref.assert_close(got, r_g[gname], q.dtype, "d" + gname)
+    np.testing.assert_allclose(np.asarray(got, np.float32),
+                               np.asarray(xla_got, np.float32),
+                               rtol=2 ** -7, atol=2 ** -7)
+  np.testing.assert_allclose(np.asarray(out, np.float32),
+                             np.asarray(x_out, np.float32), rtol=2 ** -7)
+
+
+def test_pallas_tiles_propagate_nan_as_the_xla_form():
+  """A NaN in one query and in one key: the Pallas forward's NaN rows are
+  the XLA form's (which test_tiles_propagate_nan_as_jax_nn holds to
+  jax.nn's), and so is every other row's value."""
+  from jax_ring._src.backends.cudnn import tiles_pallas
+  ids = jnp.asarray(short_ids(8, 2, 61, 8))
+  q, k, v, _ = (x.astype(jnp.bfloat16) for x in ref.random_qkv(
+      5, 2, 61, 61, 4, 2, 16))
+  q, k = q.at[0, 5, 1, 3].set(jnp.nan), k.at[1, 20, 0, 2].set(jnp.nan)
+  cfg = ref.config(ref.Case(0.3, is_causal=True))
+  out, lse = tiles_pallas.forward(q, k, v, ids, cfg, 16, interpret=True)
+  x_out, x_lse = tiles.forward(q, k, v, ids, cfg, 16)
+  out, x_out = np.asarray(out, np.float32), np.asarray(x_out, np.float32)
+  np.testing.assert_array_equal(np.isnan(out), np.isnan(x_out))
+  np.testing.assert_array_equal(np.isnan(lse), np.isnan(x_lse))
+  assert np.isnan(x_out).any() and not np.isnan(x_out).all()
+  fine = ~np.isnan(x_out)
+  np.testing.assert_allclose(out[fine], x_out[fine], rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("causal, p", [(True, 32), (False, 128)],
+                         ids=["causal_32", "full_128"])
+def test_pallas_tiles_lower_for_nvidia_gpus(causal, p):
+  """The Pallas tiles lower to Triton for CUDA without a GPU (every
+  operation they use has a Triton lowering), forward and backward, at
+  the shapes the packed benchmark times."""
+  from jax_ring._src.backends.cudnn import tiles_pallas
+  cfg = ref.config(ref.Case(128**-0.5, is_causal=causal))
+  sds = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+  q, k, ids = sds(1, 1024, 16, 128), sds(1, 1024, 8, 128), sds(
+      1, 1024, dt=jnp.int32)
+  lse = sds(1, 1024, 16, dt=jnp.float32)
+  fwd = jax.jit(lambda q, k, v, ids: tiles_pallas.forward(
+      q, k, v, ids, cfg, p)).trace(q, k, k, ids)
+  bwd = jax.jit(lambda q, k, v, ids, o, lse, do: tiles_pallas.backward(
+      q, k, v, ids, o, lse, do, cfg, p)).trace(q, k, k, ids, q, lse, q)
+  for traced, kernels in ((fwd, 1), (bwd, 2)):
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("jax_ring_band_tiles") >= kernels, text[:2000]

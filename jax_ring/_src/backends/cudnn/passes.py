@@ -197,9 +197,9 @@ def _row_major(xs):
                for x in xs)
 
 
-def _tile_sizes(q, k, mask, config) -> tuple[int, ...]:
+def _tile_sizes(q, k, v, mask, config) -> tuple[int, ...]:
   """The tile sizes a pass branches to (none where tiles do not serve)."""
-  return tiles.SIZES if tiles.serves(q, k, mask, config) else ()
+  return tiles.SIZES if tiles.serves(q, k, mask, config, v) else ()
 
 
 def _switch(blk: packed.Block, run, others):
@@ -247,7 +247,7 @@ def forward(q, k, v, mask, config, bnd):
 
   others = [lambda _: xla.forward(q, k, v, None, mask, config)] + [
       lambda _, p=p: tiles.forward(q, k, v, blk.q_ids, config, p)
-      for p in _tile_sizes(q, k, mask, config)]
+      for p in _tile_sizes(q, k, v, mask, config)]
   return _switch(blk, run, [
       lambda _, f=f: vma.like(_row_major(f(_)), *refs) for f in others])
 
@@ -279,6 +279,6 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd):
                                    config)[:3]] + [
       lambda _, p=p: tiles.backward(q, k, v, blk.q_ids, out, lse, dout,
                                     config, p)
-      for p in _tile_sizes(q, k, mask, config)]
+      for p in _tile_sizes(q, k, v, mask, config)]
   return _switch(blk, run, [
       lambda _, f=f: vma.like(_row_major(f(_)), *refs) for f in others])

@@ -22,10 +22,12 @@ zeros and ``MASK_VALUE``.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_ring._src.backends.cudnn import tiles_pallas
 from jax_ring._src.backends.xla import einsum
 from jax_ring._src.core.mask import MASK_VALUE
 
@@ -34,8 +36,17 @@ from jax_ring._src.core.mask import MASK_VALUE
 DEFAULT_SIZES = (32, 64)
 SIZES = DEFAULT_SIZES
 # The most bytes a block's float32 logits may take at the largest size;
-# above, the pass has no tile branch.
+# above, the pass has no tile branch (unless the Pallas form runs them).
 MAX_LOGIT_BYTES = 1 << 30
+# The tiles' form on GPUs: "xla" (this module's products) or "pallas"
+# (tiles_pallas.py: one pass forward, two backward, no logits written
+# out), where tiles_pallas.supports the operands. Elsewhere "xla".
+KERNEL = "xla"
+
+
+def _pallas(q, k, v, p: int) -> bool:
+  return (KERNEL == "pallas" and jax.default_backend() == "gpu" and
+          tiles_pallas.supports(q, k, v, p))
 
 
 def _ahead(config) -> bool:
@@ -44,16 +55,18 @@ def _ahead(config) -> bool:
   return right is None or right > 0
 
 
-def serves(q, k, mask, config) -> bool:
+def serves(q, k, mask, config, v=None) -> bool:
   """Whether the block can take tiles (static): one id array at equal
   offsets, and its logits at ``SIZES[-1]`` within ``MAX_LOGIT_BYTES``
-  (none with no ``SIZES``)."""
+  unless the Pallas form takes ``v`` too (none with no ``SIZES``)."""
   b, t, n, _ = q.shape
   one_array = (mask.same_ids and k.shape[1] == t and
                isinstance(mask.q_offset, (int, np.integer)) and
                mask.q_offset == mask.kv_offset)
   if not SIZES or not one_array:
     return False
+  if v is not None and _pallas(q, k, v, SIZES[-1]):
+    return True
   width = (3 if _ahead(config) else 2) * SIZES[-1]
   return 4 * b * t * n * width <= MAX_LOGIT_BYTES
 
@@ -153,6 +166,8 @@ def _unqueries(x, t: int):
 def forward(q, k, v, ids, config, p: int):
   """``(out (B, T, N, Hv), lse (B, T, N) float32)`` of the block whose
   documents each hold at most ``p`` tokens."""
+  if _pallas(q, k, v, p):
+    return tiles_pallas.forward(q, k, v, ids, config, p)
   t, kh, ahead = q.shape[1], k.shape[2], _ahead(config)
   vis = _visible(ids, config, p, t)
   s = einsum("bkigph,bkijh->bkigpj", _queries(q, p, kh),
@@ -171,6 +186,8 @@ def forward(q, k, v, ids, config, p: int):
 
 def backward(q, k, v, ids, out, lse, dout, config, p: int):
   """``(dq, dk, dv)`` of the block, from the given ``out`` and ``lse``."""
+  if _pallas(q, k, v, p):
+    return tiles_pallas.backward(q, k, v, ids, out, lse, dout, config, p)
   t, kh, ahead = q.shape[1], k.shape[2], _ahead(config)
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
   qt, dot = _queries(q, p, kh), _queries(dout, p, kh)

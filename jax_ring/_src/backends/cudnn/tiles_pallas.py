@@ -1,0 +1,259 @@
+"""The dense band tiles of :mod:`tiles` as Pallas (Triton) kernels: one
+pass over q, k and v for the forward, two for the backward, where XLA's
+form writes every tile's logits, probabilities and their gradients out
+whole (float32, ``W`` keys a query) between its products.
+
+Shapes as :mod:`tiles`: q ``(B, T, N, H)``, k ``(B, T, K, H)``, v ``(B,
+T, K, Hv)``, ids ``(B, T)``, tiles of ``P`` tokens (a T that is no
+multiple of P is padded to one, the padding masked), each tile's window the previous tile, its own and (where the band reaches
+forward) the next: ``offsets`` ``(-1, 0)`` or ``(-1, 0, 1)``. Operands are
+read in place as ``(B, T, heads x dim)`` matrices, ``lse`` and ``delta``
+as ``(B, T, N)`` float32: nothing is transposed.
+
+* **Forward**, grid ``(B, N, T / P)``: program ``(b, n, i)`` reads query
+  tile ``i`` of head ``n`` and the window's tiles of kv head ``n // G``;
+  logits in float32, their max over the window, then the probabilities
+  (cast to v's dtype for their product, float32 accumulation), as the XLA
+  form computes them: the same operations in the same dtypes.
+* **dQ**, grid ``(B, N, T / P)``: the same window, recomputing the
+  probabilities from the given ``lse``.
+* **dK, dV**, grid ``(B, K, T / P)``: program ``(b, k, j)`` sums over the
+  query tiles whose window holds key tile ``j`` (``j - d`` for each
+  offset ``d``) and over the G query heads of kv head ``k``, in float32.
+
+A visible NaN logit makes its query row's out and lse NaN (the kernels
+keep a flag, as a running max may skip NaN), as in ``jax.nn``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jax_ring._src.core import vma
+from jax_ring._src.core.mask import MASK_VALUE
+
+
+def supports(q, k, v, p: int) -> bool:
+  """Whether the kernels take these operands (static): 16-bit floats, head
+  dims and ``p`` powers of two of at least 16."""
+  pow2 = lambda d: d >= 16 and not d & (d - 1)
+  return (q.dtype in (jnp.bfloat16, jnp.float16) and
+          q.dtype == k.dtype == v.dtype and pow2(q.shape[3]) and
+          pow2(v.shape[3]) and pow2(p))
+
+
+def _offsets(config) -> tuple[int, ...]:
+  right = config.band[1]
+  return (-1, 0, 1) if right is None or right > 0 else (-1, 0)
+
+
+def _at(i, p):
+  return pl.ds(pl.multiple_of(i * p, p), p)
+
+
+def _tile(ref, i, p, col, width):
+  """Rows ``[i p, (i + 1) p)``, columns ``[col w, (col + 1) w)`` of a
+  ``(T, heads x w)`` ref."""
+  return ref[_at(i, p), pl.ds(pl.multiple_of(col * width, width), width)]
+
+
+def _column(ref, i, p, head):
+  """``(P, 1)``: head ``head``'s statistics for tile ``i`` of a ``(T, N)``
+  ref."""
+  return ref[_at(i, p), pl.ds(head, 1)]
+
+
+def _visible(qi, kj, qid, kid, p, t, band):
+  """``(P, P)`` bool: row ``r`` of query tile ``qi`` sees column ``c`` of
+  key tile ``kj`` (the same id, both inside the row, inside the band).
+  ``qi`` and ``kj`` may lie outside the row: nothing is visible there."""
+  q_pos = qi * p + lax.broadcasted_iota(jnp.int32, (p, p), 0)
+  k_pos = kj * p + lax.broadcasted_iota(jnp.int32, (p, p), 1)
+  vis = ((qid[:, None] == kid[None, :]) & (k_pos >= 0) & (k_pos < t) &
+         (q_pos >= 0) & (q_pos < t))
+  left, right = band
+  if left is not None:
+    vis &= k_pos - q_pos >= -left
+  if right is not None:
+    vis &= k_pos - q_pos <= right
+  return vis
+
+
+def _dot(a, b):
+  return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _clamp(i, nt):
+  return jnp.minimum(jnp.maximum(i, 0), nt - 1)
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, id_ref, o_ref, lse_ref, *, p, t, g,
+                h, hv, scale, band, offsets):
+  n, i = pl.program_id(1), pl.program_id(2)
+  nt, kh = -(-t // p), n // g
+  q, qid = q_ref[...], id_ref[_at(i, p)]
+  parts, top, bad = [], jnp.full((p,), MASK_VALUE, jnp.float32), None
+  for d in offsets:
+    j = _clamp(i + d, nt)
+    s = _dot(q, _tile(k_ref, j, p, kh, h).T) * scale
+    vis = _visible(i, i + d, qid, id_ref[_at(j, p)], p, t, band)
+    nan = jnp.where(vis & jnp.isnan(s), 1.0, 0.0).max(axis=1)
+    bad = nan if bad is None else jnp.maximum(bad, nan)
+    s = jnp.where(vis, s, MASK_VALUE)
+    top = jnp.maximum(top, s.max(axis=1))
+    parts.append((j, s, vis))
+  acc, total = None, None
+  for j, s, vis in parts:
+    e = jnp.where(vis, jnp.exp(s - top[:, None]), 0.0)
+    v = _tile(v_ref, j, p, kh, hv)
+    o, l = _dot(e.astype(v.dtype), v), e.sum(axis=1)
+    acc, total = (o, l) if acc is None else (acc + o, total + l)
+  seen = total != 0  # a NaN logit makes it NaN, kept
+  out = jnp.where(seen[:, None], acc / jnp.where(seen, total, 1.0)[:, None],
+                  0.0)
+  lse = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)),
+                  MASK_VALUE)
+  o_ref[...] = jnp.where(bad[:, None] > 0, jnp.nan, out).astype(o_ref.dtype)
+  lse_ref[_at(i, p), pl.ds(n, 1)] = jnp.where(bad > 0, jnp.nan, lse)[:, None]
+
+
+def _grads(q, k, v, do, lse, delta, vis, scale):
+  """One (query tile, key tile) pair's probabilities ``(P, P)`` float32 and
+  logit gradients ``(P, P)`` in q's dtype, from the global lse."""
+  s = _dot(q, k.T) * scale
+  pr = jnp.exp(jnp.where(vis, s - lse, -jnp.inf))
+  dp = _dot(do, v.T)
+  return pr, (pr * (dp - delta) * scale).astype(q.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, id_ref,
+               dq_ref, *, p, t, g, h, hv, scale, band, offsets):
+  n, i = pl.program_id(1), pl.program_id(2)
+  nt, kh = -(-t // p), n // g
+  q, do, qid = q_ref[...], do_ref[...], id_ref[_at(i, p)]
+  lse, delta = _column(lse_ref, i, p, n), _column(delta_ref, i, p, n)
+  acc = None
+  for d in offsets:
+    j = _clamp(i + d, nt)
+    k = _tile(k_ref, j, p, kh, h)
+    vis = _visible(i, i + d, qid, id_ref[_at(j, p)], p, t, band)
+    _, ds = _grads(q, k, _tile(v_ref, j, p, kh, hv), do, lse, delta, vis,
+                   scale)
+    part = _dot(ds, k)
+    acc = part if acc is None else acc + part
+  dq_ref[...] = acc.astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, id_ref,
+                dk_ref, dv_ref, *, p, t, g, h, hv, scale, band, offsets):
+  kh, j = pl.program_id(1), pl.program_id(2)
+  nt = -(-t // p)
+  k, v, kid = k_ref[...], v_ref[...], id_ref[_at(j, p)]
+  dk = dv = None
+  for d in offsets:  # query tile j - d's window holds key tile j
+    i = _clamp(j - d, nt)
+    qid = id_ref[_at(i, p)]
+    vis = _visible(j - d, j, qid, kid, p, t, band)
+    for n in range(g):
+      head = kh * g + n
+      q, do = _tile(q_ref, i, p, head, h), _tile(do_ref, i, p, head, hv)
+      pr, ds = _grads(q, k, v, do, _column(lse_ref, i, p, head),
+                      _column(delta_ref, i, p, head), vis, scale)
+      a, b = _dot(ds.T, q), _dot(pr.astype(do.dtype).T, do)
+      dk, dv = (a, b) if dk is None else (dk + a, dv + b)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _call(kernel, grid, ins, outs, interpret, **params):
+  """``pallas_call`` of ``kernel`` over ``grid`` ``(B, heads, T / P)``.
+  ``ins``/``outs``: ``(array or ShapeDtypeStruct, block)`` pairs, block
+  ``None`` for a row's whole ``(T, ...)``, else ``(width, head_of)``: the
+  ``(P, width)`` tile at (tile, ``head_of(program's head)``)."""
+  p = params["p"]
+
+  def spec(x, block):
+    if block is None:
+      return pl.BlockSpec((None,) + x.shape[1:],
+                          lambda b, n, i: (b,) + (0,) * (len(x.shape) - 1))
+    width, head_of = block
+    return pl.BlockSpec((None, p, width),
+                        lambda b, n, i: (b, i, head_of(n)))
+
+  operands = vma.match(*(x for x, _ in ins))
+  mat = getattr(jax.typeof(operands[0]), "mat", None)
+  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype, **(
+      {} if mat is None else dict(manual_axis_type=mat))) for x, _ in outs]
+  return pl.pallas_call(
+      functools.partial(kernel, **params), grid=grid,
+      in_specs=[spec(x, blk) for x, blk in ins],
+      out_specs=[spec(x, blk) for x, blk in outs], out_shape=shapes,
+      compiler_params=plgpu.CompilerParams(num_warps=4 if p <= 64 else 8,
+                                           num_stages=1),
+      interpret=interpret, name="jax_ring_band_tiles")(*operands)
+
+
+def _params(q, k, v, config, p):
+  b, t, n, h = q.shape
+  return dict(p=p, t=t, g=n // k.shape[2], h=h, hv=v.shape[3],
+              scale=float(config.scale), band=config.band,
+              offsets=_offsets(config))
+
+
+def _flat(x, tp: int):
+  """``(B, T, ...)`` -> ``(B, T_p, prod(...))``, zeros past T."""
+  x = x.reshape(x.shape[0], x.shape[1], -1)
+  return jnp.pad(x, ((0, 0), (0, tp - x.shape[1]), (0, 0)))
+
+
+def forward(q, k, v, ids, config, p: int, interpret: bool = False):
+  """``(out (B, T, N, Hv), lse (B, T, N) float32)``, as
+  :func:`tiles.forward`."""
+  b, t, n, _ = q.shape
+  prm = _params(q, k, v, config, p)
+  hv, nt = prm["hv"], -(-t // p)
+  tp, own = nt * p, lambda m: m
+  out, lse = _call(
+      _fwd_kernel, (b, n, nt),
+      [(_flat(q, tp), (prm["h"], own)), (_flat(k, tp), None),
+       (_flat(v, tp), None), (_flat(ids.astype(jnp.int32), tp)[..., 0],
+                              None)],
+      [(jax.ShapeDtypeStruct((b, tp, n * hv), q.dtype), (hv, own)),
+       (jax.ShapeDtypeStruct((b, tp, n), jnp.float32), None)],
+      interpret, **prm)
+  return out[:, :t].reshape(b, t, n, hv), lse[:, :t]
+
+
+def backward(q, k, v, ids, out, lse, dout, config, p: int,
+             interpret: bool = False):
+  """``(dq, dk, dv)``, as :func:`tiles.backward`: from the given (global)
+  ``out`` and ``lse``."""
+  b, t, n, h = q.shape
+  kh = k.shape[2]
+  prm = _params(q, k, v, config, p)
+  hv, nt = prm["hv"], -(-t // p)
+  tp, own = nt * p, lambda m: m
+  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
+  q, k, v, dout = (_flat(x, tp) for x in (q, k, v, dout))
+  rows = [(_flat(lse.astype(jnp.float32), tp), None),
+          (_flat(delta, tp), None),
+          (_flat(ids.astype(jnp.int32), tp)[..., 0], None)]
+  (dq,) = _call(
+      _dq_kernel, (b, n, nt),
+      [(q, (h, own)), (k, None), (v, None), (dout, (hv, own))] + rows,
+      [(jax.ShapeDtypeStruct((b, tp, n * h), q.dtype), (h, own))],
+      interpret, **prm)
+  dk, dv = _call(
+      _dkv_kernel, (b, kh, nt),
+      [(q, None), (k, (h, own)), (v, (hv, own)), (dout, None)] + rows,
+      [(jax.ShapeDtypeStruct((b, tp, kh * h), k.dtype), (h, own)),
+       (jax.ShapeDtypeStruct((b, tp, kh * hv), v.dtype), (hv, own))],
+      interpret, **prm)
+  return (dq[:, :t].reshape(b, t, n, h), dk[:, :t].reshape(b, t, kh, h),
+          dv[:, :t].reshape(b, t, kh, hv))
