@@ -5,10 +5,11 @@ whole (float32, ``W`` keys a query) between its products.
 
 Shapes as :mod:`tiles`: q ``(B, T, N, H)``, k ``(B, T, K, H)``, v ``(B,
 T, K, Hv)``, ids ``(B, T)``, tiles of ``P`` tokens (a T that is no
-multiple of P is padded to one, the padding masked), each tile's window the previous tile, its own and (where the band reaches
-forward) the next: ``offsets`` ``(-1, 0)`` or ``(-1, 0, 1)``. Operands are
-read in place as ``(B, T, heads x dim)`` matrices, ``lse`` and ``delta``
-as ``(B, T, N)`` float32: nothing is transposed.
+multiple of P is padded to one, the padding masked), each tile's window
+the previous tile, its own and (where the band reaches forward) the
+next: ``offsets`` ``(-1, 0)`` or ``(-1, 0, 1)``. Operands are read in
+place as ``(B, T, heads x dim)`` matrices, ``lse`` and ``delta`` as
+``(B, T, N)`` float32: nothing is transposed.
 
 * **Forward**, grid ``(B, N, T / P)``: program ``(b, n, i)`` reads query
   tile ``i`` of head ``n`` and the window's tiles of kv head ``n // G``;
@@ -98,18 +99,24 @@ def _fwd_kernel(q_ref, k_ref, v_ref, id_ref, o_ref, lse_ref, *, p, t, g,
   n, i = pl.program_id(1), pl.program_id(2)
   nt, kh = -(-t // p), n // g
   q, qid = q_ref[...], id_ref[_at(i, p)]
-  parts, top, bad = [], jnp.full((p,), MASK_VALUE, jnp.float32), None
-  for d in offsets:
+
+  def logits(d):  # the window's tile d: (j, masked logits, visible)
     j = _clamp(i + d, nt)
     s = _dot(q, _tile(k_ref, j, p, kh, h).T) * scale
     vis = _visible(i, i + d, qid, id_ref[_at(j, p)], p, t, band)
+    return j, s, vis
+
+  # Two passes over the window, the logits recomputed in the second (one
+  # tile's logits live at a time): the max, then the probabilities.
+  top, bad = jnp.full((p,), MASK_VALUE, jnp.float32), None
+  for d in offsets:
+    _, s, vis = logits(d)
     nan = jnp.where(vis & jnp.isnan(s), 1.0, 0.0).max(axis=1)
     bad = nan if bad is None else jnp.maximum(bad, nan)
-    s = jnp.where(vis, s, MASK_VALUE)
-    top = jnp.maximum(top, s.max(axis=1))
-    parts.append((j, s, vis))
-  acc, total = None, None
-  for j, s, vis in parts:
+    top = jnp.maximum(top, jnp.where(vis, s, MASK_VALUE).max(axis=1))
+  acc = total = None
+  for d in offsets:
+    j, s, vis = logits(d)
     e = jnp.where(vis, jnp.exp(s - top[:, None]), 0.0)
     v = _tile(v_ref, j, p, kh, hv)
     o, l = _dot(e.astype(v.dtype), v), e.sum(axis=1)
