@@ -457,8 +457,11 @@ class Generator:
     for step in range(max_new_tokens):
       # The next step is queued before this one's tokens are read, from
       # the tokens still on the device: the host's work between steps
-      # (reading, stopping, streaming) overlaps the GPU's. A step queued
+      # (reading, stopping, streaming) overlaps the GPU's. The tokens'
+      # copy to the host is queued first, so that reading them waits for
+      # their own step, not for the one queued behind it. A step queued
       # past the last one needed is discarded.
+      drawn.copy_to_host_async()
       if step < max_new_tokens - 1:
         queued, cache, at, key = _step_and_draw(
             self._graph, self._leaves, cache, drawn, at, key,
