@@ -313,8 +313,9 @@ def packed_path_args(p) -> None:
                  help="one handler a block pass where it serves the shapes, "
                  "rows of short documents as dense band tiles (pass, the "
                  "library's default), the same with the tiles as Pallas "
-                 "kernels and 128-token tiles too (pallas), without the "
-                 "tiles (handler), or the calls' switch and loop (calls)")
+                 "kernels, 128-token ones taking every longer document "
+                 "(pallas), without the tiles (handler), or the calls' "
+                 "switch and loop (calls)")
 
 
 PACKED_PATHS = ("pass", "pallas", "handler", "calls")
@@ -325,6 +326,7 @@ def use_packed_path(path: str) -> None:
   from jax_ring._src.backends.cudnn import passes, tiles
   passes.ENABLED = path != "calls"
   tiles.KERNEL = "pallas" if path == "pallas" else "xla"
+  tiles.PALLAS_REACH = 1 << 30 if path == "pallas" else 128
   tiles.SIZES = {"pass": tiles.DEFAULT_SIZES,
                  "pallas": (32, 64, 128)}.get(path, ())
 

@@ -220,10 +220,11 @@ def packed_table(a):
                longest=int(lengths.max()), work=work,
                cudnn_calls=int(packed.calls(packed.documents(
                    jnp.asarray(ids), jnp.asarray(ids), same=True), s, s)),
-               tile=next((p for p in tiles.SIZES if p >= lengths.max()), 0))
+               tile=next((p for p, most in zip(tiles.SIZES, tiles.limits(
+                   q, k, v)) if most >= lengths.max()), 0))
     if impl or not (passes.ENABLED and tiles.serves(q, k, jax_ring.BlockMask(
         q_segment_ids=jnp.asarray(ids)), jax_ring.AttentionConfig(
-            scale=d**-0.5, is_causal=True))):
+            scale=d**-0.5, is_causal=True), v)):
       row["tile"] = 0
     if row["tile"]:
       row["cudnn_calls"] = 0

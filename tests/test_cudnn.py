@@ -313,15 +313,16 @@ def test_packed_documents_through_ragged_offsets(name, smallest, path,
   pass, the calls' switch and loop, and the pass with its tiles' branch
   (which takes the rows of one id array whose documents all fit a tile:
   ``many_causal``, ``many_window_causal``, ``short_full``), as XLA's
-  products or as the Pallas kernels (``tiles_pallas``, with 128-token
-  tiles as well)."""
+  products or as the Pallas kernels (``tiles_pallas``: 128-token tiles
+  too, taking every longer document)."""
   import ragged_cudnn
   from jax_ring._src.backends.cudnn import passes, tiles
   monkeypatch.setattr(packed, "SMALLEST", smallest)
   monkeypatch.setattr(passes, "ENABLED", path != "calls")
-  if path == "tiles_pallas":
+  if path == "tiles_pallas":  # every block of one id array, any lengths
     monkeypatch.setattr(tiles, "KERNEL", "pallas")
     monkeypatch.setattr(tiles, "SIZES", (32, 64, 128))
+    monkeypatch.setattr(tiles, "PALLAS_REACH", P_T)
   elif path != "tiles":
     monkeypatch.setattr(tiles, "SIZES", ())
   one_handler = path != "calls"

@@ -20,8 +20,9 @@ ragged stats).
 
 **Branches.** One ``lax.switch`` a pass, on the documents: ids that do
 not fit the calls (:func:`packed.layout`) take the ``xla`` backend; a
-block of one id array whose documents all fit a tile of ``tiles.SIZES``
-takes that size's dense band tiles (:mod:`tiles`); the rest the handler.
+block of one id array whose longest document a size of ``tiles.SIZES``
+takes (:func:`tiles.limits`) takes that size's tiles (:mod:`tiles`); the
+rest the handler.
 The tables are built before the switch.
 """
 
@@ -202,12 +203,13 @@ def _tile_sizes(q, k, v, mask, config) -> tuple[int, ...]:
   return tiles.SIZES if tiles.serves(q, k, mask, config, v) else ()
 
 
-def _switch(blk: packed.Block, run, others):
+def _switch(blk: packed.Block, run, others, most: tuple[int, ...]):
   """``run`` (the handler) or one of ``others`` (the fallback, then each
   tile size), picked on the device: the fallback where the ids do not
-  fit, else the first tile that holds the longest document, else the
-  handler."""
-  pick = tiles.size_index(blk.docs.q_len.max()) if len(others) > 1 else 0
+  fit, else the first tile size that takes the longest document (its
+  limit in ``most``, :func:`tiles.limits`), else the handler."""
+  pick = (tiles.size_index(blk.docs.q_len.max(), most) if len(others) > 1
+          else 0)
   return jax.lax.switch(jnp.where(blk.fits, 1 + pick, 0), others + [run],
                         None)
 
@@ -249,7 +251,8 @@ def forward(q, k, v, mask, config, bnd):
       lambda _, p=p: tiles.forward(q, k, v, blk.q_ids, config, p)
       for p in _tile_sizes(q, k, v, mask, config)]
   return _switch(blk, run, [
-      lambda _, f=f: vma.like(_row_major(f(_)), *refs) for f in others])
+      lambda _, f=f: vma.like(_row_major(f(_)), *refs) for f in others],
+                 tiles.limits(q, k, v))
 
 
 def backward(q, k, v, mask, out, lse, dout, config, bnd):
@@ -281,4 +284,5 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd):
                                     config, p)
       for p in _tile_sizes(q, k, v, mask, config)]
   return _switch(blk, run, [
-      lambda _, f=f: vma.like(_row_major(f(_)), *refs) for f in others])
+      lambda _, f=f: vma.like(_row_major(f(_)), *refs) for f in others],
+                 tiles.limits(q, k, v))

@@ -39,9 +39,13 @@ SIZES = DEFAULT_SIZES
 # above, the pass has no tile branch (unless the Pallas form runs them).
 MAX_LOGIT_BYTES = 1 << 30
 # The tiles' form on GPUs: "xla" (this module's products) or "pallas"
-# (tiles_pallas.py: one pass forward, two backward, no logits written
-# out), where tiles_pallas.supports the operands. Elsewhere "xla".
+# (tiles_pallas.py: no logits written out, and each tile reads only the
+# tiles its documents reach), where tiles_pallas.supports the operands.
+# Elsewhere "xla".
 KERNEL = "xla"
+# The Pallas form's largest size takes documents of up to this many tokens
+# (its tiles need not hold a document); longer ones go to the handler.
+PALLAS_REACH = 128
 
 
 def _pallas(q, k, v, p: int) -> bool:
@@ -71,10 +75,20 @@ def serves(q, k, mask, config, v=None) -> bool:
   return 4 * b * t * n * width <= MAX_LOGIT_BYTES
 
 
-def size_index(longest):
-  """``()`` int32: the index in ``SIZES`` of the first tile that holds a
-  document of ``longest`` tokens; ``len(SIZES)`` if none does."""
-  return jnp.searchsorted(jnp.asarray(SIZES, jnp.int32), longest,
+def limits(q, k, v) -> tuple[int, ...]:
+  """The longest document each size of ``SIZES`` takes (static): the size
+  itself, but ``PALLAS_REACH`` for the largest where the Pallas form runs
+  these operands."""
+  if SIZES and _pallas(q, k, v, SIZES[-1]):
+    return SIZES[:-1] + (max(SIZES[-1], PALLAS_REACH),)
+  return SIZES
+
+
+def size_index(longest, most: tuple[int, ...]):
+  """``()`` int32: the index of the first size whose limit in ``most``
+  (:func:`limits`) takes a document of ``longest`` tokens; ``len(most)``
+  if none does."""
+  return jnp.searchsorted(jnp.asarray(most, jnp.int32), longest,
                           method="compare_all").astype(jnp.int32)
 
 
@@ -165,7 +179,8 @@ def _unqueries(x, t: int):
 
 def forward(q, k, v, ids, config, p: int):
   """``(out (B, T, N, Hv), lse (B, T, N) float32)`` of the block whose
-  documents each hold at most ``p`` tokens."""
+  documents each hold at most ``p`` tokens (at most :func:`limits`' for
+  ``p`` where the Pallas form runs)."""
   if _pallas(q, k, v, p):
     return tiles_pallas.forward(q, k, v, ids, config, p)
   t, kh, ahead = q.shape[1], k.shape[2], _ahead(config)

@@ -1,29 +1,29 @@
-"""The dense band tiles of :mod:`tiles` as Pallas (Triton) kernels: one
-pass over q, k and v for the forward, two for the backward, where XLA's
-form writes every tile's logits, probabilities and their gradients out
-whole (float32, ``W`` keys a query) between its products.
+"""The tiles of :mod:`tiles` as Pallas (Triton) kernels, for documents of
+any length: each query tile reads only the key tiles its documents reach
+(:func:`ranges`), with no logits written out between the products (XLA's
+form writes every tile's float32 logits, probabilities and their
+gradients whole, over a fixed window of ``W`` keys a query).
 
 Shapes as :mod:`tiles`: q ``(B, T, N, H)``, k ``(B, T, K, H)``, v ``(B,
-T, K, Hv)``, ids ``(B, T)``, tiles of ``P`` tokens (a T that is no
-multiple of P is padded to one, the padding masked), each tile's window
-the previous tile, its own and (where the band reaches forward) the
-next: ``offsets`` ``(-1, 0)`` or ``(-1, 0, 1)``. Operands are read in
-place as ``(B, T, heads x dim)`` matrices, ``lse`` and ``delta`` as
-``(B, T, N)`` float32: nothing is transposed.
+T, K, Hv)``, ids ``(B, T)``, each id one run of tokens (the packed pass's
+layout check), tiles of ``P`` tokens (a T that is no multiple of P is
+padded to one, the padding masked). Operands are read in place as ``(B,
+T, heads x dim)`` matrices, ``lse`` and ``delta`` as ``(B, T, N)``
+float32: nothing is transposed.
 
-* **Forward**, grid ``(B, N, T / P)``: program ``(b, n, i)`` reads query
-  tile ``i`` of head ``n`` and the window's tiles of kv head ``n // G``;
-  logits in float32, their max over the window, then the probabilities
-  (cast to v's dtype for their product, float32 accumulation), as the XLA
-  form computes them: the same operations in the same dtypes.
-* **dQ**, grid ``(B, N, T / P)``: the same window, recomputing the
-  probabilities from the given ``lse``.
-* **dK, dV**, grid ``(B, K, T / P)``: program ``(b, k, j)`` sums over the
-  query tiles whose window holds key tile ``j`` (``j - d`` for each
-  offset ``d``) and over the G query heads of kv head ``k``, in float32.
+* **Forward**, grid ``(B, N, T / P)``: program ``(b, n, i)`` holds query
+  tile ``i`` of head ``n`` and loops over its key tiles (kv head ``n //
+  G``): float32 logits, masked by ids, the band and the row's end, a
+  running max and sum as flash attention keeps them, the probabilities
+  cast to v's dtype for their product, float32 accumulation.
+* **dQ**, grid ``(B, N, T / P)``: the same key tiles, the probabilities
+  recomputed from the given (global) ``lse``, as the XLA form does.
+* **dK, dV**, grid ``(B, K, T / P)``: program ``(b, k, j)`` loops over
+  the query tiles that reach key tile ``j`` and, in each, the G query
+  heads of kv head ``k``, summing in float32.
 
-A visible NaN logit makes its query row's out and lse NaN (the kernels
-keep a flag, as a running max may skip NaN), as in ``jax.nn``.
+A visible NaN logit makes its query row's out and lse NaN (the forward
+keeps a flag, as a running max may skip NaN), as in ``jax.nn``.
 """
 
 from __future__ import annotations
@@ -47,11 +47,6 @@ def supports(q, k, v, p: int) -> bool:
   return (q.dtype in (jnp.bfloat16, jnp.float16) and
           q.dtype == k.dtype == v.dtype and pow2(q.shape[3]) and
           pow2(v.shape[3]) and pow2(p))
-
-
-def _offsets(config) -> tuple[int, ...]:
-  right = config.band[1]
-  return (-1, 0, 1) if right is None or right > 0 else (-1, 0)
 
 
 def _at(i, p):
@@ -90,37 +85,60 @@ def _dot(a, b):
   return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-def _clamp(i, nt):
-  return jnp.minimum(jnp.maximum(i, 0), nt - 1)
+def ranges(ids, p: int, band):
+  """Each query tile's key tiles and each key tile's query tiles, as
+  inclusive bounds ``(q_lo, q_hi, k_lo, k_hi)``, each ``(B, ceil(T /
+  P))`` int32: the tiles that hold a token of the documents of the tile's
+  first and last tokens, within ``band`` (left, right: how far a key may
+  lie before or after its query; None: any). Where each id is one run of
+  tokens, no visible (query, key) pair lies outside them."""
+  b, t = ids.shape
+  nt = -(-t // p)
+  pos = jnp.arange(t, dtype=jnp.int32)
+  change = ids[:, 1:] != ids[:, :-1]
+  ones = jnp.ones((b, 1), bool)
+  start = lax.cummax(jnp.where(jnp.concatenate([ones, change], 1), pos, 0),
+                     axis=1)
+  end = lax.cummin(jnp.where(jnp.concatenate([change, ones], 1), pos + 1, t),
+                   axis=1, reverse=True)
+  first = jnp.arange(nt, dtype=jnp.int32) * p
+  last = jnp.minimum(first + p, t) - 1
+  lo, hi = start[:, first] // p, (end[:, last] - 1) // p
+  left, right = band
+  span = lambda x: jnp.clip(x, 0, t - 1) // p
+  q_lo, q_hi, k_lo, k_hi = lo, hi, lo, hi
+  if left is not None:  # keys at most `left` before their query
+    q_lo = jnp.maximum(q_lo, span(first - left))
+    k_hi = jnp.minimum(k_hi, span(last + left))
+  if right is not None:  # keys at most `right` after their query
+    q_hi = jnp.minimum(q_hi, span(last + right))
+    k_lo = jnp.maximum(k_lo, span(first - right))
+  return q_lo, q_hi, k_lo, k_hi
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, id_ref, o_ref, lse_ref, *, p, t, g,
-                h, hv, scale, band, offsets):
+def _fwd_kernel(q_ref, k_ref, v_ref, id_ref, lo_ref, hi_ref, o_ref, lse_ref,
+                *, p, t, g, h, hv, scale, band):
   n, i = pl.program_id(1), pl.program_id(2)
-  nt, kh = -(-t // p), n // g
+  kh = n // g
   q, qid = q_ref[...], id_ref[_at(i, p)]
 
-  def logits(d):  # the window's tile d: (j, masked logits, visible)
-    j = _clamp(i + d, nt)
+  def step(j, carry):  # key tile j, the softmax running as flash's
+    acc, top, total, bad = carry
     s = _dot(q, _tile(k_ref, j, p, kh, h).T) * scale
-    vis = _visible(i, i + d, qid, id_ref[_at(j, p)], p, t, band)
-    return j, s, vis
-
-  # Two passes over the window, the logits recomputed in the second (one
-  # tile's logits live at a time): the max, then the probabilities.
-  top, bad = jnp.full((p,), MASK_VALUE, jnp.float32), None
-  for d in offsets:
-    _, s, vis = logits(d)
-    nan = jnp.where(vis & jnp.isnan(s), 1.0, 0.0).max(axis=1)
-    bad = nan if bad is None else jnp.maximum(bad, nan)
-    top = jnp.maximum(top, jnp.where(vis, s, MASK_VALUE).max(axis=1))
-  acc = total = None
-  for d in offsets:
-    j, s, vis = logits(d)
-    e = jnp.where(vis, jnp.exp(s - top[:, None]), 0.0)
+    vis = _visible(i, j, qid, id_ref[_at(j, p)], p, t, band)
+    bad = jnp.maximum(bad, jnp.where(vis & jnp.isnan(s), 1.0, 0.0).max(1))
+    s = jnp.where(vis, s, MASK_VALUE)
+    new = jnp.maximum(top, s.max(axis=1))
+    alpha = jnp.exp(top - new)
+    e = jnp.where(vis, jnp.exp(s - new[:, None]), 0.0)
     v = _tile(v_ref, j, p, kh, hv)
-    o, l = _dot(e.astype(v.dtype), v), e.sum(axis=1)
-    acc, total = (o, l) if acc is None else (acc + o, total + l)
+    return (acc * alpha[:, None] + _dot(e.astype(v.dtype), v), new,
+            total * alpha + e.sum(axis=1), bad)
+
+  zeros = jnp.zeros((p,), jnp.float32)
+  acc, top, total, bad = lax.fori_loop(
+      lo_ref[i], hi_ref[i] + 1, step,
+      (jnp.zeros((p, hv), jnp.float32), zeros + MASK_VALUE, zeros, zeros))
   seen = total != 0  # a NaN logit makes it NaN, kept
   out = jnp.where(seen[:, None], acc / jnp.where(seen, total, 1.0)[:, None],
                   0.0)
@@ -140,40 +158,44 @@ def _grads(q, k, v, do, lse, delta, vis, scale):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, id_ref,
-               dq_ref, *, p, t, g, h, hv, scale, band, offsets):
+               lo_ref, hi_ref, dq_ref, *, p, t, g, h, hv, scale, band):
   n, i = pl.program_id(1), pl.program_id(2)
-  nt, kh = -(-t // p), n // g
+  kh = n // g
   q, do, qid = q_ref[...], do_ref[...], id_ref[_at(i, p)]
   lse, delta = _column(lse_ref, i, p, n), _column(delta_ref, i, p, n)
-  acc = None
-  for d in offsets:
-    j = _clamp(i + d, nt)
+
+  def step(j, acc):
     k = _tile(k_ref, j, p, kh, h)
-    vis = _visible(i, i + d, qid, id_ref[_at(j, p)], p, t, band)
+    vis = _visible(i, j, qid, id_ref[_at(j, p)], p, t, band)
     _, ds = _grads(q, k, _tile(v_ref, j, p, kh, hv), do, lse, delta, vis,
                    scale)
-    part = _dot(ds, k)
-    acc = part if acc is None else acc + part
-  dq_ref[...] = acc.astype(dq_ref.dtype)
+    return acc + _dot(ds, k)
+
+  dq_ref[...] = lax.fori_loop(lo_ref[i], hi_ref[i] + 1, step, jnp.zeros(
+      (p, h), jnp.float32)).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, id_ref,
-                dk_ref, dv_ref, *, p, t, g, h, hv, scale, band, offsets):
+                lo_ref, hi_ref, dk_ref, dv_ref, *, p, t, g, h, hv, scale,
+                band):
   kh, j = pl.program_id(1), pl.program_id(2)
-  nt = -(-t // p)
   k, v, kid = k_ref[...], v_ref[...], id_ref[_at(j, p)]
-  dk = dv = None
-  for d in offsets:  # query tile j - d's window holds key tile j
-    i = _clamp(j - d, nt)
-    qid = id_ref[_at(i, p)]
-    vis = _visible(j - d, j, qid, kid, p, t, band)
+
+  def step(i, carry):  # query tile i, each of kv head kh's G heads
+    dk, dv = carry
+    vis = _visible(i, j, id_ref[_at(i, p)], kid, p, t, band)
     for n in range(g):
       head = kh * g + n
       q, do = _tile(q_ref, i, p, head, h), _tile(do_ref, i, p, head, hv)
       pr, ds = _grads(q, k, v, do, _column(lse_ref, i, p, head),
                       _column(delta_ref, i, p, head), vis, scale)
-      a, b = _dot(ds.T, q), _dot(pr.astype(do.dtype).T, do)
-      dk, dv = (a, b) if dk is None else (dk + a, dv + b)
+      dk = dk + _dot(ds.T, q)
+      dv = dv + _dot(pr.astype(do.dtype).T, do)
+    return dk, dv
+
+  dk, dv = lax.fori_loop(lo_ref[j], hi_ref[j] + 1, step, (
+      jnp.zeros((p, k.shape[1]), jnp.float32),
+      jnp.zeros((p, v.shape[1]), jnp.float32)))
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -209,8 +231,7 @@ def _call(kernel, grid, ins, outs, interpret, **params):
 def _params(q, k, v, config, p):
   b, t, n, h = q.shape
   return dict(p=p, t=t, g=n // k.shape[2], h=h, hv=v.shape[3],
-              scale=float(config.scale), band=config.band,
-              offsets=_offsets(config))
+              scale=float(config.scale), band=config.band)
 
 
 def _flat(x, tp: int):
@@ -219,18 +240,23 @@ def _flat(x, tp: int):
   return jnp.pad(x, ((0, 0), (0, tp - x.shape[1]), (0, 0)))
 
 
+def _ids(ids, tp: int):
+  return _flat(ids.astype(jnp.int32), tp)[..., 0]
+
+
 def forward(q, k, v, ids, config, p: int, interpret: bool = False):
-  """``(out (B, T, N, Hv), lse (B, T, N) float32)``, as
-  :func:`tiles.forward`."""
+  """``(out (B, T, N, Hv), lse (B, T, N) float32)`` of the block whose
+  ids are each one run of tokens, in tiles of ``p``."""
   b, t, n, _ = q.shape
   prm = _params(q, k, v, config, p)
   hv, nt = prm["hv"], -(-t // p)
   tp, own = nt * p, lambda m: m
+  q_lo, q_hi, _, _ = ranges(ids, p, config.band)
   out, lse = _call(
       _fwd_kernel, (b, n, nt),
       [(_flat(q, tp), (prm["h"], own)), (_flat(k, tp), None),
-       (_flat(v, tp), None), (_flat(ids.astype(jnp.int32), tp)[..., 0],
-                              None)],
+       (_flat(v, tp), None), (_ids(ids, tp), None), (q_lo, None),
+       (q_hi, None)],
       [(jax.ShapeDtypeStruct((b, tp, n * hv), q.dtype), (hv, own)),
        (jax.ShapeDtypeStruct((b, tp, n), jnp.float32), None)],
       interpret, **prm)
@@ -239,26 +265,28 @@ def forward(q, k, v, ids, config, p: int, interpret: bool = False):
 
 def backward(q, k, v, ids, out, lse, dout, config, p: int,
              interpret: bool = False):
-  """``(dq, dk, dv)``, as :func:`tiles.backward`: from the given (global)
-  ``out`` and ``lse``."""
+  """``(dq, dk, dv)`` of the block, from the given (global) ``out`` and
+  ``lse``."""
   b, t, n, h = q.shape
   kh = k.shape[2]
   prm = _params(q, k, v, config, p)
   hv, nt = prm["hv"], -(-t // p)
   tp, own = nt * p, lambda m: m
+  q_lo, q_hi, k_lo, k_hi = ranges(ids, p, config.band)
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
   q, k, v, dout = (_flat(x, tp) for x in (q, k, v, dout))
   rows = [(_flat(lse.astype(jnp.float32), tp), None),
-          (_flat(delta, tp), None),
-          (_flat(ids.astype(jnp.int32), tp)[..., 0], None)]
+          (_flat(delta, tp), None), (_ids(ids, tp), None)]
   (dq,) = _call(
       _dq_kernel, (b, n, nt),
-      [(q, (h, own)), (k, None), (v, None), (dout, (hv, own))] + rows,
+      [(q, (h, own)), (k, None), (v, None), (dout, (hv, own))] + rows
+      + [(q_lo, None), (q_hi, None)],
       [(jax.ShapeDtypeStruct((b, tp, n * h), q.dtype), (h, own))],
       interpret, **prm)
   dk, dv = _call(
       _dkv_kernel, (b, kh, nt),
-      [(q, None), (k, (h, own)), (v, (hv, own)), (dout, None)] + rows,
+      [(q, None), (k, (h, own)), (v, (hv, own)), (dout, None)] + rows
+      + [(k_lo, None), (k_hi, None)],
       [(jax.ShapeDtypeStruct((b, tp, kh * h), k.dtype), (h, own)),
        (jax.ShapeDtypeStruct((b, tp, kh * hv), v.dtype), (hv, own))],
       interpret, **prm)
