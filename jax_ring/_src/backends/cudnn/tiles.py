@@ -62,14 +62,15 @@ def _ahead(config) -> bool:
 def serves(q, k, mask, config, v=None) -> bool:
   """Whether the block can take tiles (static): one id array at equal
   offsets, and its logits at ``SIZES[-1]`` within ``MAX_LOGIT_BYTES``
-  unless the Pallas form takes ``v`` too (none with no ``SIZES``)."""
+  unless the Pallas form takes every size with ``v`` (none with no
+  ``SIZES``)."""
   b, t, n, _ = q.shape
   one_array = (mask.same_ids and k.shape[1] == t and
                isinstance(mask.q_offset, (int, np.integer)) and
                mask.q_offset == mask.kv_offset)
   if not SIZES or not one_array:
     return False
-  if v is not None and _pallas(q, k, v, SIZES[-1]):
+  if v is not None and all(_pallas(q, k, v, p) for p in SIZES):
     return True
   width = (3 if _ahead(config) else 2) * SIZES[-1]
   return 4 * b * t * n * width <= MAX_LOGIT_BYTES
