@@ -316,19 +316,31 @@ def packed_path_args(p) -> None:
                  "kernels, 128-token ones taking every longer document "
                  "(pallas), without the tiles (handler), or the calls' "
                  "switch and loop (calls)")
+  tile_sizes_arg(p)
+
+
+def tile_sizes_arg(p) -> None:
+  p.add_argument("--tile-sizes", type=int, nargs="+", default=None,
+                 help="the tile sizes of the pass and pallas paths (default: "
+                 "the library's for pass, 32 64 128 for pallas)")
 
 
 PACKED_PATHS = ("pass", "pallas", "handler", "calls")
 
 
-def use_packed_path(path: str) -> None:
-  """Make packed cuDNN blocks run as ``path`` (see packed_path_args)."""
+def use_packed_path(path: str, sizes=None) -> dict:
+  """Make packed cuDNN blocks run as ``path`` (see packed_path_args), with
+  tile sizes ``sizes`` where it has tiles; returns what is in force, for
+  the results file."""
   from jax_ring._src.backends.cudnn import passes, tiles
   passes.ENABLED = path != "calls"
   tiles.KERNEL = "pallas" if path == "pallas" else "xla"
   tiles.PALLAS_REACH = 1 << 30 if path == "pallas" else 128
-  tiles.SIZES = {"pass": tiles.DEFAULT_SIZES,
-                 "pallas": (32, 64, 128)}.get(path, ())
+  default = {"pass": tiles.DEFAULT_SIZES, "pallas": (32, 64, 128)}
+  tiles.SIZES = (tuple(sizes) if sizes and path in default
+                 else default.get(path, ()))
+  return dict(packed_path=path, tile_kernel=tiles.KERNEL,
+              tile_sizes=list(tiles.SIZES))
 
 
 def tail_args(p) -> None:

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import jax_ring
 from common import (PACKED_PATHS, causal_keys, document_ids,
                     lognormal_lengths, random_qkv, shape_args, time_fn,
-                    use_packed_path, write)
+                    tile_sizes_arg, use_packed_path, write)
 
 TABLES = ("default", "sinks", "mla", "packed", "empty")
 SINK_SHAPES = ((64, 8, 64), (32, 8, 128))  # (N, K, D): gpt-oss; Llama-like
@@ -344,6 +344,7 @@ def main():
                  choices=PACKED_PATHS, help="the packed table's form of a "
                  "block pass (common.packed_path_args); with several, each "
                  "its own mode (<mode>_<path>), one after the other")
+  tile_sizes_arg(p)
   p.add_argument("--plot", metavar="RESULTS_JSON", default=None,
                  help="only draw that file's packed table as a PNG beside "
                  "it (needs matplotlib)")
@@ -359,8 +360,7 @@ def main():
   runs = [(t, None) for t in a.tables if t != "packed"] + (
       [("packed", p) for p in a.packed_paths] if "packed" in a.tables else [])
   for table, path in runs:
-    if path is not None:
-      use_packed_path(path)
+    packed = {} if path is None else use_packed_path(path, a.tile_sizes)
     rows, columns, extra = builders[table](a)
     mode = a.mode if table == "default" else (
         table if a.mode == "default" else f"{a.mode}_{table}")
@@ -368,7 +368,7 @@ def main():
       mode = f"{mode}_{path}"
     write("cudnn_attention", rows, columns,
           extra=dict(dtype="bfloat16", batch=1,
-                     implementation=a.implementation, packed_path=path,
+                     implementation=a.implementation, **packed,
                      flops="2*S^2*N*(H+Hv) fwd, 2*S^2*N*(4H+3Hv) fwd+bwd "
                            "(x0.5 causal)", **extra),
           mode=mode)

@@ -130,7 +130,7 @@ def main():
   p.add_argument("--mode", default="default")
   packed_path_args(p)
   a = p.parse_args()
-  use_packed_path(a.packed_path)
+  packed = use_packed_path(a.packed_path, a.tile_sizes)
   divisors = use_tail_divisors(a.tail_divisors)
   one, many, args = programs(a.strategy, a.mix, a.seq, a.heads, a.kv_heads,
                              a.layers, a.scan)
@@ -155,7 +155,7 @@ def main():
                                  "executethunks_ms", "launches"],
           dict(strategy=a.strategy, mix=a.mix, seq=a.seq, heads=a.heads,
                kv_heads=a.kv_heads, head_dim=128, dtype="bfloat16",
-               packed_path=a.packed_path, tail_divisors=divisors,
+               **packed, tail_divisors=divisors,
                scan=a.scan,
                xla_flags=os.environ.get("XLA_FLAGS", "")), mode=a.mode)
 

@@ -86,7 +86,7 @@ def main():
   for folder in (a.hlo, a.timeline):
     if folder:
       os.makedirs(folder, exist_ok=True)
-  use_packed_path(a.packed_path)
+  packed = use_packed_path(a.packed_path, a.tile_sizes)
   rows = []
   s, n, kh, d = a.seq, a.heads, a.kv_heads, 128
   mixes = [f"equal{x}" for x in a.docs] + a.mixes or ["equal1", "equal64",
@@ -131,7 +131,8 @@ def main():
                                  "busy_ms", "attn_ms", "comm_ms", "other_ms",
                                  "idle_ms", "events", "waits", "waits_ms"],
         dict(heads=n, kv_heads=kh, head_dim=d, dtype="bfloat16",
-             packed_path=a.packed_path, calls=a.calls, waits=f"GPU 0's idle stretches over {GAP_US} us "
+             calls=a.calls, **packed,
+             waits=f"GPU 0's idle stretches over {GAP_US} us "
              "a call"), mode=a.mode)
 
 

@@ -155,7 +155,7 @@ def report(rows, a):
         cols + ["auto_pick", "best_fwd", "auto_vs_best_fwd", "best_fwdbwd",
                 "auto_vs_best_fwdbwd"],
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
-                   packed_path=a.packed_path,
+                   **a.packed,
                    tail_divisors=a.tail_divisors,
                    **ring_kwargs(a),
                    efficiency="(single-GPU cuDNN time / cp) / strategy time",
@@ -176,7 +176,7 @@ def main():
   packed_path_args(p)
   tail_args(p)
   a = p.parse_args()
-  use_packed_path(a.packed_path)
+  a.packed = use_packed_path(a.packed_path, a.tile_sizes)
   a.tail_divisors = use_tail_divisors(a.tail_divisors)
   cp = jax.device_count()
   a.strategies = a.strategies or default_strategies(cp)
