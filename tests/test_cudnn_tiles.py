@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jax_ring._src.backends import cudnn
-from jax_ring._src.backends.cudnn import ffi, passes, tiles
+from jax_ring._src.backends.cudnn import ffi, passes, tiles, tiles_pallas
 from jax_ring._src.backends.cudnn.band import band
 from jax_ring._src.core.mask import BlockMask
 import reference as ref
@@ -184,7 +184,6 @@ def test_pallas_tiles_interpreted(most, t, kw):
   rows of 61 and 97 tokens (a padded last tile), documents shorter and
   longer than a tile, GQA, a value head dim unlike the key's, bfloat16:
   out, lse and every gradient equal the float64 reference's."""
-  from jax_ring._src.backends.cudnn import tiles_pallas
   ids = short_ids(most, 2, t, most)
   q, k, v, do = (x.astype(jnp.bfloat16) for x in ref.random_qkv(
       7, 2, t, t, 4, 2, 16, hv=32))
@@ -211,7 +210,6 @@ def test_pallas_tiles_read_the_tiles_their_documents_reach():
   pairs of 136 causal ones); unmasked, both of its document's tiles (32);
   a window of 8 keys back, the tile before only where the window reaches
   it."""
-  from jax_ring._src.backends.cudnn import tiles_pallas
   ids = jnp.repeat(jnp.arange(8, dtype=jnp.int32), 64)[None]
   pairs = lambda lo, hi: int(jnp.sum(hi - lo + 1))
   q_lo, q_hi, k_lo, k_hi = tiles_pallas.ranges(ids, 32, (None, 0))
@@ -228,7 +226,6 @@ def test_pallas_tiles_propagate_nan_as_the_xla_form():
   jax.nn's), and every other row's value is the XLA form's to bfloat16's
   rounding (its running max rounds the probabilities against other
   maxima)."""
-  from jax_ring._src.backends.cudnn import tiles_pallas
   ids = jnp.asarray(short_ids(8, 2, 61, 8))
   q, k, v, _ = (x.astype(jnp.bfloat16) for x in ref.random_qkv(
       5, 2, 61, 61, 4, 2, 16))
@@ -250,7 +247,6 @@ def test_pallas_tiles_lower_for_nvidia_gpus(causal, p):
   """The Pallas tiles lower to Triton for CUDA without a GPU (every
   operation they use has a Triton lowering), forward and backward, at
   the shapes the packed benchmark times."""
-  from jax_ring._src.backends.cudnn import tiles_pallas
   cfg = ref.config(ref.Case(128**-0.5, is_causal=causal))
   sds = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
   q, k, ids = sds(1, 1024, 16, 128), sds(1, 1024, 8, 128), sds(
