@@ -91,11 +91,14 @@ def collectives(hlo):
   return {op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo)) for op in ops}
 
 
-def check(got, q, k, v, do, case):
-  """Output and grads against the float64 reference, at q's tolerance."""
+def check(got, q, k, v, do, case, lse=None):
+  """Output, grads (and ``lse``, where given) against the float64
+  reference, at q's tolerance."""
   out, (dq, dk, dv) = got
-  r_out, _, g = ref.attention(q, k, v, case, dout=do)
+  r_out, r_lse, g = ref.attention(q, k, v, case, dout=do)
   ref.assert_close(out, r_out, q.dtype, "out")
+  if lse is not None:
+    ref.assert_close(lse, r_lse, q.dtype, "lse")
   for name, grad in (("q", dq), ("k", dk), ("v", dv)):
     ref.assert_close(grad, g[name], q.dtype, "d" + name)
 

@@ -67,12 +67,11 @@ def _column(ref, i, p, head):
 
 def _visible(qi, kj, qid, kid, p, t, band):
   """``(P, P)`` bool: row ``r`` of query tile ``qi`` sees column ``c`` of
-  key tile ``kj`` (the same id, both inside the row, inside the band).
-  ``qi`` and ``kj`` may lie outside the row: nothing is visible there."""
+  key tile ``kj`` (the same id, both before the row's padding, inside the
+  band)."""
   q_pos = qi * p + lax.broadcasted_iota(jnp.int32, (p, p), 0)
   k_pos = kj * p + lax.broadcasted_iota(jnp.int32, (p, p), 1)
-  vis = ((qid[:, None] == kid[None, :]) & (k_pos >= 0) & (k_pos < t) &
-         (q_pos >= 0) & (q_pos < t))
+  vis = (qid[:, None] == kid[None, :]) & (k_pos < t) & (q_pos < t)
   left, right = band
   if left is not None:
     vis &= k_pos - q_pos >= -left
