@@ -311,21 +311,22 @@ def packed_path_args(p) -> None:
   """``--packed-path``: how a packed cuDNN block runs its calls."""
   p.add_argument("--packed-path", default="pass", choices=PACKED_PATHS,
                  help="one handler a block pass where it serves the shapes, "
-                 "rows of short documents as dense band tiles (pass, the "
-                 "library's default), the same with the tiles as Pallas "
-                 "kernels, 128-token ones taking every longer document "
-                 "(pallas), without the tiles (handler), or the calls' "
-                 "switch and loop (calls)")
+                 "rows of short documents as band tiles (pass, the "
+                 "library's default: Pallas kernels where they take the "
+                 "operands), the same with the tiles as XLA products "
+                 "(xla-tiles), with Pallas tiles of up to 128 tokens taking "
+                 "every longer document (pallas), without the tiles "
+                 "(handler), or the calls' switch and loop (calls)")
   tile_sizes_arg(p)
 
 
 def tile_sizes_arg(p) -> None:
   p.add_argument("--tile-sizes", type=int, nargs="+", default=None,
-                 help="the tile sizes of the pass and pallas paths (default: "
-                 "the library's for pass, 32 64 128 for pallas)")
+                 help="the tile sizes of the pass, xla-tiles and pallas "
+                 "paths (default: the library's, 32 64 128 for pallas)")
 
 
-PACKED_PATHS = ("pass", "pallas", "handler", "calls")
+PACKED_PATHS = ("pass", "xla-tiles", "pallas", "handler", "calls")
 
 
 def use_packed_path(path: str, sizes=None) -> dict:
@@ -334,9 +335,11 @@ def use_packed_path(path: str, sizes=None) -> dict:
   the results file."""
   from jax_ring._src.backends.cudnn import passes, tiles
   passes.ENABLED = path != "calls"
-  tiles.KERNEL = "pallas" if path == "pallas" else "xla"
-  tiles.PALLAS_REACH = 1 << 30 if path == "pallas" else 128
-  default = {"pass": tiles.DEFAULT_SIZES, "pallas": (32, 64, 128)}
+  tiles.KERNEL = "xla" if path == "xla-tiles" else tiles.DEFAULT_KERNEL
+  if path == "pallas":
+    tiles.KERNEL, tiles.PALLAS_REACH = "pallas", 1 << 30
+  default = {"pass": tiles.DEFAULT_SIZES, "xla-tiles": tiles.DEFAULT_SIZES,
+             "pallas": (32, 64, 128)}
   tiles.SIZES = (tuple(sizes) if sizes and path in default
                  else default.get(path, ()))
   return dict(packed_path=path, tile_kernel=tiles.KERNEL,

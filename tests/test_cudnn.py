@@ -311,11 +311,12 @@ def test_packed_documents_through_ragged_offsets(name, smallest, path,
   """Packed rows through the length classes' ragged calls (SMALLEST = 16:
   classes 16, 64, 256, 301; 32: 32, 128, 301; class 0's menu and loops of
   calls), every served mask, against the float64 reference: one handler a
-  pass, the calls' switch and loop, and the pass with its tiles' branch
-  (which takes the rows of one id array whose documents all fit a tile:
-  ``many_causal``, ``many_window_causal``, ``short_full``), as XLA's
-  products or as the Pallas kernels (``tiles_pallas``: 128-token tiles
-  too, taking every longer document)."""
+  pass without tiles, the calls' switch and loop, and the
+  pass with its tiles' branch (which takes the rows of one id array whose
+  documents all fit a tile: ``many_causal``, ``many_window_causal``,
+  ``short_full``) as XLA's products (``tiles``) or as the Pallas kernels
+  (``tiles_pallas``: 128-token tiles too, taking every longer
+  document)."""
   import ragged_cudnn
   from jax_ring._src.backends.cudnn import passes, tiles
   monkeypatch.setattr(packed, "SMALLEST", smallest)
@@ -324,7 +325,9 @@ def test_packed_documents_through_ragged_offsets(name, smallest, path,
     monkeypatch.setattr(tiles, "KERNEL", "pallas")
     monkeypatch.setattr(tiles, "SIZES", (32, 64, 128))
     monkeypatch.setattr(tiles, "PALLAS_REACH", P_T)
-  elif path != "tiles":
+  elif path == "tiles":  # the XLA form (the default's where Pallas is not)
+    monkeypatch.setattr(tiles, "KERNEL", "xla")
+  else:
     monkeypatch.setattr(tiles, "SIZES", ())
   one_handler = path != "calls"
   q_ids, kv_ids, kw = PACKED[name]
@@ -538,15 +541,16 @@ def test_pallas_tiles_inside_shard_map(monkeypatch):
   q, k, v, do = ref.random_qkv(21, B, P_T, P_T, N, K, 128, jnp.bfloat16)
   case = ref.Case(128**-0.5, q_segment_ids=ids, kv_segment_ids=ids,
                   is_causal=True)
-  mesh = jax.make_mesh((1,), ("x",))
+  mesh = helpers.mesh(1)
 
-  def f(q, k, v, ids):
+  def f(q, k, v, ids, do):
     out, vjp = jax.vjp(lambda q, k, v: jax_ring.dot_product_attention(
         q, k, v, is_causal=True, segment_ids=ids, scale=128**-0.5,
         implementation="cudnn"), q, k, v)
     return out, vjp(do)
 
-  g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=Spec("x"),
-                            out_specs=Spec("x")))
-  assert "jax_ring_band_tiles" in g.lower(q, k, v, jnp.asarray(ids)).as_text()
-  helpers.check(g(q, k, v, jnp.asarray(ids)), q, k, v, do, case)
+  g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=Spec("cp"),
+                            out_specs=Spec("cp")))
+  args = (q, k, v, jnp.asarray(ids), do)
+  assert "jax_ring_band_tiles" in g.lower(*args).as_text()
+  helpers.check(g(*args), q, k, v, do, case)

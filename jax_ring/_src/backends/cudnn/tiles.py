@@ -38,11 +38,12 @@ SIZES = DEFAULT_SIZES
 # The most bytes a block's float32 logits may take at the largest size;
 # above, the pass has no tile branch (unless the Pallas form runs them).
 MAX_LOGIT_BYTES = 1 << 30
-# The tiles' form on GPUs: "xla" (this module's products) or "pallas"
-# (tiles_pallas.py: no logits written out, and each tile reads only the
-# tiles its documents reach), where tiles_pallas.supports the operands.
-# Elsewhere "xla".
-KERNEL = "xla"
+# The tiles' form on GPUs: "pallas" (tiles_pallas.py: no logits written
+# out, and each tile reads only the tiles its documents reach) where
+# tiles_pallas.supports the operands, else "xla" (this module's products).
+# Elsewhere "xla". See docs/decisions.md for the measured choice.
+DEFAULT_KERNEL = "pallas"
+KERNEL = DEFAULT_KERNEL
 # The Pallas form's largest size takes documents of up to this many tokens
 # (its tiles need not hold a document); longer ones go to the handler.
 PALLAS_REACH = 128
