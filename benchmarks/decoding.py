@@ -40,9 +40,10 @@ kv heads of 64, vocabulary 128256, tied embeddings) in bfloat16.
   then a new step array each call); and a program that does nothing with
   the same arguments, the cache donated and returned (the cost of passing
   them). Each: the host's microseconds a call, and a call's microseconds
-  end to end over consecutive calls. Then ``generate``'s median interval
-  between two tokens from a 64-token prompt (a call a token: the step
-  and the draw).
+  end to end over consecutive calls. Then ``generate``'s mean time a
+  token from a 64-token prompt, with one decode step a call (the step
+  and the draw) and with 8 (``tokens_per_call=8``: one program loops
+  over them), after the first call.
 * ``--kernels``: each ``decode_attention`` implementation timed, one
   after the other, on the same shapes (default: ``pallas xla`` on GPUs,
   the kernel the default path runs against the XLA baseline; ``xla``
@@ -176,17 +177,21 @@ def host_rows(cfg, model, generator, mesh, rows, save, calls: int = 48):
                      call_us=total / calls * 1e6))
     print(rows[-1], flush=True)
     save()
-  times = []
   prompt = [list(range(1, 65))]
-  for _ in range(2):  # the first run compiles
-    times.clear()
-    generator.generate(prompt, max_new_tokens=calls + 3,
-                       on_tokens=lambda *_: times.append(time.perf_counter()))
-  rows.append(dict(kind="host", way="generate, a token's interval (median)",
-                   batch=1, context=64,
-                   call_us=float(np.median(np.diff(times[2:]))) * 1e6))
-  print(rows[-1], flush=True)
-  save()
+  for n in (1, 8):
+    times = []
+    for _ in range(2):  # the first run compiles
+      times.clear()
+      generator.generate(prompt, max_new_tokens=calls + 1 + n,
+                         tokens_per_call=n, on_tokens=lambda *_: times.append(
+                             time.perf_counter()))
+    after = times[1 + n:]  # from the first decode call's last token
+    rows.append(dict(kind="host", way=f"generate, {n} token(s) a call: a "
+                     "token's time (mean)", batch=1, context=64,
+                     tokens_per_call=n, call_us=(after[-1] - after[0]) / (
+                         len(after) - 1) * 1e6))
+    print(rows[-1], flush=True)
+    save()
 
 
 def kernel_profile(generator, cache, steps: int = 5, top: int = 12):

@@ -65,6 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "data x context mesh takes the rest; it must divide the "
                  "devices); on a CPU, 8 are simulated (more if --context "
                  "is larger)")
+  p.add_argument("--tokens-per-call", type=run_dir.POSITIVE, default=1,
+                 help="decode steps run as one program (the host's cost of "
+                 "a call paid once for them; tokens are shown that many at "
+                 "a time)")
   p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                  help="default: bfloat16 on GPUs, float32 on a CPU")
   args = p.parse_args(argv)
@@ -183,11 +187,13 @@ def generate(args) -> list[str]:
       model = models.load_pretrained(model_dir, mesh=mesh, dtype=dtype,
                                      **options)
       # A prompt from a file may be a book: it is not echoed.
-      stream = Stream(encoder, prompts, texts, echo=not args.prompt_file)
+      stream = Stream(encoder, prompts, texts, echo=not args.prompt_file,
+                      per_call=args.tokens_per_call)
       out = gen.generate(model, prompts, max_new_tokens=args.max_new_tokens,
                          sampling=sampling, seed=args.seed,
                          stop_tokens=[encoder.eos] if encoder.eos is not None
-                         else [], on_tokens=stream)
+                         else [], on_tokens=stream,
+                         tokens_per_call=args.tokens_per_call)
     stream.finish(out)
   return [stream.text(row) for row in range(len(out))]
 
@@ -195,9 +201,11 @@ def generate(args) -> list[str]:
 class Stream:
   """Prints the generated text: one prompt's token by token, several
   prompts' at the end; then, on stderr, the time to the first token
-  (prefill, compiles included) and the median decode step."""
+  (prefill, compiles included) and the mean time a token after the first
+  decode call (``per_call`` tokens; it holds the step's compile)."""
 
-  def __init__(self, encoder, prompts, texts, echo=True):
+  def __init__(self, encoder, prompts, texts, echo=True, per_call=1):
+    self.per_call = per_call
     self.encoder, self.texts, self.echo = encoder, texts, echo
     self.ids = [[] for _ in prompts]
     self.prompt_tokens = sum(map(len, prompts))
@@ -228,12 +236,11 @@ class Stream:
     else:
       for row, text in enumerate(self.texts):
         print(f"--- {row}: {text!r}\n{self.text(row)}")
-    import numpy as np
-    # The second step's interval holds the decode step's compile.
-    steps = np.diff(self.times[2:])
-    decode = (f"; {steps.size} more decode steps, "
-              f"{np.median(steps) * 1e3:.1f} ms a step (median)"
-              if steps.size else "")
+    # The first decode call's tokens hold the step's compile.
+    after = self.times[1 + self.per_call:]
+    decode = (f"; {len(after) - 1} more tokens, "
+              f"{(after[-1] - after[0]) / (len(after) - 1) * 1e3:.1f} ms a "
+              f"token (mean)" if len(after) > 1 else "")
     print(f"first token after {self.times[1] - self.times[0]:.2f} s (prefill "
           f"of {self.prompt_tokens:,} tokens, compiles included){decode}",
           file=sys.stderr)

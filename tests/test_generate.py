@@ -258,6 +258,34 @@ def test_stop_tokens_end_a_row_and_are_kept(checkpoints):
   assert got[1] == want[1][:stop_1[0] + 1] if stop_1 else want[1]
 
 
+def test_several_tokens_a_call_give_the_same_tokens(checkpoints):
+  """``tokens_per_call`` steps as one program: transformers' greedy tokens
+  with the cache split over the context axis (7 tokens: the prefill's and
+  two calls of 3), the same draws as one token a call with sampling (4 a
+  call: the last call's steps past max_new_tokens dropped), stops at the
+  same token inside a call, and ``on_tokens`` sees every step in order."""
+  path, want = checkpoints["mistral"]
+  mesh = cp_mesh()
+  with jax.set_mesh(mesh):
+    model = models.load_pretrained(
+        path, mesh=mesh, rules=models.model_rules(),
+        context_parallel=jax_ring.ContextParallel(axis="context"))
+    steps = []
+    got = gen.generate(model, PROMPTS, max_new_tokens=NEW, tokens_per_call=3,
+                       on_tokens=lambda step, _: steps.append(step))
+  assert got == want and steps == list(range(NEW))
+  generator = gen.Generator(models.load_pretrained(path))
+  hot = gen.Sampling(temperature=1.5, top_k=20, top_p=0.9)
+  run = lambda n, **kw: generator.generate(
+      PROMPTS, max_new_tokens=NEW, sampling=hot, seed=3, tokens_per_call=n,
+      **kw)
+  one = run(1)
+  assert run(4) == one
+  stop = one[0][3]  # inside the first call of 4 (or earlier)
+  first = one[0].index(stop)
+  assert run(4, stop_tokens=[stop])[0] == one[0][:first + 1]
+
+
 def test_a_tiny_temperature_is_greedy_and_options_are_named(checkpoints):
   """Logits over a temperature of 2e-38 overflow float32 unless shifted
   first: the tokens must be the greedy ones. NumPy numbers are numbers;
@@ -277,7 +305,9 @@ def test_a_tiny_temperature_is_greedy_and_options_are_named(checkpoints):
       (dict(stop_tokens=[1.5]), ValueError, "stop_tokens must be a list of "
        "int token ids; got float64 (1,)"),
       (dict(sampling=None), TypeError, "sampling must be a jax_ring.models."
-       "generation.Sampling; got None")):
+       "generation.Sampling; got None"),
+      (dict(tokens_per_call=0), ValueError, "tokens_per_call must be an int "
+       ">= 1; got 0")):
     with pytest.raises(error, match="^" + re.escape(message)):
       run(**kw)
 
@@ -380,8 +410,8 @@ def test_the_example_streams_what_generate_returns(tmp_path, capsys):
   printed = capsys.readouterr()
   assert printed.out == prompt + text + "\n"
   assert re.search(r"first token after \d+\.\d\d s \(prefill of [\d,]+ "
-                   r"tokens, compiles included\); 4 more decode steps, "
-                   r"\d+\.\d ms a step \(median\)", printed.err), printed.err
+                   r"tokens, compiles included\); 4 more tokens, "
+                   r"\d+\.\d ms a token \(mean\)", printed.err), printed.err
   encoder = finetune.Encoder(model_dir)
   ids = encoder.prefix + encoder.tok.encode(prompt,
                                             add_special_tokens=False).ids

@@ -49,6 +49,7 @@ from jax_ring.flax.attention import (BATCH, HEAD_DIM, KV_HEADS, LENGTH,
 from jax_ring.flax.data import reorder_size
 from jax_ring.models.config import DecoderConfig
 from jax_ring.models.decoder import Decoder
+from jax_ring.models.sampling import Sampling, check_count, is_int
 
 
 # Each device's slots are a multiple of this: XLA's GPU matrix products may
@@ -84,69 +85,6 @@ class KVCache:
     return self.positions.shape[1]
 
 
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-  """How the next token is drawn from the logits: ``temperature`` 0 is
-  greedy (argmax); otherwise softmax(logits / temperature) over the
-  ``top_k`` most likely tokens (None: all) whose cumulative probability
-  first reaches ``top_p`` (1: all)."""
-
-  temperature: float = 0.0
-  top_k: int | None = None
-  top_p: float = 1.0
-
-  def __post_init__(self):
-    t, k, p = self.temperature, self.top_k, self.top_p
-    if not (_is_number(t) and math.isfinite(t) and t >= 0):
-      raise ValueError(f"temperature must be a finite number >= 0; got {t!r}")
-    tiny = float(np.finfo(np.float32).tiny)
-    if 0 < t < tiny:  # logits / t would be 0 / 0 at the best token
-      raise ValueError(f"temperature must be 0 (greedy) or at least "
-                       f"{tiny:.4g}, float32's smallest normal number, by "
-                       f"which the logits are divided; got {t!r}")
-    if k is not None and not (_is_int(k) and k >= 1):
-      raise ValueError(f"top_k must be None or an int >= 1; got {k!r}")
-    if not (_is_number(p) and 0 < p <= 1):
-      raise ValueError(f"top_p must be in (0, 1]; got {p!r}")
-    # Python numbers: the jitted sampler takes the record as a static key.
-    object.__setattr__(self, "temperature", float(t))
-    object.__setattr__(self, "top_k", None if k is None else int(k))
-    object.__setattr__(self, "top_p", float(p))
-
-  def filter(self, logits):
-    """The logits ``(B, V)`` a token is drawn from (softmax of them), for a
-    temperature above 0: over the temperature, -inf outside the top k
-    (ties with the k-th kept, as transformers' TopK) and outside the
-    nucleus (the most likely tokens, ties by id, up to the first whose
-    cumulative probability reaches top_p: exactly that many)."""
-    # Shifted first, so that a tiny temperature tends to greedy rather than
-    # overflowing: the best logit stays 0 and the others fall to -inf.
-    logits = (logits - logits.max(-1, keepdims=True)) / self.temperature
-    if self.top_k is not None and self.top_k < logits.shape[-1]:
-      kth = lax.top_k(logits, self.top_k)[0][:, -1:]
-      logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if self.top_p < 1:
-      order = jnp.argsort(-logits, -1, stable=True)
-      probs = jax.nn.softmax(jnp.take_along_axis(logits, order, -1), -1)
-      above = jnp.cumsum(probs, -1) - probs  # the mass ranked above each
-      keep = jnp.zeros(logits.shape, bool).at[
-          jnp.arange(logits.shape[0])[:, None], order].set(above < self.top_p)
-      logits = jnp.where(keep, logits, -jnp.inf)
-    return logits
-
-  def draw(self, logits, key):
-    """``(B,)`` int32 next tokens from ``logits (B, V)``: the argmax at
-    temperature 0, else a draw from :meth:`filter`'s logits; -1 for a row
-    whose logits hold NaN (there is no distribution to draw from), which
-    ``generate`` names."""
-    nan = jnp.isnan(logits).any(-1)
-    if self.temperature == 0:
-      tokens = jnp.argmax(logits, -1)
-    else:
-      tokens = jax.random.categorical(key, self.filter(logits))
-    return jnp.where(nan, -1, tokens).astype(jnp.int32)
-
-
 def _devices(cfg: DecoderConfig) -> int:
   """D: how many pieces the sequence is split into, on the mesh in scope
   (``jax.set_mesh``)."""
@@ -161,15 +99,6 @@ def _devices(cfg: DecoderConfig) -> int:
         f"scope {dict(mesh.shape)} lacks: generate under "
         f"jax.set_mesh(mesh), as the model is called")
   return math.prod(mesh.shape[a] for a in cp.axes)
-
-
-def _is_int(x) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _is_number(x) -> bool:
-  return isinstance(x, (int, float, np.integer, np.floating)) and not (
-      isinstance(x, (bool, np.bool_)))
 
 
 def _layout(cfg: DecoderConfig, x, seq_axis=1):
@@ -287,17 +216,32 @@ def _step(graph: _Graph, leaves, cache: KVCache, tokens, step, *,
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,),
-                   static_argnames=("implementation", "sampling"))
-def _step_and_draw(graph: _Graph, leaves, cache: KVCache, tokens, step, key,
-                   *, implementation=None, sampling: Sampling):
-  """:func:`_step`, then the next tokens drawn from its logits with the
-  next of ``key``'s splits: ``(drawn (B,), cache, step + 1, key)``, every
-  one on the device. ``generate``'s loop makes one call a token and moves
-  nothing from the host."""
-  logits, cache = _step(graph, leaves, cache, tokens, step,
-                        implementation=implementation)
-  key, sub = jax.random.split(key)
-  return sampling.draw(logits, sub), cache, step + 1, key
+                   static_argnames=("implementation", "sampling", "count"))
+def _steps_and_draw(graph: _Graph, leaves, cache: KVCache, tokens, step, key,
+                    *, implementation=None, sampling: Sampling,
+                    count: int = 1):
+  """``count`` decode steps in one program: step ``step`` on ``tokens
+  (B,)``, the next tokens drawn from its logits with the next of ``key``'s
+  splits and fed to step ``step + 1``, and so on: ``(drawn (count, B),
+  drawn[-1], cache, step + count, key)``, every one on the device (the
+  last row apart, so that the next call takes it with no slicing call).
+  A loop of static trip count, so the host launches the steps without
+  waiting for any; the draws are those of ``count`` one-step calls."""
+
+  def one(i, carry):
+    cache, tokens, step, key, drawn = carry
+    logits, cache = _step(graph, leaves, cache, tokens, step,
+                          implementation=implementation)
+    key, sub = jax.random.split(key)
+    tokens = sampling.draw(logits, sub)
+    return cache, tokens, step + 1, key, drawn.at[i].set(tokens)
+
+  carry = (cache, tokens, step, key,
+           jnp.zeros((count,) + tokens.shape, jnp.int32))
+  # One step as it is: XLA keeps a loop of one trip.
+  carry = one(0, carry) if count == 1 else lax.fori_loop(0, count, one, carry)
+  cache, last, step, key, drawn = carry
+  return drawn, last, cache, step, key
 
 
 def _two_rows(x, cfg: DecoderConfig):
@@ -362,9 +306,7 @@ class Generator:
         raise ValueError(f"prompt token ids must be in [0, "
                          f"{cfg.vocab_size}); prompt {i} holds "
                          f"{ids.min()}..{ids.max()}")
-    if not (_is_int(max_new_tokens) and max_new_tokens >= 1):
-      raise ValueError(f"max_new_tokens must be an int >= 1; got "
-                       f"{max_new_tokens!r}")
+    check_count("max_new_tokens", max_new_tokens)
     d = _devices(cfg)
     unit = 2 * d if cfg.context_parallel is not None else 1
     p = -(-int(lengths.max()) // unit) * unit
@@ -403,7 +345,7 @@ class Generator:
     if d != cache.devices:
       raise ValueError(f"the cache is split into {cache.devices} pieces, "
                        f"and the mesh in scope splits the sequence into {d}")
-    if not (_is_int(step) and step >= 0):
+    if not (is_int(step) and step >= 0):
       raise ValueError(f"step must be an int >= 0; got {step!r}")
     if cache.prompt_slots + step // d >= cache.capacity // d:
       raise ValueError(
@@ -427,17 +369,25 @@ class Generator:
   def generate(self, prompts: Sequence[Sequence[int]], *,
                max_new_tokens: int, sampling: Sampling = Sampling(),
                seed: int = 0, stop_tokens: Sequence[int] = (),
-               on_tokens: Callable[[int, np.ndarray], None] | None = None
-               ) -> list[list[int]]:
+               on_tokens: Callable[[int, np.ndarray], None] | None = None,
+               tokens_per_call: int = 1) -> list[list[int]]:
     """Continue each prompt by up to ``max_new_tokens`` tokens; a row stops
     after one of ``stop_tokens`` (kept in its output). ``on_tokens(step,
     tokens (B,))`` sees each step's tokens as they come (rows already
-    stopped included). Returns each row's new tokens."""
+    stopped included). Returns each row's new tokens.
+
+    ``tokens_per_call`` decode steps run as one program (a loop on the
+    device), so the host's cost of a call (its arguments and launches) is
+    paid once for them; ``on_tokens`` then sees them together, and up to
+    ``2 tokens_per_call - 1`` steps past a stop are computed and dropped.
+    The tokens are the same for every value."""
     if not isinstance(sampling, Sampling):
       raise TypeError(f"sampling must be a jax_ring.models.generation."
                       f"Sampling; got {sampling!r:.80}")
-    if not (_is_int(seed) and 0 <= seed < 2**32):
+    if not (is_int(seed) and 0 <= seed < 2**32):
       raise ValueError(f"seed must be an int in [0, 2**32); got {seed!r}")
+    check_count("tokens_per_call", tokens_per_call)
+    check_count("max_new_tokens", max_new_tokens)
     try:
       stop = np.asarray(list(stop_tokens))
     except TypeError:
@@ -447,42 +397,51 @@ class Generator:
                       not np.issubdtype(stop.dtype, np.integer)):
       raise ValueError(f"stop_tokens must be a list of int token ids; got "
                        f"{stop.dtype} {stop.shape}")
-    logits, cache = self.prefill(prompts, max_new_tokens=max_new_tokens)
+    n = tokens_per_call
+    calls = -(-(max_new_tokens - 1) // n)  # after the prefill's token
+    # Room for every step the calls make, past max_new_tokens included.
+    logits, cache = self.prefill(prompts, max_new_tokens=calls * n + 1)
     key = jax.random.key(seed)
     out = [[] for _ in prompts]
     done = np.zeros(len(prompts), bool)
     key, sub = jax.random.split(key)
-    drawn = _sample(logits, sub, sampling)  # on the device
-    at = jnp.int32(0)  # the step's number, kept on the device
-    for step in range(max_new_tokens):
-      # The next step is queued before this one's tokens are read, from
-      # the tokens still on the device: the host's work between steps
+    last = _sample(logits, sub, sampling)  # on the device
+    drawn, at, step = last[None], jnp.int32(0), 0
+    for call in range(calls + 1):
+      # The next call is queued before this one's tokens are read, from
+      # the tokens still on the device: the host's work between calls
       # (reading, stopping, streaming) overlaps the GPU's. The tokens'
       # copy to the host is queued first, so that reading them waits for
-      # their own step, not for the one queued behind it. A step queued
+      # their own call, not for the one queued behind it. A call queued
       # past the last one needed is discarded.
       drawn.copy_to_host_async()
-      if step < max_new_tokens - 1:
-        queued, cache, at, key = _step_and_draw(
-            self._graph, self._leaves, cache, drawn, at, key,
-            implementation=self.decode_implementation, sampling=sampling)
-      tokens = np.asarray(drawn)
-      bad = np.flatnonzero(tokens < 0)
-      if bad.size:
-        raise ValueError(
-            f"generate: step {step}: the logits of row(s) {bad.tolist()} "
-            f"hold NaN, so no token can be drawn (a NaN in the weights or "
-            f"the prompt's activations; the other rows were fine)")
-      for row, token in enumerate(tokens):
-        if not done[row]:
-          out[row].append(int(token))
-      if on_tokens is not None:
-        on_tokens(step, tokens)
-      done |= np.isin(tokens, stop)
-      if done.all() or step == max_new_tokens - 1:
-        break
+      if call < calls:
+        queued, last, cache, at, key = _steps_and_draw(
+            self._graph, self._leaves, cache, last, at, key,
+            implementation=self.decode_implementation, sampling=sampling,
+            count=n)
+      for tokens in np.asarray(drawn):
+        _check_drawn(tokens, step)
+        for row, token in enumerate(tokens):
+          if not done[row]:
+            out[row].append(int(token))
+        if on_tokens is not None:
+          on_tokens(step, tokens)
+        done |= np.isin(tokens, stop)
+        if done.all() or step == max_new_tokens - 1:
+          return out
+        step += 1
       drawn = queued
     return out
+
+
+def _check_drawn(tokens, step: int) -> None:
+  bad = np.flatnonzero(tokens < 0)
+  if bad.size:
+    raise ValueError(
+        f"generate: step {step}: the logits of row(s) {bad.tolist()} "
+        f"hold NaN, so no token can be drawn (a NaN in the weights or "
+        f"the prompt's activations; the other rows were fine)")
 
 
 def generate(model: Decoder, prompts: Sequence[Sequence[int]], **options
