@@ -315,18 +315,22 @@ def packed_path_args(p) -> None:
                  "library's default: Pallas kernels where they take the "
                  "operands), the same with the tiles as XLA products "
                  "(xla-tiles), with Pallas tiles of up to 128 tokens taking "
-                 "every longer document (pallas), without the tiles "
+                 "every longer document (pallas), every block of one id "
+                 "array through Pallas tiles of the last size with no "
+                 "switch (pallas-direct, tiles.DIRECT), without the tiles "
                  "(handler), or the calls' switch and loop (calls)")
   tile_sizes_arg(p)
 
 
 def tile_sizes_arg(p) -> None:
   p.add_argument("--tile-sizes", type=int, nargs="+", default=None,
-                 help="the tile sizes of the pass, xla-tiles and pallas "
-                 "paths (default: the library's, 32 64 128 for pallas)")
+                 help="the tile sizes of the pass, xla-tiles, pallas and "
+                 "pallas-direct paths (default: the library's, 32 64 128 "
+                 "for pallas, 64 for pallas-direct)")
 
 
-PACKED_PATHS = ("pass", "xla-tiles", "pallas", "handler", "calls")
+PACKED_PATHS = ("pass", "xla-tiles", "pallas", "pallas-direct", "handler",
+                "calls")
 
 
 def use_packed_path(path: str, sizes=None) -> dict:
@@ -336,14 +340,15 @@ def use_packed_path(path: str, sizes=None) -> dict:
   from jax_ring._src.backends.cudnn import passes, tiles
   passes.ENABLED = path != "calls"
   tiles.KERNEL = "xla" if path == "xla-tiles" else tiles.DEFAULT_KERNEL
-  if path == "pallas":
+  if path in ("pallas", "pallas-direct"):
     tiles.KERNEL, tiles.PALLAS_REACH = "pallas", 1 << 30
+  tiles.DIRECT = path == "pallas-direct"
   default = {"pass": tiles.DEFAULT_SIZES, "xla-tiles": tiles.DEFAULT_SIZES,
-             "pallas": (32, 64, 128)}
+             "pallas": (32, 64, 128), "pallas-direct": (64,)}
   tiles.SIZES = (tuple(sizes) if sizes and path in default
                  else default.get(path, ()))
   return dict(packed_path=path, tile_kernel=tiles.KERNEL,
-              tile_sizes=list(tiles.SIZES))
+              tile_sizes=list(tiles.SIZES), tile_direct=tiles.DIRECT)
 
 
 def tail_args(p) -> None:

@@ -305,7 +305,7 @@ PACKED = {
     (name, smallest, path) for name in PACKED for smallest in (32, 16)
     for path in ("pass", "calls")] + [
         (name, 32, path) for name in PACKED
-        for path in ("tiles", "tiles_pallas")])
+        for path in ("tiles", "tiles_pallas", "tiles_direct")])
 def test_packed_documents_through_ragged_offsets(name, smallest, path,
                                                  monkeypatch):
   """Packed rows through the length classes' ragged calls (SMALLEST = 16:
@@ -316,7 +316,8 @@ def test_packed_documents_through_ragged_offsets(name, smallest, path,
   documents all fit a tile: ``many_causal``, ``many_window_causal``,
   ``short_full``) as XLA's products (``tiles``) or as the Pallas kernels
   (``tiles_pallas``: 128-token tiles too, taking every longer
-  document)."""
+  document); and the Pallas tiles of 64 with no switch (``tiles_direct``,
+  ``tiles.DIRECT``: every block of one id array, whatever its layout)."""
   import ragged_cudnn
   from jax_ring._src.backends.cudnn import passes, tiles
   monkeypatch.setattr(packed, "SMALLEST", smallest)
@@ -327,6 +328,9 @@ def test_packed_documents_through_ragged_offsets(name, smallest, path,
     monkeypatch.setattr(tiles, "PALLAS_REACH", P_T)
   elif path == "tiles":  # the XLA form (the default's where Pallas is not)
     monkeypatch.setattr(tiles, "KERNEL", "xla")
+  elif path == "tiles_direct":
+    monkeypatch.setattr(tiles, "DIRECT", True)
+    monkeypatch.setattr(tiles, "SIZES", (64,))
   else:
     monkeypatch.setattr(tiles, "SIZES", ())
   one_handler = path != "calls"
@@ -349,9 +353,11 @@ def test_packed_documents_through_ragged_offsets(name, smallest, path,
     return out, lse, vjp(do)
 
   hlo = jax.jit(f).lower(q, k, v, ids).as_text()
-  assert "jax_ring_sdpa_fwd" in hlo and "jax_ring_sdpa_bwd" in hlo
-  assert ("jax_ring_sdpa_fwd_pass" in hlo) == one_handler
-  if path == "tiles_pallas" and kv_ids is None and not kw.get("kv_offset"):
+  one_array = kv_ids is None and not kw.get("kv_offset")
+  direct = path == "tiles_direct" and one_array
+  assert ("jax_ring_sdpa_fwd" in hlo and "jax_ring_sdpa_bwd" in hlo) != direct
+  assert ("jax_ring_sdpa_fwd_pass" in hlo) == (one_handler and not direct)
+  if path in ("tiles_pallas", "tiles_direct") and one_array:
     assert "jax_ring_band_tiles" in hlo
   # Which branch runs: cuDNN (one call, or several) wherever the ids fit.
   mask = jax_ring.BlockMask(

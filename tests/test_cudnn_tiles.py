@@ -175,23 +175,30 @@ def test_tiles_inside_shard_map(small_tiles, monkeypatch):
     (9, 61, dict(window=(2, 6))),
     (40, 97, dict(is_causal=True, window=(9, 0))),
     (70, 97, {}),
-], ids=["causal", "window_ahead", "long_causal_window", "long_full"])
+    (None, 61, dict(is_causal=True)),
+], ids=["causal", "window_ahead", "long_causal_window", "long_full",
+        "any_layout_causal"])
 def test_pallas_tiles_interpreted(most, t, kw):
   """The tiles' Pallas kernels (interpreted on the CPU) in tiles of 16 on
   rows of 61 and 97 tokens (a padded last tile), documents shorter and
   longer than a tile, GQA, a value head dim unlike the key's, bfloat16:
-  out, lse and every gradient equal the float64 reference's."""
-  ids = short_ids(most, 2, t, most)
+  out, lse and every gradient equal the float64 reference's. ``most``
+  None: ids in many runs each (``one_run=False``, as ``tiles.DIRECT``
+  runs them)."""
+  one_run = most is not None
+  ids = short_ids(most, 2, t, most) if one_run else np.stack(
+      [np.arange(t) // 5 % 4, np.arange(t) // 3 % 5]).astype(np.int32)
   q, k, v, do = (x.astype(jnp.bfloat16) for x in ref.random_qkv(
       7, 2, t, t, 4, 2, 16, hv=32))
   case = ref.Case(0.3, q_segment_ids=ids, kv_segment_ids=ids, **kw)
   cfg = ref.config(case)
+  kernels = dict(interpret=True, one_run=one_run)
 
   @jax.jit
   def run(q, k, v, ids):
-    out, lse = tiles_pallas.forward(q, k, v, ids, cfg, 16, interpret=True)
+    out, lse = tiles_pallas.forward(q, k, v, ids, cfg, 16, **kernels)
     return out, lse, tiles_pallas.backward(q, k, v, ids, out, lse, do, cfg,
-                                           16, interpret=True)
+                                           16, **kernels)
 
   out, lse, grads = run(q, k, v, jnp.asarray(ids))
   check((out, grads), q, k, v, do, case, lse)
@@ -211,6 +218,15 @@ def test_pallas_tiles_read_the_tiles_their_documents_reach():
   assert pairs(q_lo, q_hi) == pairs(k_lo, k_hi) == 32
   q_lo, q_hi, _, _ = tiles_pallas.ranges(ids, 32, (8, 0))
   np.testing.assert_array_equal(q_hi - q_lo, np.tile([0, 1], 8)[None])
+  # The same ids found in any layout give the same ranges; an id in two
+  # runs reaches from its first token's tile to its last's.
+  for band in ((None, 0), (None, None), (8, 0)):
+    for a, b in zip(tiles_pallas.ranges(ids, 32, band),
+                    tiles_pallas.ranges(ids, 32, band, one_run=False)):
+      np.testing.assert_array_equal(a, b)
+  split = ids.at[0, 480:].set(0)  # id 0 at tiles 0-1 and 15
+  q_lo, q_hi, _, _ = tiles_pallas.ranges(split, 32, (None, None), False)
+  assert (q_lo[0, 0], q_hi[0, 0], q_lo[0, 15], q_hi[0, 15]) == (0, 15, 0, 15)
 
 
 def test_pallas_tiles_propagate_nan_as_the_xla_form():

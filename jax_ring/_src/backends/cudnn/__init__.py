@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ring._src.backends import xla
-from jax_ring._src.backends.cudnn import band, ffi, packed, passes
+from jax_ring._src.backends.cudnn import band, ffi, packed, passes, tiles
 from jax_ring._src.backends.cudnn.ffi import (LOAD_ERROR, attrs, no_ragged,
                                               recording, sdpa, version,
                                               workspace_bytes)
@@ -67,6 +67,8 @@ def forward(q, k, v, bias, mask, config):
     return (jnp.zeros(out_shape.shape, out_shape.dtype),
             jnp.full((b, t, n), MASK_VALUE, jnp.float32))
   if mask.q_segment_ids is not None:
+    if tiles.direct(q, k, v, mask, config):
+      return tiles.direct_forward(q, k, v, mask, config)
     return _packed(q, k, mask).forward(q, k, v, mask, config, bnd)
   seq_q, seq_kv, padding = band.window_lengths(mask, bnd, b, t, s)
   rows = t - bnd.row_start
@@ -119,8 +121,10 @@ def _backward(q, k, v, bias, mask, out, lse, dout, dlse, config, stack):
   if bnd.empty:
     return jnp.zeros_like(q), pack(jnp.zeros_like(k), jnp.zeros_like(v))
   if mask.q_segment_ids is not None:
-    dq, dk, dv = _packed(q, k, mask).backward(q, k, v, mask, out, lse, dout,
-                                              config, bnd)
+    dq, dk, dv = (
+        tiles.direct_backward(q, k, v, mask, out, lse, dout, config)
+        if tiles.direct(q, k, v, mask, config) else _packed(q, k, mask)
+        .backward(q, k, v, mask, out, lse, dout, config, bnd))
     return dq, pack(dk, dv)
   seq_q, seq_kv, padding = band.window_lengths(mask, bnd, b, t, s)
   stats = jnp.swapaxes(lse[:, bnd.row_start:], 1, 2).astype(jnp.float32)

@@ -47,6 +47,11 @@ KERNEL = DEFAULT_KERNEL
 # The Pallas form's largest size takes documents of up to this many tokens
 # (its tiles need not hold a document); longer ones go to the handler.
 PALLAS_REACH = 128
+# Where True, a packed block that the Pallas form takes at SIZES[-1] runs
+# it, whatever its documents' lengths and layout, with no switch on them
+# (so no wait for the host at a branch): :func:`direct`. Off by default:
+# docs/decisions.md, the packed tiles as Pallas kernels.
+DIRECT = False
 
 
 def _pallas(q, k, v, p: int) -> bool:
@@ -75,6 +80,25 @@ def serves(q, k, mask, config, v=None) -> bool:
     return True
   width = (3 if _ahead(config) else 2) * SIZES[-1]
   return 4 * b * t * n * width <= MAX_LOGIT_BYTES
+
+
+def direct(q, k, v, mask, config) -> bool:
+  """Whether a packed block runs the Pallas tiles at ``SIZES[-1]`` with no
+  switch (static; :data:`DIRECT`)."""
+  return bool(DIRECT and SIZES and serves(q, k, mask, config, v) and
+              _pallas(q, k, v, SIZES[-1]))
+
+
+def direct_forward(q, k, v, mask, config):
+  """:func:`forward` of a :func:`direct` block, its ids in any layout."""
+  return tiles_pallas.forward(q, k, v, mask.q_segment_ids, config,
+                              SIZES[-1], one_run=False)
+
+
+def direct_backward(q, k, v, mask, out, lse, dout, config):
+  """:func:`backward` of a :func:`direct` block."""
+  return tiles_pallas.backward(q, k, v, mask.q_segment_ids, out, lse, dout,
+                               config, SIZES[-1], one_run=False)
 
 
 def limits(q, k, v) -> tuple[int, ...]:

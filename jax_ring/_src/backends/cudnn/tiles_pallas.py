@@ -5,8 +5,8 @@ form writes every tile's float32 logits, probabilities and their
 gradients whole, over a fixed window of ``W`` keys a query).
 
 Shapes as :mod:`tiles`: q ``(B, T, N, H)``, k ``(B, T, K, H)``, v ``(B,
-T, K, Hv)``, ids ``(B, T)``, each id one run of tokens (the packed pass's
-layout check), tiles of ``P`` tokens (a T that is no multiple of P is
+T, K, Hv)``, ids ``(B, T)`` (each id one run of tokens, as the packed
+pass's layout check finds, or any layout), tiles of ``P`` tokens (a T that is no multiple of P is
 padded to one, the padding masked). Operands are read in place as ``(B,
 T, heads x dim)`` matrices, ``lse`` and ``delta`` as ``(B, T, N)``
 float32: nothing is transposed.
@@ -84,25 +84,53 @@ def _dot(a, b):
   return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-def ranges(ids, p: int, band):
+def _spans(ids, one_run: bool):
+  """``(start, end)``, each ``(B, T)`` int32: the first position of each
+  token's id and one past its last. ``one_run``: each id is one run of
+  tokens (its run's ends); else any layout (sorted by id, each group's
+  ends)."""
+  b, t = ids.shape
+  ones = jnp.ones((b, 1), bool)
+  if one_run:
+    pos = jnp.arange(t, dtype=jnp.int32)
+    change = ids[:, 1:] != ids[:, :-1]
+    start = lax.cummax(jnp.where(jnp.concatenate([ones, change], 1), pos, 0),
+                       axis=1)
+    end = lax.cummin(jnp.where(jnp.concatenate([change, ones], 1), pos + 1,
+                               t), axis=1, reverse=True)
+    return start, end
+  order = jnp.argsort(ids, axis=1, stable=True).astype(jnp.int32)
+  change = jnp.take_along_axis(ids, order[:, 1:], 1) != jnp.take_along_axis(
+      ids, order[:, :-1], 1)
+  idx = jnp.arange(t, dtype=jnp.int32)
+  # Each sorted index's group's first and last sorted index; positions
+  # ascend inside a group (a stable sort), so these hold its ends.
+  lo = lax.cummax(jnp.where(jnp.concatenate([ones, change], 1), idx, 0),
+                  axis=1)
+  hi = lax.cummin(jnp.where(jnp.concatenate([change, ones], 1), idx, t - 1),
+                  axis=1, reverse=True)
+  bi = jnp.arange(b)[:, None]
+  back = lambda x: jnp.zeros((b, t), jnp.int32).at[bi, order].set(x)
+  return (back(jnp.take_along_axis(order, lo, 1)),
+          back(jnp.take_along_axis(order, hi, 1) + 1))
+
+
+def ranges(ids, p: int, band, one_run: bool = True):
   """Each query tile's key tiles and each key tile's query tiles, as
   inclusive bounds ``(q_lo, q_hi, k_lo, k_hi)``, each ``(B, ceil(T /
-  P))`` int32: the tiles that hold a token of the documents of the tile's
-  first and last tokens, within ``band`` (left, right: how far a key may
-  lie before or after its query; None: any). Where each id is one run of
-  tokens, no visible (query, key) pair lies outside them."""
+  P))`` int32: the tiles from the first token to the last of the ids
+  the tile holds, within ``band`` (left, right: how far a key may lie
+  before or after its query; None: any). No visible (query, key) pair
+  lies outside them; ``one_run`` (each id one run of tokens, as the
+  packed pass's layout check finds) only makes them cheaper to find."""
   b, t = ids.shape
   nt = -(-t // p)
-  pos = jnp.arange(t, dtype=jnp.int32)
-  change = ids[:, 1:] != ids[:, :-1]
-  ones = jnp.ones((b, 1), bool)
-  start = lax.cummax(jnp.where(jnp.concatenate([ones, change], 1), pos, 0),
-                     axis=1)
-  end = lax.cummin(jnp.where(jnp.concatenate([change, ones], 1), pos + 1, t),
-                   axis=1, reverse=True)
+  start, end = _spans(ids, one_run)
+  pad = ((0, 0), (0, nt * p - t))
+  lo = jnp.pad(start, pad, constant_values=t).reshape(b, nt, p).min(-1) // p
+  hi = (jnp.pad(end, pad).reshape(b, nt, p).max(-1) - 1) // p
   first = jnp.arange(nt, dtype=jnp.int32) * p
   last = jnp.minimum(first + p, t) - 1
-  lo, hi = start[:, first] // p, (end[:, last] - 1) // p
   left, right = band
   span = lambda x: jnp.clip(x, 0, t - 1) // p
   q_lo, q_hi, k_lo, k_hi = lo, hi, lo, hi
@@ -243,14 +271,16 @@ def _ids(ids, tp: int):
   return _flat(ids.astype(jnp.int32), tp)[..., 0]
 
 
-def forward(q, k, v, ids, config, p: int, interpret: bool = False):
-  """``(out (B, T, N, Hv), lse (B, T, N) float32)`` of the block whose
-  ids are each one run of tokens, in tiles of ``p``."""
+def forward(q, k, v, ids, config, p: int, interpret: bool = False,
+            one_run: bool = True):
+  """``(out (B, T, N, Hv), lse (B, T, N) float32)`` of the block, in
+  tiles of ``p``; ``one_run``: each id is one run of tokens (else any
+  layout, :func:`ranges`)."""
   b, t, n, _ = q.shape
   prm = _params(q, k, v, config, p)
   hv, nt = prm["hv"], -(-t // p)
   tp, own = nt * p, lambda m: m
-  q_lo, q_hi, _, _ = ranges(ids, p, config.band)
+  q_lo, q_hi, _, _ = ranges(ids, p, config.band, one_run)
   out, lse = _call(
       _fwd_kernel, (b, n, nt),
       [(_flat(q, tp), (prm["h"], own)), (_flat(k, tp), None),
@@ -263,15 +293,15 @@ def forward(q, k, v, ids, config, p: int, interpret: bool = False):
 
 
 def backward(q, k, v, ids, out, lse, dout, config, p: int,
-             interpret: bool = False):
+             interpret: bool = False, one_run: bool = True):
   """``(dq, dk, dv)`` of the block, from the given (global) ``out`` and
-  ``lse``."""
+  ``lse`` (``one_run`` as :func:`forward`'s)."""
   b, t, n, h = q.shape
   kh = k.shape[2]
   prm = _params(q, k, v, config, p)
   hv, nt = prm["hv"], -(-t // p)
   tp, own = nt * p, lambda m: m
-  q_lo, q_hi, k_lo, k_hi = ranges(ids, p, config.band)
+  q_lo, q_hi, k_lo, k_hi = ranges(ids, p, config.band, one_run)
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
   q, k, v, dout = (_flat(x, tp) for x in (q, k, v, dout))
   rows = [(_flat(lse.astype(jnp.float32), tp), None),
