@@ -327,17 +327,23 @@ def tile_sizes_arg(p) -> None:
                  help="the tile sizes of the pass, xla-tiles, pallas and "
                  "pallas-direct paths (default: the library's, 32 64 128 "
                  "for pallas, 64 for pallas-direct)")
+  p.add_argument("--pallas-stages", type=int, default=None,
+                 help="the Pallas tiles' pipeline stages "
+                 "(tiles_pallas.NUM_STAGES; default: the library's)")
 
 
 PACKED_PATHS = ("pass", "xla-tiles", "pallas", "pallas-direct", "handler",
                 "calls")
 
 
-def use_packed_path(path: str, sizes=None) -> dict:
+def use_packed_path(path: str, sizes=None, stages=None) -> dict:
   """Make packed cuDNN blocks run as ``path`` (see packed_path_args), with
-  tile sizes ``sizes`` where it has tiles; returns what is in force, for
-  the results file."""
-  from jax_ring._src.backends.cudnn import passes, tiles
+  tile sizes ``sizes`` where it has tiles and the Pallas tiles in
+  ``stages`` pipeline stages (None: the library's); returns what is in
+  force, for the results file."""
+  from jax_ring._src.backends.cudnn import passes, tiles, tiles_pallas
+  if stages is not None:
+    tiles_pallas.NUM_STAGES = stages
   passes.ENABLED = path != "calls"
   tiles.KERNEL = "xla" if path == "xla-tiles" else tiles.DEFAULT_KERNEL
   if path in ("pallas", "pallas-direct"):
@@ -348,7 +354,8 @@ def use_packed_path(path: str, sizes=None) -> dict:
   tiles.SIZES = (tuple(sizes) if sizes and path in default
                  else default.get(path, ()))
   return dict(packed_path=path, tile_kernel=tiles.KERNEL,
-              tile_sizes=list(tiles.SIZES), tile_direct=tiles.DIRECT)
+              tile_sizes=list(tiles.SIZES), tile_direct=tiles.DIRECT,
+              pallas_stages=tiles_pallas.NUM_STAGES)
 
 
 def tail_args(p) -> None:

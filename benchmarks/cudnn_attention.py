@@ -360,7 +360,8 @@ def main():
   runs = [(t, None) for t in a.tables if t != "packed"] + (
       [("packed", p) for p in a.packed_paths] if "packed" in a.tables else [])
   for table, path in runs:
-    packed = {} if path is None else use_packed_path(path, a.tile_sizes)
+    packed = {} if path is None else use_packed_path(
+        path, a.tile_sizes, a.pallas_stages)
     rows, columns, extra = builders[table](a)
     mode = a.mode if table == "default" else (
         table if a.mode == "default" else f"{a.mode}_{table}")

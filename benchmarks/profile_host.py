@@ -130,7 +130,7 @@ def main():
   p.add_argument("--mode", default="default")
   packed_path_args(p)
   a = p.parse_args()
-  packed = use_packed_path(a.packed_path, a.tile_sizes)
+  packed = use_packed_path(a.packed_path, a.tile_sizes, a.pallas_stages)
   divisors = use_tail_divisors(a.tail_divisors)
   one, many, args = programs(a.strategy, a.mix, a.seq, a.heads, a.kv_heads,
                              a.layers, a.scan)

@@ -86,7 +86,7 @@ def main():
   for folder in (a.hlo, a.timeline):
     if folder:
       os.makedirs(folder, exist_ok=True)
-  packed = use_packed_path(a.packed_path, a.tile_sizes)
+  packed = use_packed_path(a.packed_path, a.tile_sizes, a.pallas_stages)
   rows = []
   s, n, kh, d = a.seq, a.heads, a.kv_heads, 128
   mixes = [f"equal{x}" for x in a.docs] + a.mixes or ["equal1", "equal64",

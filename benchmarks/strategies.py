@@ -176,7 +176,8 @@ def main():
   packed_path_args(p)
   tail_args(p)
   a = p.parse_args()
-  a.packed = use_packed_path(a.packed_path, a.tile_sizes)
+  a.packed = use_packed_path(a.packed_path, a.tile_sizes,
+                             a.pallas_stages)
   a.tail_divisors = use_tail_divisors(a.tail_divisors)
   cp = jax.device_count()
   a.strategies = a.strategies or default_strategies(cp)

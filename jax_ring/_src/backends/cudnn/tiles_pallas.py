@@ -6,10 +6,10 @@ gradients whole, over a fixed window of ``W`` keys a query).
 
 Shapes as :mod:`tiles`: q ``(B, T, N, H)``, k ``(B, T, K, H)``, v ``(B,
 T, K, Hv)``, ids ``(B, T)`` (each id one run of tokens, as the packed
-pass's layout check finds, or any layout), tiles of ``P`` tokens (a T that is no multiple of P is
-padded to one, the padding masked). Operands are read in place as ``(B,
-T, heads x dim)`` matrices, ``lse`` and ``delta`` as ``(B, T, N)``
-float32: nothing is transposed.
+pass's layout check finds, or any layout), tiles of ``P`` tokens (a T
+that is no multiple of P is padded to one, the padding masked). Operands
+are read in place as ``(B, T, heads x dim)`` matrices, ``lse`` and
+``delta`` as ``(B, T, N)`` float32: nothing is transposed.
 
 * **Forward**, grid ``(B, N, T / P)``: program ``(b, n, i)`` holds query
   tile ``i`` of head ``n`` and loops over its key tiles (kv head ``n //
@@ -38,6 +38,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax_ring._src.core import vma
 from jax_ring._src.core.mask import MASK_VALUE
+
+# Triton's software pipelining of the kernels' loops over tiles (1: none):
+# loads of the next tile issued while this one's products run.
+NUM_STAGES = 1
 
 
 def supports(q, k, v, p: int) -> bool:
@@ -251,7 +255,7 @@ def _call(kernel, grid, ins, outs, interpret, **params):
       in_specs=[spec(x, blk) for x, blk in ins],
       out_specs=[spec(x, blk) for x, blk in outs], out_shape=shapes,
       compiler_params=plgpu.CompilerParams(num_warps=4 if p <= 64 else 8,
-                                           num_stages=1),
+                                           num_stages=NUM_STAGES),
       interpret=interpret, name="jax_ring_band_tiles")(*operands)
 
 
