@@ -315,9 +315,9 @@ def packed_path_args(p) -> None:
                  "library's default: Pallas kernels where they take the "
                  "operands), the same with the tiles as XLA products "
                  "(xla-tiles), with Pallas tiles of up to 128 tokens taking "
-                 "every longer document (pallas), every block of one id "
-                 "array through Pallas tiles of the last size with no "
-                 "switch (pallas-direct, tiles.DIRECT), without the tiles "
+                 "every longer document (pallas), every packed block "
+                 "through Pallas tiles of the last size with no switch "
+                 "(pallas-direct, tiles.DIRECT), without the tiles "
                  "(handler), or the calls' switch and loop (calls)")
   tile_sizes_arg(p)
 

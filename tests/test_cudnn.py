@@ -317,7 +317,7 @@ def test_packed_documents_through_ragged_offsets(name, smallest, path,
   ``short_full``) as XLA's products (``tiles``) or as the Pallas kernels
   (``tiles_pallas``: 128-token tiles too, taking every longer
   document); and the Pallas tiles of 64 with no switch (``tiles_direct``,
-  ``tiles.DIRECT``: every block of one id array, whatever its layout)."""
+  ``tiles.DIRECT``: every block, one id array or two, at its offsets)."""
   import ragged_cudnn
   from jax_ring._src.backends.cudnn import passes, tiles
   monkeypatch.setattr(packed, "SMALLEST", smallest)
@@ -354,10 +354,10 @@ def test_packed_documents_through_ragged_offsets(name, smallest, path,
 
   hlo = jax.jit(f).lower(q, k, v, ids).as_text()
   one_array = kv_ids is None and not kw.get("kv_offset")
-  direct = path == "tiles_direct" and one_array
+  direct = path == "tiles_direct"
   assert ("jax_ring_sdpa_fwd" in hlo and "jax_ring_sdpa_bwd" in hlo) != direct
   assert ("jax_ring_sdpa_fwd_pass" in hlo) == (one_handler and not direct)
-  if path in ("tiles_pallas", "tiles_direct") and one_array:
+  if (path == "tiles_pallas" and one_array) or direct:
     assert "jax_ring_band_tiles" in hlo
   # Which branch runs: cuDNN (one call, or several) wherever the ids fit.
   mask = jax_ring.BlockMask(

@@ -204,6 +204,47 @@ def test_pallas_tiles_interpreted(most, t, kw):
   check((out, grads), q, k, v, do, case, lse)
 
 
+def _ring_ids(name):
+  """(q ids, kv ids, reference options) of a ring step's block."""
+  g = short_ids(13, 2, 122, 20)
+  if name == "earlier_shard":  # keys 0-44, queries 45-105, causal
+    return g[:, 45:106], g[:, :45], dict(is_causal=True, q_offset=45)
+  if name == "striped":  # queries 2i, keys 2j + 1 (kv_offset 1)
+    return g[:, 0::2], g[:, 1::2][:, :45], dict(is_causal=True,
+                                                 kv_offset=1)
+  # keys 20 ahead, a window reaching both ways, ids in many runs
+  ids = np.stack([np.arange(122) // 7 % 3, np.arange(122) // 4 % 5])
+  return ids[:, :61], ids[:, 20:65], dict(window=(3, 30), kv_offset=20)
+
+
+@pytest.mark.parametrize("name", ["earlier_shard", "striped",
+                                  "window_any_layout"])
+def test_pallas_tiles_take_a_ring_steps_block(name):
+  """The Pallas tiles on a block of two id arrays (61 queries, 45 keys:
+  both padded in tiles of 16) at offsets, as a ring step holds them
+  (``tiles.DIRECT``): a document across the two shards, documents only
+  one side holds, striped offsets, ids in many runs; interpreted on the
+  CPU, out, lse and every gradient equal the float64 reference's."""
+  q_ids, kv_ids, kw = _ring_ids(name)
+  q_ids, kv_ids = q_ids.astype(np.int32), kv_ids.astype(np.int32)
+  q, k, v, do = (x.astype(jnp.bfloat16) for x in ref.random_qkv(
+      9, 2, 61, 45, 4, 2, 16, hv=32))
+  case = ref.Case(0.3, q_segment_ids=q_ids, kv_segment_ids=kv_ids, **kw)
+  cfg = ref.config(case)
+  shift = case.kv_offset - case.q_offset
+  kernels = dict(interpret=True, one_run=False, kv_ids=jnp.asarray(kv_ids),
+                 shift=shift)
+
+  @jax.jit
+  def run(q, k, v, ids):
+    out, lse = tiles_pallas.forward(q, k, v, ids, cfg, 16, **kernels)
+    return out, lse, tiles_pallas.backward(q, k, v, ids, out, lse, do, cfg,
+                                           16, **kernels)
+
+  out, lse, grads = run(q, k, v, jnp.asarray(q_ids))
+  check((out, grads), q, k, v, do, case, lse)
+
+
 def test_pallas_tiles_read_the_tiles_their_documents_reach():
   """Eight documents of 64 tokens in tiles of 32: causal, a query tile
   reads its own tile and, for a document's second tile, the first (24

@@ -48,9 +48,10 @@ KERNEL = DEFAULT_KERNEL
 # (its tiles need not hold a document); longer ones go to the handler.
 PALLAS_REACH = 128
 # Where True, a packed block that the Pallas form takes at SIZES[-1] runs
-# it, whatever its documents' lengths and layout, with no switch on them
-# (so no wait for the host at a branch): :func:`direct`. Off by default:
-# docs/decisions.md, the packed tiles as Pallas kernels.
+# it, whatever its documents' lengths and layout and whether its queries
+# and keys share one id array, with no switch on them (so no wait for the
+# host at a branch): :func:`direct`. Off by default: docs/decisions.md,
+# the packed tiles as Pallas kernels.
 DIRECT = False
 
 
@@ -84,21 +85,29 @@ def serves(q, k, mask, config, v=None) -> bool:
 
 def direct(q, k, v, mask, config) -> bool:
   """Whether a packed block runs the Pallas tiles at ``SIZES[-1]`` with no
-  switch (static; :data:`DIRECT`)."""
-  return bool(DIRECT and SIZES and serves(q, k, mask, config, v) and
+  switch (static; :data:`DIRECT`): any ids, one array or two, at static
+  offsets."""
+  static = all(isinstance(x, (int, np.integer))
+               for x in (mask.q_offset, mask.kv_offset))
+  return bool(DIRECT and SIZES and static and
               _pallas(q, k, v, SIZES[-1]))
 
 
+def _direct(mask) -> dict:
+  return dict(one_run=False, kv_ids=mask.kv_segment_ids,
+              shift=int(mask.kv_offset - mask.q_offset))
+
+
 def direct_forward(q, k, v, mask, config):
-  """:func:`forward` of a :func:`direct` block, its ids in any layout."""
+  """:func:`forward` of a :func:`direct` block."""
   return tiles_pallas.forward(q, k, v, mask.q_segment_ids, config,
-                              SIZES[-1], one_run=False)
+                              SIZES[-1], **_direct(mask))
 
 
 def direct_backward(q, k, v, mask, out, lse, dout, config):
   """:func:`backward` of a :func:`direct` block."""
   return tiles_pallas.backward(q, k, v, mask.q_segment_ids, out, lse, dout,
-                               config, SIZES[-1], one_run=False)
+                               config, SIZES[-1], **_direct(mask))
 
 
 def limits(q, k, v) -> tuple[int, ...]:
