@@ -191,16 +191,22 @@ def test_pallas_tiles_interpreted(most, t, kw):
   q, k, v, do = (x.astype(jnp.bfloat16) for x in ref.random_qkv(
       7, 2, t, t, 4, 2, 16, hv=32))
   case = ref.Case(0.3, q_segment_ids=ids, kv_segment_ids=ids, **kw)
+  check_interpreted(q, k, v, do, case, one_run=one_run)
+
+
+def check_interpreted(q, k, v, do, case, **kernels):
+  """The Pallas tiles of 16, interpreted, on ``case``'s ids: out, lse and
+  every gradient against the float64 reference's."""
   cfg = ref.config(case)
-  kernels = dict(interpret=True, one_run=one_run)
 
   @jax.jit
   def run(q, k, v, ids):
-    out, lse = tiles_pallas.forward(q, k, v, ids, cfg, 16, **kernels)
-    return out, lse, tiles_pallas.backward(q, k, v, ids, out, lse, do, cfg,
-                                           16, **kernels)
+    out, lse = tiles_pallas.forward(q, k, v, ids, cfg, 16, interpret=True,
+                                    **kernels)
+    return out, lse, tiles_pallas.backward(
+        q, k, v, ids, out, lse, do, cfg, 16, interpret=True, **kernels)
 
-  out, lse, grads = run(q, k, v, jnp.asarray(ids))
+  out, lse, grads = run(q, k, v, jnp.asarray(case.q_segment_ids))
   check((out, grads), q, k, v, do, case, lse)
 
 
@@ -230,19 +236,9 @@ def test_pallas_tiles_take_a_ring_steps_block(name):
   q, k, v, do = (x.astype(jnp.bfloat16) for x in ref.random_qkv(
       9, 2, 61, 45, 4, 2, 16, hv=32))
   case = ref.Case(0.3, q_segment_ids=q_ids, kv_segment_ids=kv_ids, **kw)
-  cfg = ref.config(case)
-  shift = case.kv_offset - case.q_offset
-  kernels = dict(interpret=True, one_run=False, kv_ids=jnp.asarray(kv_ids),
-                 shift=shift)
-
-  @jax.jit
-  def run(q, k, v, ids):
-    out, lse = tiles_pallas.forward(q, k, v, ids, cfg, 16, **kernels)
-    return out, lse, tiles_pallas.backward(q, k, v, ids, out, lse, do, cfg,
-                                           16, **kernels)
-
-  out, lse, grads = run(q, k, v, jnp.asarray(q_ids))
-  check((out, grads), q, k, v, do, case, lse)
+  check_interpreted(q, k, v, do, case, one_run=False,
+                    kv_ids=jnp.asarray(kv_ids),
+                    shift=case.kv_offset - case.q_offset)
 
 
 def test_pallas_tiles_read_the_tiles_their_documents_reach():
