@@ -185,7 +185,7 @@ def host_rows(cfg, model, generator, mesh, rows, save, calls: int = 48):
       generator.generate(prompt, max_new_tokens=calls + 1 + n,
                          tokens_per_call=n, on_tokens=lambda *_: times.append(
                              time.perf_counter()))
-    after = times[1 + n:]  # from the first decode call's last token
+    after = times[n:]  # from the first decode call's last token (step n)
     rows.append(dict(kind="host", way=f"generate, {n} token(s) a call: a "
                      "token's time (mean)", batch=1, context=64,
                      tokens_per_call=n, call_us=(after[-1] - after[0]) / (

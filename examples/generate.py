@@ -202,7 +202,9 @@ class Stream:
   """Prints the generated text: one prompt's token by token, several
   prompts' at the end; then, on stderr, the time to the first token
   (prefill, compiles included) and the mean time a token after the first
-  decode call (``per_call`` tokens; it holds the step's compile)."""
+  decode call (``per_call`` tokens; it holds the step's compile); a last
+  call cut short by a stop or by ``--max-new-tokens`` counts its whole
+  time for the tokens shown."""
 
   def __init__(self, encoder, prompts, texts, echo=True, per_call=1):
     self.per_call = per_call
