@@ -241,6 +241,46 @@ def test_pallas_tiles_take_a_ring_steps_block(name):
                     shift=case.kv_offset - case.q_offset)
 
 
+@pytest.mark.parametrize("load_balance", [
+    None, pytest.param("dual_chunk", marks=pytest.mark.slow)],
+    ids=["contiguous", "dual_chunk"])
+def test_direct_tiles_take_every_ring_block(load_balance, monkeypatch):
+  """``tiles.DIRECT``: every packed block of the ring on 2 simulated
+  devices (the diagonal's one id array; the other steps' two, at their
+  offsets, documents across the shards) runs the Pallas tiles of 16
+  (interpreted), every cuDNN handler NaN: output and gradients equal the
+  reference's."""
+  import jax_ring
+  from jax.sharding import PartitionSpec as P
+  from helpers import layout_vjp, mesh
+  from jax_ring._src.core import registry
+  for name in ("sdpa", "sdpa_pass"):
+    monkeypatch.setattr(ffi, name, poisoned)
+  for name, value in (("DIRECT", True), ("SIZES", (16,)),
+                      ("KERNEL", "pallas")):
+    monkeypatch.setattr(tiles, name, value)
+  monkeypatch.setattr(tiles_pallas, "INTERPRET", True)
+  monkeypatch.setattr(cudnn, "unsupported", lambda *_: None)  # as on a GPU
+  monkeypatch.setitem(registry.BACKENDS, "cudnn", registry.Backend(
+      "cudnn", cudnn.forward, cudnn.backward, lambda *_: None))
+  cp, t = 2, 88
+  ids = short_ids(17, 2, t, 30)
+  q, k, v, do = (x.astype(jnp.bfloat16) for x in ref.random_qkv(
+      18, 2, t, t, 4, 2, 16))
+  spec = P(None, "cp")
+  f = jax.shard_map(
+      lambda q, k, v, ids: jax_ring.ring_attention(
+          q, k, v, axis_name="cp", implementation="cudnn", is_causal=True,
+          segment_ids=ids, load_balance=load_balance),
+      mesh=mesh(cp), in_specs=(spec,) * 4, out_specs=spec,
+      # Pallas' interpreter slices its blocks with unvarying indices; the
+      # kernels compiled for a GPU run with the check (test_cudnn.py).
+      check_vma=False)
+  check(layout_vjp(f, cp, load_balance, q, k, v, do, jnp.asarray(ids)),
+        q, k, v, do, ref.Case(16**-0.5, is_causal=True, q_segment_ids=ids,
+                              kv_segment_ids=ids))
+
+
 def test_pallas_tiles_read_the_tiles_their_documents_reach():
   """Eight documents of 64 tokens in tiles of 32: causal, a query tile
   reads its own tile and, for a document's second tile, the first (24

@@ -56,8 +56,8 @@ DIRECT = False
 
 
 def _pallas(q, k, v, p: int) -> bool:
-  return (KERNEL == "pallas" and jax.default_backend() == "gpu" and
-          tiles_pallas.supports(q, k, v, p))
+  on = jax.default_backend() == "gpu" or tiles_pallas.INTERPRET
+  return KERNEL == "pallas" and on and tiles_pallas.supports(q, k, v, p)
 
 
 def _ahead(config) -> bool:

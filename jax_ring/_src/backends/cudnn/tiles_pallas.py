@@ -45,6 +45,9 @@ from jax_ring._src.core.mask import MASK_VALUE
 # Triton's software pipelining of the kernels' loops over tiles (1: none):
 # loads of the next tile issued while this one's products run.
 NUM_STAGES = 1
+# Run the kernels interpreted, on any backend (tests on the CPU): the
+# default of forward's and backward's ``interpret``.
+INTERPRET = False
 
 
 def supports(q, k, v, p: int) -> bool:
@@ -254,6 +257,7 @@ def _call(kernel, grid, ins, outs, interpret, **params):
   ``None`` for a row's whole ``(T, ...)``, else ``(width, head_of)``: the
   ``(P, width)`` tile at (tile, ``head_of(program's head)``)."""
   p = params["p"]
+  interpret = INTERPRET if interpret is None else interpret
 
   def spec(x, block):
     if block is None:
@@ -292,7 +296,7 @@ def _ids(ids, tp: int):
   return _flat(ids.astype(jnp.int32), tp)[..., 0]
 
 
-def forward(q, k, v, ids, config, p: int, interpret: bool = False,
+def forward(q, k, v, ids, config, p: int, interpret: bool | None = None,
             one_run: bool = True, kv_ids=None, shift: int = 0):
   """``(out (B, T, N, Hv), lse (B, T, N) float32)`` of the block, in
   tiles of ``p``: queries' ``ids``, keys' ``kv_ids`` and ``shift`` as
@@ -316,8 +320,8 @@ def forward(q, k, v, ids, config, p: int, interpret: bool = False,
 
 
 def backward(q, k, v, ids, out, lse, dout, config, p: int,
-             interpret: bool = False, one_run: bool = True, kv_ids=None,
-             shift: int = 0):
+             interpret: bool | None = None, one_run: bool = True,
+             kv_ids=None, shift: int = 0):
   """``(dq, dk, dv)`` of the block, from the given (global) ``out`` and
   ``lse`` (the ids, ``one_run`` and ``shift`` as :func:`forward`'s)."""
   b, t, n, h = q.shape
