@@ -202,3 +202,14 @@ TOLERANCE = 1e-4  # float32 logits, relative to max |logit|
 
 def relative_error(got, want):
   return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
+
+
+def cudnn_blocks_on_the_cpu(monkeypatch):
+  """Strategies' blocks on the cudnn backend on the CPU, as on a GPU: no
+  option refused, the backend registered (its FFI handlers: whatever the
+  test puts in their place)."""
+  from jax_ring._src.backends import cudnn
+  from jax_ring._src.core import registry
+  monkeypatch.setattr(cudnn, "unsupported", lambda *_: None)
+  monkeypatch.setitem(registry.BACKENDS, "cudnn", registry.Backend(
+      "cudnn", cudnn.forward, cudnn.backward, lambda *_: None))

@@ -18,7 +18,7 @@ from jax_ring._src.backends.cudnn import ffi, packed, passes, tiles
 from jax_ring._src.backends.cudnn.band import (Band, band, row_valid,
                                                rows_may_be_empty,
                                                window_lengths)
-from helpers import check
+from helpers import check, cudnn_blocks_on_the_cpu
 import reference as ref
 
 
@@ -375,7 +375,6 @@ def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
   import ragged_cudnn
   from jax.sharding import PartitionSpec as P
   from helpers import layout_vjp, mesh
-  from jax_ring._src.core import registry
   from jax_ring._src.strategies.ring import reach
   monkeypatch.setattr(ffi, "sdpa", ragged_cudnn.sdpa)
   monkeypatch.setattr(ffi, "sdpa_pass", ragged_cudnn.sdpa_pass)
@@ -387,9 +386,7 @@ def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
   # The reached step on the last quarter of a shard or the whole of it (the
   # library's four sizes would compile twice the blocks for no more cover).
   monkeypatch.setattr(reach, "TAIL_DIVISORS", (4,))
-  monkeypatch.setattr(cudnn, "unsupported", lambda *_: None)  # as on a GPU
-  monkeypatch.setitem(registry.BACKENDS, "cudnn", registry.Backend(
-      "cudnn", cudnn.forward, cudnn.backward, lambda *_: None))
+  cudnn_blocks_on_the_cpu(monkeypatch)
   cp, t = 2, 84
   ids = _many(14, 70, t)
   q, k, v, do = ref.random_qkv(15, 2, t, t, 4, 2, 8)

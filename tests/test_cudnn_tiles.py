@@ -12,11 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ring._src.backends import cudnn
 from jax_ring._src.backends.cudnn import ffi, passes, tiles, tiles_pallas
 from jax_ring._src.backends.cudnn.band import band
 from jax_ring._src.core.mask import BlockMask
-from helpers import check
+from helpers import check, cudnn_blocks_on_the_cpu
 import reference as ref
 
 
@@ -144,7 +143,6 @@ def test_tiles_inside_shard_map(small_tiles, monkeypatch):
   import ragged_cudnn
   from jax.sharding import PartitionSpec as P
   from helpers import layout_vjp, mesh
-  from jax_ring._src.core import registry
   monkeypatch.setattr(ffi, "sdpa", ragged_cudnn.sdpa)
 
   def diagonal_poisoned(name, results, *args, aliases=None, **kw):
@@ -153,9 +151,7 @@ def test_tiles_inside_shard_map(small_tiles, monkeypatch):
     return ragged_cudnn.sdpa_pass(name, results, *args, aliases=aliases, **kw)
 
   monkeypatch.setattr(ffi, "sdpa_pass", diagonal_poisoned)
-  monkeypatch.setattr(cudnn, "unsupported", lambda *_: None)  # as on a GPU
-  monkeypatch.setitem(registry.BACKENDS, "cudnn", registry.Backend(
-      "cudnn", cudnn.forward, cudnn.backward, lambda *_: None))
+  cudnn_blocks_on_the_cpu(monkeypatch)
   cp, t = 2, 84
   ids = short_ids(11, 2, t, 8)
   q, k, v, do = ref.random_qkv(12, 2, t, t, 4, 2, 8)
@@ -253,16 +249,13 @@ def test_direct_tiles_take_every_ring_block(load_balance, monkeypatch):
   import jax_ring
   from jax.sharding import PartitionSpec as P
   from helpers import layout_vjp, mesh
-  from jax_ring._src.core import registry
   for name in ("sdpa", "sdpa_pass"):
     monkeypatch.setattr(ffi, name, poisoned)
   for name, value in (("DIRECT", True), ("SIZES", (16,)),
                       ("KERNEL", "pallas")):
     monkeypatch.setattr(tiles, name, value)
   monkeypatch.setattr(tiles_pallas, "INTERPRET", True)
-  monkeypatch.setattr(cudnn, "unsupported", lambda *_: None)  # as on a GPU
-  monkeypatch.setitem(registry.BACKENDS, "cudnn", registry.Backend(
-      "cudnn", cudnn.forward, cudnn.backward, lambda *_: None))
+  cudnn_blocks_on_the_cpu(monkeypatch)
   cp, t = 2, 88
   ids = short_ids(17, 2, t, 30)
   q, k, v, do = (x.astype(jnp.bfloat16) for x in ref.random_qkv(
