@@ -65,10 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "data x context mesh takes the rest; it must divide the "
                  "devices); on a CPU, 8 are simulated (more if --context "
                  "is larger)")
-  p.add_argument("--tokens-per-call", type=run_dir.POSITIVE, default=1,
+  p.add_argument("--tokens-per-call", type=run_dir.POSITIVE, default=None,
                  help="decode steps run as one program (the host's cost of "
                  "a call paid once for them; tokens are shown that many at "
-                 "a time)")
+                 "a time); default: the library's, "
+                 "jax_ring.models.generation.TOKENS_PER_CALL (8)")
   p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                  help="default: bfloat16 on GPUs, float32 on a CPU")
   args = p.parse_args(argv)
@@ -183,17 +184,18 @@ def generate(args) -> list[str]:
         context_parallel=jax_ring.ContextParallel(axis="context",
                                                   inputs="load_balanced"),
         rules=models.model_rules(data=None))
+    per_call = args.tokens_per_call or gen.TOKENS_PER_CALL
     with jax.set_mesh(mesh):
       model = models.load_pretrained(model_dir, mesh=mesh, dtype=dtype,
                                      **options)
       # A prompt from a file may be a book: it is not echoed.
       stream = Stream(encoder, prompts, texts, echo=not args.prompt_file,
-                      per_call=args.tokens_per_call)
+                      per_call=per_call)
       out = gen.generate(model, prompts, max_new_tokens=args.max_new_tokens,
                          sampling=sampling, seed=args.seed,
                          stop_tokens=[encoder.eos] if encoder.eos is not None
                          else [], on_tokens=stream,
-                         tokens_per_call=args.tokens_per_call)
+                         tokens_per_call=per_call)
     stream.finish(out)
   return [stream.text(row) for row in range(len(out))]
 

@@ -398,8 +398,9 @@ def test_the_example_streams_what_generate_returns(tmp_path, capsys):
   writes one (weights, tokenizer.json, EOS in config.json), with the cache
   split over 4 devices: it prints the prompt and the greedy continuation
   that jax_ring.models.generate gives (the function); with the prompt
-  read from a text file, the same text, the prompt not echoed. Without
-  --model it says first that its model is random."""
+  read from a text file, the same text, the prompt not echoed (both at 2
+  tokens a call and at the default). Without --model it says first that
+  its model is random."""
   cp_mesh()
   sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
   import finetune
@@ -407,12 +408,13 @@ def test_the_example_streams_what_generate_returns(tmp_path, capsys):
   model_dir = example.demo_model(tmp_path)
   prompt = "Reverse the words: fox owl\n"
   args = example.parse_args(["--model", str(model_dir), "--context", "4",
-                             "--max-new-tokens", "6", prompt])
+                             "--max-new-tokens", "6", "--tokens-per-call",
+                             "2", prompt])
   text, = example.generate(args)
   printed = capsys.readouterr()
   assert printed.out == prompt + text + "\n"
   assert re.search(r"first token after \d+\.\d\d s \(prefill of [\d,]+ "
-                   r"tokens, compiles included\); 4 more tokens, "
+                   r"tokens, compiles included\); 3 more tokens, "
                    r"\d+\.\d ms a token \(mean\)", printed.err), printed.err
   encoder = finetune.Encoder(model_dir)
   ids = encoder.prefix + encoder.tok.encode(prompt,

@@ -56,6 +56,10 @@ from jax_ring.models.sampling import Sampling, check_count, is_int
 # pad a reduced length that is not, copying the whole cache at every layer
 # and step (measured: docs/performance.md, "One GPU: decoding").
 SLOT_ALIGN = 1024
+# generate's decode steps a call: the host's cost of a call (its arguments
+# and launches, about 0.6 ms on an H100's host) is paid once for them
+# (measured: docs/performance.md, "One GPU: decoding").
+TOKENS_PER_CALL = 8
 
 
 @jax.tree_util.register_dataclass
@@ -370,7 +374,7 @@ class Generator:
                max_new_tokens: int, sampling: Sampling = Sampling(),
                seed: int = 0, stop_tokens: Sequence[int] = (),
                on_tokens: Callable[[int, np.ndarray], None] | None = None,
-               tokens_per_call: int = 1) -> list[list[int]]:
+               tokens_per_call: int = TOKENS_PER_CALL) -> list[list[int]]:
     """Continue each prompt by up to ``max_new_tokens`` tokens; a row stops
     after one of ``stop_tokens`` (kept in its output). ``on_tokens(step,
     tokens (B,))`` sees each step's tokens as they come (rows already
