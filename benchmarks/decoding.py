@@ -42,8 +42,8 @@ kv heads of 64, vocabulary 128256, tied embeddings) in bfloat16.
   them). Each: the host's microseconds a call, and a call's microseconds
   end to end over consecutive calls. Then ``generate``'s mean time a
   token from a 64-token prompt, with one decode step a call (the step
-  and the draw) and with 8 (``tokens_per_call=8``: one program loops
-  over them), after the first call.
+  and the draw) and with 8 (``tokens_per_call=8``, the default: one
+  program loops over them), after the first call.
 * ``--kernels``: each ``decode_attention`` implementation timed, one
   after the other, on the same shapes (default: ``pallas xla`` on GPUs,
   the kernel the default path runs against the XLA baseline; ``xla``

@@ -57,8 +57,8 @@ from jax_ring.models.sampling import Sampling, check_count, is_int
 # and step (measured: docs/performance.md, "One GPU: decoding").
 SLOT_ALIGN = 1024
 # generate's decode steps a call: the host's cost of a call (its arguments
-# and launches, about 0.6 ms on an H100's host) is paid once for them
-# (measured: docs/performance.md, "One GPU: decoding").
+# and launches) is paid once for them (measured: docs/performance.md, "One
+# GPU: decoding").
 TOKENS_PER_CALL = 8
 
 
