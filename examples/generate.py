@@ -69,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="decode steps run as one program (the host's cost of "
                  "a call paid once for them; tokens are shown that many at "
                  "a time); default: the library's, "
-                 "jax_ring.models.generation.TOKENS_PER_CALL (8)")
+                 "jax_ring.models.generation.TOKENS_PER_CALL")
   p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                  help="default: bfloat16 on GPUs, float32 on a CPU")
   args = p.parse_args(argv)
