@@ -318,7 +318,9 @@ def packed_path_args(p) -> None:
                  "every longer document (pallas), every packed block "
                  "through Pallas tiles of the last size with no switch "
                  "(pallas-direct, tiles.DIRECT), without the tiles "
-                 "(handler), or the calls' switch and loop (calls)")
+                 "(handler), the pass with every class's calls at their "
+                 "most virtual batches (pass-fixed, passes.MENUS off), or "
+                 "the calls' switch and loop (calls)")
   tile_sizes_arg(p)
 
 
@@ -333,7 +335,7 @@ def tile_sizes_arg(p) -> None:
 
 
 PACKED_PATHS = ("pass", "xla-tiles", "pallas", "pallas-direct", "handler",
-                "calls")
+                "pass-fixed", "calls")
 
 
 def use_packed_path(path: str, sizes=None, stages=None) -> dict:
@@ -345,15 +347,18 @@ def use_packed_path(path: str, sizes=None, stages=None) -> dict:
   if stages is not None:
     tiles_pallas.NUM_STAGES = stages
   passes.ENABLED = path != "calls"
+  passes.MENUS = path != "pass-fixed"
   tiles.KERNEL = "xla" if path == "xla-tiles" else tiles.DEFAULT_KERNEL
   if path in ("pallas", "pallas-direct"):
     tiles.KERNEL, tiles.PALLAS_REACH = "pallas", 1 << 30
   tiles.DIRECT = path == "pallas-direct"
-  default = {"pass": tiles.DEFAULT_SIZES, "xla-tiles": tiles.DEFAULT_SIZES,
+  default = {"pass": tiles.DEFAULT_SIZES, "pass-fixed": tiles.DEFAULT_SIZES,
+             "xla-tiles": tiles.DEFAULT_SIZES,
              "pallas": (32, 64, 128), "pallas-direct": (64,)}
   tiles.SIZES = (tuple(sizes) if sizes and path in default
                  else default.get(path, ()))
-  return dict(packed_path=path, tile_kernel=tiles.KERNEL,
+  return dict(packed_path=path, pass_menus=passes.MENUS,
+              tile_kernel=tiles.KERNEL,
               tile_sizes=list(tiles.SIZES), tile_direct=tiles.DIRECT,
               pallas_stages=tiles_pallas.NUM_STAGES)
 

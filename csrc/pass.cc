@@ -19,15 +19,17 @@
 // and `counts (C,)` s32, the most documents of each class in a row. The
 // execute stage copies the counts to the host (one stream synchronisation)
 // and runs, for each class with documents and each row, calls of M virtual
-// batches over ranks [first, first + M): class c > 0 M = `batches[c]`,
-// class 0 the smallest `menu` entry that holds its count (the largest, in
-// a loop, past it). A call reads a contiguous slice of lens and stats and
-// the chunk of offs its first rank is in (whose entry M is the row's end,
-// as in a call's own table; all 16-byte aligned: every M and P_c is a
-// multiple of 4), so the row's graph (B = 1, slots M, ragged_len L_c)
-// runs on pointers into them: no copies. The handlers read the counts when
-// they run, so they are not recorded into command buffers.
-#include <algorithm>
+// batches over ranks [first, first + M): M = `batches[c]` (M_c) while more
+// than M_c remain, then the smallest entry of the class's menu (`menu`
+// from `menu_ends[c - 1]` to `menu_ends[c]`, ascending, ending at M_c)
+// that holds the rest. A call reads a contiguous slice of lens and stats
+// and the chunk of offs its first rank is in (whose entry M is the row's
+// end, as in a call's own table: entries past the row's documents hold
+// the end; all 16-byte aligned: every call starts at a multiple of M_c,
+// and every M_c and P_c is a multiple of 4), so the row's graph (B = 1,
+// slots M, ragged_len L_c) runs on pointers into them: no copies. The
+// handlers read the counts when they run, so they are not recorded into
+// command buffers.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -46,10 +48,12 @@ using Longs = ffi::Span<const int64_t>;
 
 // The length classes' static layout (the attributes) and shapes.
 struct Layout {
-  Longs lengths, slots, batches, menu;
+  Longs lengths, slots, batches, menu, menu_ends;
   int64_t b, t, s, n, kh, h, hv;
 
   int64_t Classes() const { return static_cast<int64_t>(lengths.size()); }
+  // Class c's menu: [MenuBegin(c), menu_ends[c]) of `menu`.
+  int64_t MenuBegin(int64_t c) const { return c == 0 ? 0 : menu_ends[c - 1]; }
   int64_t Entries() const {  // P
     int64_t p = 0;
     for (int64_t x : slots) p += x;
@@ -84,23 +88,18 @@ struct Call {
 std::vector<Call> Calls(const Layout& l, const int32_t* counts) {
   std::vector<Call> calls;
   for (int64_t c = 0; c < l.Classes(); ++c) {
+    const int64_t begin = l.MenuBegin(c), end = l.menu_ends[c];
     if (counts == nullptr) {
-      if (c == 0) {
-        for (int64_t m : l.menu) calls.push_back({0, m, 0});
-      } else {
-        calls.push_back({c, l.batches[c], 0});
-      }
+      for (int64_t i = begin; i < end; ++i) calls.push_back({c, l.menu[i], 0});
       continue;
     }
-    const int64_t count = counts[c];
-    int64_t m = l.batches[c];
-    if (c == 0) {
-      m = l.menu.back();
-      for (int64_t x : l.menu) {
-        if (x >= count) { m = x; break; }
+    const int64_t top = l.batches[c];
+    for (int64_t first = 0; first < counts[c]; first += top) {
+      const int64_t rest = counts[c] - first;
+      int64_t m = top;
+      for (int64_t i = begin; i < end && rest <= top; ++i) {
+        if (l.menu[i] >= rest) { m = l.menu[i]; break; }
       }
-    }
-    for (int64_t first = 0; first < count; first += m) {
       calls.push_back({c, m, first});
     }
   }
@@ -121,15 +120,12 @@ ffi::Error Check(const Layout& l, const ffi::AnyBuffer& counts,
                  const ffi::AnyBuffer& stats) {
   const int64_t c = l.Classes(), p = l.Entries();
   if (c == 0 || static_cast<int64_t>(l.slots.size()) != c ||
-      static_cast<int64_t>(l.batches.size()) != c || l.menu.size() == 0) {
-    return Invalid("a packed pass needs lengths, slots and batches of one "
-                   "size (a class each) and a menu");
-  }
-  const int64_t top = *std::max_element(l.menu.begin(), l.menu.end());
-  if (l.batches[0] != top) {
-    return Invalid("class 0's calls hold at most its menu's largest " +
-                   std::to_string(top) + " virtual batches, not " +
-                   std::to_string(l.batches[0]));
+      static_cast<int64_t>(l.batches.size()) != c ||
+      static_cast<int64_t>(l.menu_ends.size()) != c ||
+      l.menu_ends[c - 1] != static_cast<int64_t>(l.menu.size())) {
+    return Invalid("a packed pass needs lengths, slots, batches and "
+                   "menu_ends of one size (a class each), the last menu "
+                   "end the menu's size");
   }
   for (int64_t i = 0; i < c; ++i) {
     const int64_t m = l.batches[i];
@@ -139,6 +135,16 @@ ffi::Error Check(const Layout& l, const ffi::AnyBuffer& counts,
                      " entries are not a multiple of its calls' " +
                      std::to_string(m) + " virtual batches (a multiple "
                      "of 4)");
+    }
+    const int64_t begin = l.MenuBegin(i), end = l.menu_ends[i];
+    bool ascending = begin < end && l.menu[begin] >= 1 && l.menu[end - 1] == m;
+    for (int64_t j = begin + 1; j < end && ascending; ++j) {
+      ascending = l.menu[j] > l.menu[j - 1];
+    }
+    if (!ascending) {
+      return Invalid("class " + std::to_string(i) + "'s menu must ascend "
+                     "from at least 1 to its calls' " + std::to_string(m) +
+                     " virtual batches");
     }
   }
   int64_t r = l.StatsBase(c);
@@ -235,10 +241,10 @@ ffi::Error ReadCounts(const ffi::AnyBuffer& counts, cudaStream_t stream,
 
 Layout MakeLayout(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                   const ffi::AnyBuffer& v, Longs lengths, Longs slots,
-                  Longs batches, Longs menu) {
+                  Longs batches, Longs menu, Longs menu_ends) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  return Layout{lengths, slots, batches, menu, qd[0], qd[1], kd[1],
-                qd[2],   kd[2], qd[3],   vd[3]};
+  return Layout{lengths, slots, batches, menu,  menu_ends, qd[0],
+                qd[1],   kd[1], qd[2],   kd[2], qd[3],     vd[3]};
 }
 
 ffi::Error CheckQkv(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
@@ -264,9 +270,10 @@ ffi::Error Forward(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                    ffi::Result<ffi::AnyBuffer> stats,
                    ffi::Result<ffi::AnyBuffer> workspace, float scale,
                    int64_t right_bound, int64_t left_bound, Longs lengths,
-                   Longs slots, Longs batches, Longs menu) {
+                   Longs slots, Longs batches, Longs menu, Longs menu_ends) {
   if (auto e = CheckQkv(q, k, v); e.failure()) return e;
-  const Layout l = MakeLayout(q, k, v, lengths, slots, batches, menu);
+  const Layout l =
+      MakeLayout(q, k, v, lengths, slots, batches, menu, menu_ends);
   if (auto e = FirstFailure(
           {Check(l, counts, lens, offs, *stats),
            Expect("out", *out, {l.b, l.t, l.n, l.hv}, "(B, T, N, Hv)",
@@ -298,9 +305,10 @@ ffi::Error Backward(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
                     ffi::Result<ffi::AnyBuffer> dv,
                     ffi::Result<ffi::AnyBuffer> workspace, float scale,
                     int64_t right_bound, int64_t left_bound, Longs lengths,
-                    Longs slots, Longs batches, Longs menu) {
+                    Longs slots, Longs batches, Longs menu, Longs menu_ends) {
   if (auto e = CheckQkv(q, k, v); e.failure()) return e;
-  const Layout l = MakeLayout(q, k, v, lengths, slots, batches, menu);
+  const Layout l =
+      MakeLayout(q, k, v, lengths, slots, batches, menu, menu_ends);
   const ffi::DataType dtype = q.element_type();
   if (auto e = FirstFailure(
           {Check(l, counts, lens, offs, stats),
@@ -343,7 +351,8 @@ auto PassAttrs(Binding&& binding) {
       .template Attr<Longs>("lengths")
       .template Attr<Longs>("slots")
       .template Attr<Longs>("batches")
-      .template Attr<Longs>("menu");
+      .template Attr<Longs>("menu")
+      .template Attr<Longs>("menu_ends");
 }
 
 // Buffers to write into may follow the tables (the remaining operands,

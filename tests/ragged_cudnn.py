@@ -143,7 +143,9 @@ def sdpa_pass(name, results, q, k, v, *operands, calls, aliases=None,
   (each class's chunks of ``M_c`` entries, on slices of the tables and
   the stats as the handler points into them), replayed on all rows at
   once; chunks past a row's documents are empty and write nothing, as the
-  handler's calls they stand for are not made."""
+  handler's calls they stand for are not made. A call of fewer virtual
+  batches (its class's menu) reads the start of its chunk, whose entries
+  past the row's documents are empty: the same documents."""
   backward = name.startswith("jax_ring_sdpa_bwd")
   assert calls, "a pass names the graphs it may run"
   b, t, n, h = q.shape
@@ -157,7 +159,10 @@ def sdpa_pass(name, results, q, k, v, *operands, calls, aliases=None,
   assert (aliases or {}) == want, (aliases, want)
   lengths, slots, batches = attrs["lengths"], attrs["slots"], attrs["batches"]
   assert counts.shape == (len(lengths),), counts.shape
-  assert batches[0] == max(attrs["menu"]), attrs
+  ends = attrs["menu_ends"]
+  for c, m in enumerate(batches):  # each class's menu ascends to its M_c
+    menu = attrs["menu"][ends[c - 1] if c else 0:ends[c]]
+    assert list(menu) == sorted(set(menu)) and menu[-1] == m, attrs
   one = dict(scale=attrs["scale"], row_start=0, col_start=0,
              right_bound=attrs["right_bound"], left_bound=attrs["left_bound"],
              padding=False, softcap=0.0)

@@ -326,7 +326,9 @@ def test_a_pass_serves_shapes_whose_stats_fit_its_bound():
   """A packed block runs as one handler a pass where every class's stats
   fit ``passes.MAX_STATS_BYTES`` and twice q's bytes (a 32k row of 16
   heads: 104 MiB), else as the calls' loop (64k of 32 heads: 704 MiB);
-  every table slice a call reads is 16-byte aligned."""
+  every table slice a call reads is 16-byte aligned (every call starts at
+  a multiple of its class's ``M_c``), and each class's menu ascends to
+  ``M_c``."""
   import jax
   rows = lambda t, n: jax.ShapeDtypeStruct((1, t, n, 128), jnp.bfloat16)
   assert passes.serves(rows(32768, 16), rows(32768, 8), True)
@@ -334,11 +336,16 @@ def test_a_pass_serves_shapes_whose_stats_fit_its_bound():
   for t, s, same in ((32768, 32768, True), (1000, 1000, True),
                      (61, 45, False)):
     lay = passes.layout(t, s, 1, same)
-    assert all(x % 4 == 0 for x in lay.slots + lay.batches + lay.menu), lay
+    assert all(x % 4 == 0 for x in lay.slots + lay.batches), lay
     assert all(p % m == 0 for p, m in zip(lay.slots, lay.batches)), lay
-    assert lay.slots[0] >= min(t, s) and lay.slots[0] % max(lay.menu) == 0
+    assert lay.slots[0] >= min(t, s)
+    for menu, m in zip(lay.menus, lay.batches):
+      assert menu[0] == 1 and menu[-1] == m and list(menu) == sorted(
+          set(menu)), lay
   # Every chunk of offsets a call reads ends on the row's end, as a call's
-  # own table does, and holds the documents of its ranks in order.
+  # own table does, and holds the documents of its ranks in order; past
+  # them, the row's end and no rows (a call of its class's menu that holds
+  # the rest reads the row's end at its last entry).
   ids = jnp.asarray(_many(1, 40))
   b, t, n, kh, h = 2, ids.shape[1], 4, 2, 8
   q = jnp.zeros((b, t, n, h), jnp.bfloat16)
@@ -356,6 +363,10 @@ def test_a_pass_serves_shapes_whose_stats_fit_its_bound():
         starts = np.asarray(docs.q_start)[row, mine] * n * h
         np.testing.assert_array_equal(
             chunk[0, row, rank[row, mine] % m], starts)
+        assert (chunk[:, row, mine.size:] == np.asarray(
+            [t * n * h, t * kh * h, t * kh * h, t * n * h])[:, None]).all()
+        lens = np.asarray(tab.lens)[:, row, lay.base()[c] + j * m:][:, :m]
+        assert (lens[:, mine.size:] == 0).all(), (c, j)
 
 
 @pytest.mark.parametrize("load_balance", [

@@ -13,7 +13,15 @@ row's start, in chunks of ``M_c`` entries each followed by the row's end
 (and 3 more, so that every chunk is 16-byte aligned). A call over ranks
 ``[first, first + M)`` of one row reads a contiguous slice of ``lens`` and
 the chunk of ``first`` in ``offs``, whose entry ``M`` is the row's end, as
-in a call's own table. ``stats (B, R)``: each class's ``(P_c, N, L_c)``
+in a call's own table (entries past a row's documents hold the end).
+
+**Menus.** A call's virtual batches ``M`` come from its class's menu,
+``1, RATIO, RATIO**2, ...`` below ``M_c``, then ``M_c``: a class's calls
+hold ``M_c`` each while more remain, and its last call the smallest
+entry that holds the rest. So grids, stats and cuDNN's passes over the
+virtual batches' rows follow the documents present, not the class's
+most. Every call starts at a multiple of ``M_c`` (a multiple of 4): its
+slices stay aligned whatever its ``M``. ``stats (B, R)``: each class's ``(P_c, N, L_c)``
 float32 stats a row, gathered to the tokens' lse after the forward and
 scattered from them before the backward (cuDNN 9.19's backward reads no
 ragged stats).
@@ -43,22 +51,32 @@ from jax_ring._src.core.mask import MASK_VALUE
 # Whether the packed blocks run as one handler a pass where it serves them
 # (:func:`serves`; else the calls' switch and loop, packed.each_call).
 ENABLED = True
+# Whether every class picks its last call's virtual batches from its menu
+# (else classes past 0 always hold ``M_c`` a call, class 0 its menu of
+# packed.geometries).
+MENUS = True
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """A pass's static layout: each class's length ``L_c``, entries a row
-  ``P_c`` and virtual batches a call ``M_c`` (class 0: its menu's
-  largest); class 0's menu."""
+  ``P_c``, virtual batches a call ``M_c`` and menu (ascending, ending at
+  ``M_c``)."""
 
   lengths: tuple[int, ...]
   slots: tuple[int, ...]
   batches: tuple[int, ...]
-  menu: tuple[int, ...]
+  menus: tuple[tuple[int, ...], ...]
 
   def attrs(self) -> dict:
-    return {f: np.asarray(getattr(self, f), np.int64)
-            for f in ("lengths", "slots", "batches", "menu")}
+    """The handler's attributes; the menus as one array, class by class,
+    and each class's end in it (``menu_ends``)."""
+    out = {f: np.asarray(getattr(self, f), np.int64)
+           for f in ("lengths", "slots", "batches")}
+    out["menu"] = np.asarray(sum(self.menus, ()), np.int64)
+    out["menu_ends"] = np.cumsum([len(m) for m in self.menus],
+                                 dtype=np.int64)
+    return out
 
   def base(self) -> np.ndarray:
     return np.cumsum((0,) + self.slots[:-1])
@@ -87,7 +105,7 @@ def layout(t: int, s: int, b: int, same: bool) -> Layout:
   s)``."""
   geo = packed.geometries(t, s, b)
   lengths = tuple(g.length for g in geo)
-  slots, batches = [], []
+  slots, batches, menus = [], [], []
   cap = packed.MAX_BATCHES // b // 4 * 4
   fours = lambda m: min(-(-m // 4) * 4, cap)  # aligned slices of the tables
   for c, g in enumerate(geo):
@@ -99,8 +117,12 @@ def layout(t: int, s: int, b: int, same: bool) -> Layout:
           0 if same else s // (lengths[c - 1] + 1))
     slots.append(max(1, -(-most // m)) * m)
     batches.append(m)
-  return Layout(lengths, tuple(slots), tuple(batches),
-                tuple(sorted({fours(m) for m in geo[0].batches})))
+    if MENUS:
+      menus.append(tuple(packed.RATIO**i for i in range(m.bit_length())
+                         if packed.RATIO**i < m) + (m,))
+    else:
+      menus.append(tuple(sorted({fours(x) for x in g.batches})))
+  return Layout(lengths, tuple(slots), tuple(batches), tuple(menus))
 
 
 # The most bytes a pass's stats may take (every class's entries at once);
@@ -216,10 +238,8 @@ def _switch(blk: packed.Block, run, others, most: tuple[int, ...]):
 
 def _graphs(config, blk: packed.Block, lay: Layout) -> list[dict]:
   """Each one-row call the pass may run (its attributes)."""
-  pairs = [(m, lay.lengths[0]) for m in lay.menu] + list(
-      zip(lay.batches[1:], lay.lengths[1:]))
   return [ffi.attrs(config, blk.inner, False, m, length)
-          for m, length in pairs]
+          for menu, length in zip(lay.menus, lay.lengths) for m in menu]
 
 
 def forward(q, k, v, mask, config, bnd):
