@@ -440,10 +440,11 @@ def test_recording_notes_each_traced_call_with_its_graph_key(monkeypatch):
   assert ffi.RECORD is None
   assert "u8[256]" in str(fwd)  # the workspace: one more result of the call
   # A packed block of 8 tokens: one class of length 8, whose menu of
-  # virtual batches a row (1, 4, 8; multiples of 4 in a pass: 4, 8) are
-  # the graphs its pass may run, each on one row.
+  # virtual batches a call (1, 4, then M_c = 8) are the graphs its pass
+  # may run, each on one row.
   assert [(c["backward"], c["slots"], c["ragged_len"]) for c in calls] == [
-      (False, 0, 0), (True, 0, 0), (False, 4, 8), (False, 8, 8)]
+      (False, 0, 0), (True, 0, 0), (False, 1, 8), (False, 4, 8),
+      (False, 8, 8)]
   assert {c["q"] for c in calls[2:]} == {(1, t, n, h)}
   assert calls[0] == dict(backward=False, q=(b, t, n, h), k=(b, t, k, h),
                           v=(b, t, k, h), dtype="bfloat16", scale=0.25,
@@ -479,8 +480,9 @@ def test_a_value_head_dim_unlike_the_keys_reaches_the_calls(monkeypatch):
       grads = jax.eval_shape(lambda: cudnn.backward(
           *args(mask), out, lse, out, None, cfg))
       assert [g.shape for g in grads[:3]] == [q.shape, kk.shape, v.shape]
-  # packed: the pass's 2 graphs a direction, each on one row
-  assert [c["v"] for c in calls] == [v.shape] * 2 + [(1,) + v.shape[1:]] * 4
+  # packed: the pass's 3 graphs a direction (its menu 1, 4, 8), each on
+  # one row
+  assert [c["v"] for c in calls] == [v.shape] * 2 + [(1,) + v.shape[1:]] * 6
   with pytest.raises(ValueError, match="stacked dK/dV need key and value of "
                      "one shape"):
     cudnn.backward_dkv(*args(BlockMask()), out, lse, out, None, cfg)
