@@ -5,15 +5,18 @@ the device itself, in place of :func:`packed.each_call`'s ``lax.switch``
 and loop (each of whose tests the host waits for on a GPU).
 
 **Tables.** Class ``c`` holds ``P_c`` entries a row: as many of its
-documents as a row can hold (rounded up to its calls' virtual batches
-``M_c``, class 0's the largest of its menu), by rank, empty ones (no rows)
-at the row's end. ``lens (2, B, P)``: the entries' query and key counts;
+documents as a row can hold (rounded up to its calls' most virtual
+batches ``M_c``: a row's worth of query tiles, a multiple of 4), by rank,
+empty ones (no rows) at the row's end. ``lens (2, B, P)``: the entries' query and key counts;
 ``offs (4, B, W)``: their element offsets into q, k, v and out from the
 row's start, in chunks of ``M_c`` entries each followed by the row's end
 (and 3 more, so that every chunk is 16-byte aligned). A call over ranks
 ``[first, first + M)`` of one row reads a contiguous slice of ``lens`` and
 the chunk of ``first`` in ``offs``, whose entry ``M`` is the row's end, as
 in a call's own table (entries past a row's documents hold the end).
+``stats (B, R)``: each class's ``(P_c, N, L_c)`` float32 stats a row,
+gathered to the tokens' lse after the forward and scattered from them
+before the backward (cuDNN 9.19's backward reads no ragged stats).
 
 **Menus.** A call's virtual batches ``M`` come from its class's menu,
 ``1, RATIO, RATIO**2, ...`` below ``M_c``, then ``M_c``: a class's calls
@@ -21,10 +24,7 @@ hold ``M_c`` each while more remain, and its last call the smallest
 entry that holds the rest. So grids, stats and cuDNN's passes over the
 virtual batches' rows follow the documents present, not the class's
 most. Every call starts at a multiple of ``M_c`` (a multiple of 4): its
-slices stay aligned whatever its ``M``. ``stats (B, R)``: each class's ``(P_c, N, L_c)``
-float32 stats a row, gathered to the tokens' lse after the forward and
-scattered from them before the backward (cuDNN 9.19's backward reads no
-ragged stats).
+slices stay aligned whatever its ``M``.
 
 **Branches.** One ``lax.switch`` a pass, on the documents: ids that do
 not fit the calls (:func:`packed.layout`) take the ``xla`` backend; a
