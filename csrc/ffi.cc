@@ -552,6 +552,7 @@ NB_MODULE(_cudnn, m) {
         stages(JaxRingPassForwardInit, JaxRingPassForward);
     d["jax_ring_sdpa_bwd_pass"] =
         stages(JaxRingPassBackwardInit, JaxRingPassBackward);
+    d["jax_ring_uninitialized"] = Capsule(JaxRingUninitialized);
     return d;
   });
   m.def("cudnn_version", []() { return static_cast<int64_t>(cudnnGetVersion()); });

@@ -396,6 +396,15 @@ auto BackwardBinding() {
                        .template Ret<ffi::AnyBuffer>());  // workspace
 }
 
+// A result XLA allocates and no kernel writes: the backward's stats, which
+// a scatter fills only at the rows cuDNN reads (each document's; the
+// rows past a document's end, in its virtual batch, are never read).
+ffi::Error Uninitialized(ffi::Result<ffi::AnyBuffer>) {
+  return ffi::Error::Success();
+}
+
+auto UninitializedBinding() { return ffi::Ffi::Bind().Ret<ffi::AnyBuffer>(); }
+
 constexpr auto kInit = ffi::ExecutionStage::kInitialize;
 constexpr auto kExec = ffi::ExecutionStage::kExecute;
 
@@ -415,3 +424,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRingPassBackwardInit,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRingPassBackward,
                               (jax_ring::Backward<true>),
                               jax_ring::BackwardBinding<jax_ring::kExec>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxRingUninitialized, jax_ring::Uninitialized,
+                              jax_ring::UninitializedBinding(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -200,3 +200,9 @@ def random_segments(seed, b, length, num_segments):
   cuts = np.sort(rng.integers(0, length, (b, num_segments - 1)), axis=1)
   return (np.arange(length)[None, :, None] >= cuts[:, None, :]).sum(-1).astype(
       np.int32)
+
+
+def spread(ids):
+  """The same documents under ids far apart: more values between a row's
+  least and greatest id than it has tokens (ids a table cannot place)."""
+  return np.asarray(ids, np.int32) * 1_000_003 - 77

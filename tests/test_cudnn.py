@@ -275,10 +275,11 @@ PACKED = {
     "same_full": (ref.random_segments(8, B, P_T, 6), None, {}),
     "same_causal": (ref.random_segments(9, B, P_T, 9), None,
                     dict(is_causal=True)),
-    "same_window_causal": (ref.random_segments(10, B, P_T, 4), None,
-                           dict(is_causal=True, window=(40, 0))),
-    "different_full": (ref.random_segments(11, B, P_T, 5),
-                       ref.random_segments(12, B, P_T, 7), {}),
+    # Ids spread far apart: decided by the sort's branch (fits.by_sort).
+    "same_window_causal": (ref.spread(ref.random_segments(10, B, P_T, 4)),
+                           None, dict(is_causal=True, window=(40, 0))),
+    "different_full": (ref.spread(ref.random_segments(11, B, P_T, 5)),
+                       ref.spread(ref.random_segments(12, B, P_T, 7)), {}),
     # The striped ring's steps: keys of the next device (strict diagonal,
     # kv_offset 1) and of the previous one (inclusive).
     "striped_causal_next": (*_striped(16, 0, 1), dict(is_causal=True,

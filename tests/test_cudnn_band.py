@@ -232,6 +232,60 @@ def test_packed_layout_counts_the_calls_and_flags_what_does_not_fit(
   assert int(packed.calls(docs, t, t)) == 3
 
 
+def _id_rows(seed, count, t):
+  """``count`` rows of ``t`` ids: documents of random lengths under ids
+  drawn from a small pool (so that some id is in two runs), in a random
+  order, some ending in padding id 0, some spread far apart."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for i in range(count):
+    docs = rng.integers(2, t // 2)
+    row = ref.random_segments(int(rng.integers(1 << 30)), 1, t, docs)[0]
+    pool = rng.permutation(t)[:docs] if i % 3 else rng.integers(0, docs, docs)
+    row = pool[row]
+    if i % 4 == 1:
+      row[-rng.integers(1, 6):] = 0
+    rows.append(ref.spread(row) if i % 5 == 4 else row)
+  return np.asarray(rows, np.int32)
+
+
+def test_the_ids_table_decides_as_the_sort_does_where_it_knows():
+  """fits.by_table, with no sort, gives fits.by_sort's answer on every row
+  it knows (ids within as many values as the row has tokens: packing's
+  0, 1, 2, ... in any order, padding 0 included), and knows no row whose
+  ids spread wider; for two id arrays (and a causal shift) the documents
+  it finds equal the sort's wherever the ids fit."""
+  import jax
+  from jax_ring._src.backends.cudnn import fits
+  t = 24
+  q = _id_rows(0, 120, t)
+  kv = np.where(np.arange(120)[:, None] % 2 == 0, q, _id_rows(1, 120, t))
+  kv[::6] = np.sort(q[::6], axis=1)  # each id's keys one range
+
+  def both(q, kv, shift, same):
+    one = lambda f, *a: jax.vmap(lambda x, y: f(x[None], y[None], *a))(q, kv)
+    known, table = one(fits.by_table, shift, same)
+    docs = [one(lambda x, y, by: packed.documents(x, y, shift, same, by),
+                by) for by in (True, False)]
+    return known, table, one(fits.by_sort, shift, same), docs
+
+  for same, shift in ((True, None), (False, None), (False, 1)):
+    kv_ids = q if same else kv
+    known, table, sort, (d_table, d_sort) = map(
+        lambda x: jax.tree.map(np.asarray, x),
+        jax.jit(both, static_argnums=(2, 3))(q, kv_ids, shift, same))
+    both_ids = np.concatenate([q, kv_ids], 1).astype(np.int64)
+    span = both_ids.max(1) - both_ids.min(1)
+    np.testing.assert_array_equal(known, span < (t if same else 2 * t))
+    assert 15 <= (~known).sum() and 80 <= known.sum(), known.sum()
+    np.testing.assert_array_equal(table[known], sort[known])
+    assert sort[known].any() and not sort[known].all(), (same, shift)
+    agree = known & sort
+    for name in ("kv_start", "kv_len"):
+      np.testing.assert_array_equal(getattr(d_table, name)[agree],
+                                    getattr(d_sort, name)[agree], name)
+
+
 # name: (q ids, kv ids or None = the same array, case kwargs); 2 rows of 61
 # tokens, many documents in one row (9 in "few"), 5 or fewer in the other.
 def _many(seed, docs, length=61):
@@ -254,8 +308,11 @@ def _striped_many(seed, r, src, cp=2):
 MANY = {
     "same_causal": (_many(1, 40), None, dict(is_causal=True)),
     "same_causal_few": (_many(8, 9), None, dict(is_causal=True)),
-    "same_window": (_many(2, 36), None, dict(is_causal=True, window=(3, 0))),
-    "different_full": (_many(3, 40), _many(4, 30), {}),
+    # Ids spread far apart: decided by the sort (passes._decide).
+    "same_window": (ref.spread(_many(2, 36)), None,
+                    dict(is_causal=True, window=(3, 0))),
+    "different_full": (ref.spread(_many(3, 40)), ref.spread(_many(4, 30)),
+                       {}),
     "striped_next": (*_striped_many(5, 0, 1), dict(is_causal=True,
                                                    kv_offset=1)),
     "not_contiguous": (_split(_many(6, 40)), None, dict(is_causal=True)),

@@ -98,6 +98,18 @@ def sdpa_pass(name, results, q, k, v, *operands, calls, aliases=None,
                                                         **attrs)[:-1]
 
 
+def uninitialized(shape: tuple[int, ...], dtype):
+  """A ``shape`` array of ``dtype`` whose contents are undefined, for a
+  buffer that is written only where it is read: on CUDA, one XLA
+  allocates and no kernel writes (``jax_ring_uninitialized``); on other
+  platforms (where only the tests' replays of the handlers run), NaN, so
+  that a read of an unwritten element shows."""
+  out = jax.ShapeDtypeStruct(shape, dtype)
+  return jax.lax.platform_dependent(
+      cuda=lambda: jax.ffi.ffi_call("jax_ring_uninitialized", out)(),
+      default=lambda: jnp.full(shape, jnp.nan, dtype))
+
+
 @contextlib.contextmanager
 def recording():
   """Collect the cuDNN calls traced inside (a list of dicts, for

@@ -60,9 +60,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ring._src.backends import xla
-from jax_ring._src.backends.cudnn import ffi
+from jax_ring._src.backends.cudnn import ffi, fits
 from jax_ring._src.backends.cudnn.band import Band
-from jax_ring._src.core import vma
+from jax_ring._src.core import idtable, vma
 from jax_ring._src.core.mask import MASK_VALUE
 
 
@@ -160,17 +160,34 @@ def _keys_of(q_ids, q_start, kv_ids):
           jnp.where(hit, jnp.take_along_axis(k_len, run, 1), 0))
 
 
-def documents(q_ids, kv_ids, shift: int | None = None,
-              same: bool = False) -> Docs:
+def _keys_by_table(q_ids, q_start, kv_ids):
+  """:func:`_keys_of` from the ids' table (:func:`idtable.slots`): each id's
+  first key and its keys' count; meaningful where the table knows and the
+  ids fit (each id one range of keys)."""
+  b, t = q_ids.shape
+  d, _ = idtable.slots(jnp.concatenate([q_ids, kv_ids], 1))
+  d_q, d_k, size = d[:, :t], d[:, t:], d.shape[1]
+  count = jnp.zeros((b, size), jnp.int32).at[
+      jnp.arange(b)[:, None], d_k].add(1)
+  slot = jnp.take_along_axis(d_q, jnp.minimum(q_start, t - 1), 1)
+  take = lambda x: jnp.take_along_axis(x, slot, 1)
+  return take(fits.first_seen(d_k, size)), take(count)
+
+
+def documents(q_ids, kv_ids, shift: int | None = None, same: bool = False,
+              by_table: bool = False) -> Docs:
   """Each row's documents (:class:`Docs`). ``same``: the keys' ids are the
   queries' array (each document's keys are its queries); ``shift``: a
   causal mask between two id arrays (``b <= a - shift``, see the module
   doc), whose documents start their queries at their first key's
-  diagonal. Meaningful where :func:`layout` fits."""
+  diagonal. Meaningful where :func:`layout` fits, and (``by_table``: two
+  arrays' keys found without a sort) where :func:`fits.by_table` knows."""
   t, s = q_ids.shape[1], kv_ids.shape[1]
   run, q_start, q_len = _runs(q_ids)
   if same:
     kv_start, kv_len = q_start, q_len
+  elif by_table:
+    kv_start, kv_len = _keys_by_table(q_ids, q_start, kv_ids)
   else:
     kv_start, kv_len = _keys_of(q_ids, q_start, kv_ids)
   if shift is not None:
@@ -188,43 +205,11 @@ def documents(q_ids, kv_ids, shift: int | None = None,
 
 
 def layout(q_ids, kv_ids, shift: int | None = None, same: bool = False):
-  """Whether every row's query ids are runs of one id each (no id in two
-  runs), the keys of each such id one contiguous range, and (``shift``) no
-  document's first key before its first query's diagonal; ``()`` bool.
-  O(T log T) a row (sorts). ``same``: the keys' ids are the queries' array,
-  so the first condition is all (a run's keys are its queries, and a
-  ``shift >= 0`` puts no first key before its diagonal): one sort a row."""
-
-  def one_array(q):
-    sq = jnp.sort(q)
-    return ((q[1:] != q[:-1]).sum(dtype=jnp.int32) ==
-            (sq[1:] != sq[:-1]).sum(dtype=jnp.int32))
-
-  def row(q, kv):
-    t, s = q.shape[0], kv.shape[0]
-    runs = 1 + (q[1:] != q[:-1]).sum(dtype=jnp.int32)
-    order = jnp.argsort(q, stable=True)  # an id's first query comes first
-    sq = q[order]
-    distinct = 1 + (sq[1:] != sq[:-1]).sum(dtype=jnp.int32)
-    at = jnp.clip(jnp.searchsorted(sq, kv, method="sort"), 0, t - 1)
-    member = sq[at] == kv  # the key's id has queries
-    starts = member & jnp.concatenate([jnp.ones((1,), bool),
-                                       kv[1:] != kv[:-1]])
-    by_id = jnp.lexsort((kv, ~member))  # members first, by id
-    sk, sm = kv[by_id], member[by_id]
-    key_docs = (sm & jnp.concatenate([jnp.ones((1,), bool),
-                                      (sk[1:] != sk[:-1]) |
-                                      (sm[1:] != sm[:-1])])
-                ).sum(dtype=jnp.int32)  # distinct ids among the members
-    fits = (runs == distinct) & (starts.sum(dtype=jnp.int32) == key_docs)
-    if shift is not None:
-      diagonal = jnp.arange(s, dtype=jnp.int32) + shift
-      fits &= jnp.all(~starts | (diagonal >= order[at]))
-    return fits
-
-  if same:
-    return jnp.all(jax.vmap(one_array)(q_ids))
-  return jnp.all(jax.vmap(row)(q_ids, kv_ids))
+  """Whether the ids fit the calls (``()`` bool; see :mod:`fits`):
+  every row's query ids are runs of one id each (no id in two runs), the
+  keys of each such id one contiguous range, and (``shift``) no
+  document's first key before its first query's diagonal."""
+  return fits.exact(q_ids, kv_ids, shift, same)
 
 
 def class_counts(docs: Docs, classes: int):
@@ -351,17 +336,39 @@ def each_call(docs: Docs, t: int, s: int, one, acc, fits, fallback,
 @dataclasses.dataclass(frozen=True)
 class Block:
   """What a block's forward and backward share: the band inside each
-  document, the ids, the documents, whether the ids fit the calls (``()``
-  bool, decided at run time) and whether every token is some call's (one
-  id array, no shift: the first call can write fresh buffers,
-  :func:`each_call`'s ``fresh``)."""
+  document, the ids, the documents, the causal ``shift`` between two id
+  arrays, whether the keys' ids are the queries' (``same``), the ids'
+  table check (:func:`fits.by_table`: ``known``, ``table_fits``) and
+  whether every token is some call's (one id array, no shift: the first
+  call can write fresh buffers, :func:`each_call`'s ``fresh``)."""
 
   inner: Band
   q_ids: jax.Array
   kv_ids: jax.Array
-  docs: Docs
-  fits: jax.Array
-  fresh: bool
+  docs: Docs  # two arrays: by the table (documents' ``by_table``)
+  shift: int | None
+  same: bool
+  known: jax.Array
+  table_fits: jax.Array
+
+  @property
+  def fresh(self) -> bool:
+    return self.same and self.shift is None
+
+  def sorted_fits(self):
+    """``()`` bool, by :func:`fits.by_sort` (traced where it is called)."""
+    return fits.by_sort(self.q_ids, self.kv_ids, self.shift, self.same)
+
+  def sorted_docs(self) -> Docs:
+    """The documents wherever the ids fit, the table known or not (two
+    arrays: their keys found by a sort; traced where it is called)."""
+    return self.docs if self.same else documents(
+        self.q_ids, self.kv_ids, self.shift)
+
+  @property
+  def fits(self):
+    """``()`` bool: whether the ids fit the calls, for any ids."""
+    return jnp.where(self.known, self.table_fits, self.sorted_fits())
 
 
 def block(mask, config, bnd: Band) -> Block:
@@ -369,9 +376,9 @@ def block(mask, config, bnd: Band) -> Block:
   shift = diagonal_shift(config, mask)
   q_ids, kv_ids = mask.q_segment_ids, mask.kv_ids()
   return Block(bnd if shift is None else Band(right_bound=0), q_ids, kv_ids,
-               documents(q_ids, kv_ids, shift, same=mask.same_ids),
-               layout(q_ids, kv_ids, shift, mask.same_ids),
-               mask.same_ids and shift is None)
+               documents(q_ids, kv_ids, shift, mask.same_ids, by_table=True),
+               shift, mask.same_ids,
+               *fits.by_table(q_ids, kv_ids, shift, mask.same_ids))
 
 
 def forward(q, k, v, mask, config, bnd: Band):
@@ -380,10 +387,11 @@ def forward(q, k, v, mask, config, bnd: Band):
   b, t, n, _ = q.shape
   s = k.shape[1]
   refs = (q, k, v, blk.q_ids, blk.kv_ids)  # inside shard_map: what varies
+  docs = blk.sorted_docs()
   lse0 = jnp.full((b, t, n), MASK_VALUE, jnp.float32)
 
   def one(acc, cls, first, geometry, m):
-    c = select(blk.docs, cls, first, m, t, s)
+    c = select(docs, cls, first, m, t, s)
     shapes = (jax.ShapeDtypeStruct((b, t, n, v.shape[3]), q.dtype),
               jax.ShapeDtypeStruct((b * m, n, geometry.length), jnp.float32))
     args = (q, k, v, *call_rows(c, q, k, v))
@@ -402,7 +410,7 @@ def forward(q, k, v, mask, config, bnd: Band):
 
   init = () if blk.fresh else vma.like((jnp.zeros((b, t, n, v.shape[3]),
                                               q.dtype), lse0), *refs)
-  return each_call(blk.docs, t, s, one, init, blk.fits, lambda acc: vma.like(
+  return each_call(docs, t, s, one, init, blk.fits, lambda acc: vma.like(
       xla.forward(q, k, v, None, mask, config), *refs), blk.fresh)
 
 
@@ -412,9 +420,10 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd: Band):
   b, t, n, _ = q.shape
   s = k.shape[1]
   refs = (q, k, v, out, lse, dout, blk.q_ids, blk.kv_ids)
+  docs = blk.sorted_docs()
 
   def one(acc, cls, first, geometry, m):
-    c = select(blk.docs, cls, first, m, t, s)
+    c = select(docs, cls, first, m, t, s)
     bi = jnp.arange(b)[:, None]
     stats = jnp.zeros((b, m, n, geometry.length), jnp.float32).at[
         bi, c.batch, :, c.row].set(lse.astype(jnp.float32), mode="drop")
@@ -431,7 +440,7 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd: Band):
 
   init = () if blk.fresh else vma.like(
       (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)), *refs)
-  return each_call(blk.docs, t, s, one, init, blk.fits, lambda acc: vma.like(
+  return each_call(docs, t, s, one, init, blk.fits, lambda acc: vma.like(
       tuple(xla.backward(q, k, v, None, mask, out, lse, dout, None,
                          config)[:3]), *refs), blk.fresh)
 

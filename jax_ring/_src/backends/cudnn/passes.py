@@ -16,7 +16,8 @@ the chunk of ``first`` in ``offs``, whose entry ``M`` is the row's end, as
 in a call's own table (entries past a row's documents hold the end).
 ``stats (B, R)``: each class's ``(P_c, N, L_c)`` float32 stats a row,
 gathered to the tokens' lse after the forward and scattered from them
-before the backward (cuDNN 9.19's backward reads no ragged stats).
+before the backward (cuDNN 9.19's backward reads no ragged stats) into a
+buffer nothing else writes: cuDNN reads no stats past a document's rows.
 
 **Menus.** A call's virtual batches ``M`` come from its class's menu,
 ``1, RATIO, RATIO**2, ...`` below ``M_c``, then ``M_c``: a class's calls
@@ -27,11 +28,13 @@ most. Every call starts at a multiple of ``M_c`` (a multiple of 4): its
 slices stay aligned whatever its ``M``.
 
 **Branches.** One ``lax.switch`` a pass, on the documents: ids that do
-not fit the calls (:func:`packed.layout`) take the ``xla`` backend; a
-block of one id array whose longest document a size of ``tiles.SIZES``
-takes (:func:`tiles.limits`) takes that size's tiles (:mod:`tiles`); the
-rest the handler.
-The tables are built before the switch.
+not fit the calls take the ``xla`` backend; a block of one id array
+whose longest document a size of ``tiles.SIZES`` takes
+(:func:`tiles.limits`) takes that size's tiles (:mod:`tiles`); the rest
+the handler. Whether the ids fit is read from their table
+(:func:`fits.by_table`), with no sort, where it can place them; ids
+spread over more values than the block has tokens are sorted instead
+(:func:`_decide`). The tables are built before the switch.
 """
 
 from __future__ import annotations
@@ -225,15 +228,29 @@ def _tile_sizes(q, k, v, mask, config) -> tuple[int, ...]:
   return tiles.SIZES if tiles.serves(q, k, mask, config, v) else ()
 
 
-def _switch(blk: packed.Block, run, others, most: tuple[int, ...]):
+def _decide(blk: packed.Block, tab: Tables, sorted_tables):
+  """``(fits, tables)``: whether the ids fit the calls, and the tables of
+  their documents. Where the ids' table knows (:func:`fits.by_table`), its
+  answer and ``tab``; else the sort's and (two id arrays, whose keys the
+  table found) ``sorted_tables()``. Chosen by a ``lax.cond``, so that
+  rows the table knows run no sort: on a GPU one more wait for the device
+  (the tables are its only work before it), where a sort is a dozen
+  launches that the host makes one by one."""
+  if blk.same:
+    return jax.lax.cond(blk.known, lambda: blk.table_fits,
+                        blk.sorted_fits), tab
+  return jax.lax.cond(blk.known, lambda: (blk.table_fits, tab),
+                      lambda: (blk.sorted_fits(), sorted_tables()))
+
+
+def _switch(blk: packed.Block, fits, run, others, most: tuple[int, ...]):
   """``run`` (the handler) or one of ``others`` (the fallback, then each
   tile size), picked on the device: the fallback where the ids do not
   fit, else the first tile size that takes the longest document (its
   limit in ``most``, :func:`tiles.limits`), else the handler."""
   pick = (tiles.size_index(blk.docs.q_len.max(), most) if len(others) > 1
           else 0)
-  return jax.lax.switch(jnp.where(blk.fits, 1 + pick, 0), others + [run],
-                        None)
+  return jax.lax.switch(jnp.where(fits, 1 + pick, 0), others + [run], None)
 
 
 def _graphs(config, blk: packed.Block, lay: Layout) -> list[dict]:
@@ -247,7 +264,9 @@ def forward(q, k, v, mask, config, bnd):
   blk = packed.block(mask, config, bnd)
   b, t, n, _ = q.shape
   lay = layout(t, k.shape[1], b, mask.same_ids)
-  tab = _before_the_branch(tables(blk.docs, lay, q, k, v))
+  fits, tab = _decide(blk, tables(blk.docs, lay, q, k, v),
+                      lambda: tables(blk.sorted_docs(), lay, q, k, v))
+  tab = _before_the_branch(tab)
   r = lay.stats_size(n)
   refs = (q, k, v, blk.q_ids, blk.kv_ids)
 
@@ -270,7 +289,7 @@ def forward(q, k, v, mask, config, bnd):
   others = [lambda _: xla.forward(q, k, v, None, mask, config)] + [
       lambda _, p=p: tiles.forward(q, k, v, blk.q_ids, config, p)
       for p in _tile_sizes(q, k, v, mask, config)]
-  return _switch(blk, run, [
+  return _switch(blk, fits, run, [
       lambda _, f=f: vma.like(_row_major(f(_)), *refs) for f in others],
                  tiles.limits(q, k, v))
 
@@ -280,12 +299,16 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd):
   blk = packed.block(mask, config, bnd)
   b, t, n, _ = q.shape
   lay = layout(t, k.shape[1], b, mask.same_ids)
-  tab = tables(blk.docs, lay, q, k, v)
+  fits, tab = _decide(blk, tables(blk.docs, lay, q, k, v),
+                      lambda: tables(blk.sorted_docs(), lay, q, k, v))
   r = lay.stats_size(n)
   refs = (q, k, v, out, lse, dout, blk.q_ids, blk.kv_ids)
+  # The calls' stats at the rows they read (each document's); the rest of
+  # each virtual batch, which cuDNN does not read, is left undefined.
   bi = jnp.arange(b)[:, None, None]
-  tab, stats = _before_the_branch((tab, jnp.zeros((b, r), jnp.float32).at[
-      bi, tab.at].set(lse.astype(jnp.float32), mode="drop")))
+  tab, stats = _before_the_branch((tab, ffi.uninitialized(
+      (b, r), jnp.float32).at[bi, tab.at].set(lse.astype(jnp.float32),
+                                               mode="drop")))
 
   def run(_):
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
@@ -303,6 +326,6 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd):
       lambda _, p=p: tiles.backward(q, k, v, blk.q_ids, out, lse, dout,
                                     config, p)
       for p in _tile_sizes(q, k, v, mask, config)]
-  return _switch(blk, run, [
+  return _switch(blk, fits, run, [
       lambda _, f=f: vma.like(_row_major(f(_)), *refs) for f in others],
                  tiles.limits(q, k, v))

@@ -4,7 +4,8 @@ sent and its block does not run.
 
 Every device all-gathers the ring's query and kv ids (``(cp, B, T)``
 int32 each; one array where they are the same ids) and numbers the
-distinct ids of each row (one sort); two ``(B, S, G)`` bool tables (``(B,
+distinct ids of each row (their table slots, or one sort:
+:func:`_numbered`); two ``(B, S, G)`` bool tables (``(B,
 2S, G)`` for two id arrays) mark which of the G = cp x chunks query
 chunks, and which kv chunks, hold each id, and one reduction finds the
 (query chunk, kv chunk) pairs that share one. A step is needed where
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_ring._src.core import vma
+from jax_ring._src.core import idtable, vma
 from jax_ring._src.core.config import ShardPlan
 from jax_ring._src.core.mask import TokenMask
 from jax_ring._src.strategies import layout
@@ -131,6 +132,17 @@ def _crossing_rows(number, held, plan: ShardPlan, causal: bool, t: int):
   return jnp.maximum(first, last).astype(jnp.int32)
 
 
+def _numbered(ids):
+  """``(B, N)`` int32 in ``[0, N)``: equal numbers for equal ids of a row.
+  Their table slots (:func:`idtable.slots`) where every row's ids lie
+  within ``N`` values, as packing's do; else each row sorted (a branch,
+  one more wait for the device)."""
+  slot, known = idtable.slots(ids)
+  n = ids.shape[1]
+  return lax.cond(known, lambda: slot, lambda: jax.vmap(
+      lambda row: jnp.unique(row, return_inverse=True, size=n)[1])(ids))
+
+
 def _of_gathered(q_ids, kv_ids, plan: ShardPlan, causal: bool,
                  rows: bool):
   """``(cp,)`` int32 needed steps, then (``rows``) the crossing rows, from
@@ -142,8 +154,7 @@ def _of_gathered(q_ids, kv_ids, plan: ShardPlan, causal: bool,
   pair = q_ids if kv_ids is None else jnp.concatenate([q_ids, kv_ids], 1)
   ids = pair.reshape(b, -1)  # queries, then keys
   n = ids.shape[1]
-  _, number = jax.vmap(lambda row: jnp.unique(row, return_inverse=True,
-                                              size=n))(ids)
+  number = _numbered(ids)
   number = (jnp.stack([number, number], 1) if kv_ids is None else
             number.reshape(b, 2, n // 2))
   chunk = np.arange(cp * t) // (cp * t // g)  # r * chunks + x
@@ -164,7 +175,7 @@ def needed_steps(tm: TokenMask, plan: ShardPlan, causal: bool,
   pair a query with a key of its document (step 0, the own K/V, always).
   With ``rows`` (contiguous shards only), also ``_crossing_rows``, the same
   on every device. Call inside ``shard_map`` (or a partition rule) on this
-  device's ids (``tm``'s, packed). One sort of the gathered ids a row, then
+  device's ids (``tm``'s, packed). The gathered ids numbered a row, then
   two ``(B, S, G)`` bool tables (S: the global length; 2S for query and kv
   ids apart)."""
   cp = plan.cp_size

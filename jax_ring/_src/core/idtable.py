@@ -1,0 +1,21 @@
+"""Segment ids as slots of a table, with no sort: each row's id ``x`` at
+slot ``x - lo`` (``lo`` the row's least id), exact wherever a row's ids
+lie within as many values as it has tokens, as packing's ids 0, 1, 2,
+... do in any order (padding id 0 included). Where they do not (ids
+spread far apart), only a sort numbers them; callers branch on
+``known``."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def slots(ids):
+  """``(slot (B, N) int32, known () bool)`` for ``ids (B, N)``: each
+  id's slot in a table of ``N`` (clipped into ``[0, N)``) and whether no
+  id was clipped, so that equal slots mean equal ids."""
+  n = ids.shape[1]
+  # Past int32's range the difference wraps below zero: not known.
+  d = ids.astype(jnp.int32) - ids.min(1, keepdims=True).astype(jnp.int32)
+  known = jnp.all((d >= 0) & (d < n))
+  return jnp.clip(d, 0, n - 1), known
