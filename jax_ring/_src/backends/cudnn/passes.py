@@ -7,10 +7,11 @@ and loop (each of whose tests the host waits for on a GPU).
 **Tables.** Class ``c`` holds ``P_c`` entries a row: as many of its
 documents as a row can hold (rounded up to its calls' most virtual
 batches ``M_c``: a row's worth of query tiles, a multiple of 4), by rank,
-empty ones (no rows) at the row's end. ``lens (2, B, P)``: the entries' query and key counts;
-``offs (4, B, W)``: their element offsets into q, k, v and out from the
-row's start, in chunks of ``M_c`` entries each followed by the row's end
-(and 3 more, so that every chunk is 16-byte aligned). A call over ranks
+empty ones (no rows) at the row's end. ``lens (2, B, P)``: the entries'
+query and key counts; ``offs (4, B, W)``: their element offsets into q,
+k, v and out from the row's start, in chunks of ``M_c`` entries each
+followed by the row's end (and 3 more, so that every chunk is 16-byte
+aligned). A call over ranks
 ``[first, first + M)`` of one row reads a contiguous slice of ``lens`` and
 the chunk of ``first`` in ``offs``, whose entry ``M`` is the row's end, as
 in a call's own table (entries past a row's documents hold the end).
