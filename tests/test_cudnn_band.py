@@ -284,6 +284,11 @@ def test_the_ids_table_decides_as_the_sort_does_where_it_knows():
     for name in ("kv_start", "kv_len"):
       np.testing.assert_array_equal(getattr(d_table, name)[agree],
                                     getattr(d_sort, name)[agree], name)
+  # Narrow integer ids are widened; a span past int32's range is not known.
+  from jax_ring._src.core import idtable
+  assert bool(idtable.slots(jnp.asarray([np.arange(t) % 7], jnp.int8))[1])
+  assert not bool(idtable.slots(jnp.asarray(
+      [[-2**31, 2**31 - 1] + [0] * (t - 2)], jnp.int32))[1])
 
 
 # name: (q ids, kv ids or None = the same array, case kwargs); 2 rows of 61

@@ -15,7 +15,10 @@ def slots(ids):
   id's slot in a table of ``N`` (clipped into ``[0, N)``) and whether no
   id was clipped, so that equal slots mean equal ids."""
   n = ids.shape[1]
-  # Past int32's range the difference wraps below zero: not known.
-  d = ids.astype(jnp.int32) - ids.min(1, keepdims=True).astype(jnp.int32)
+  if jnp.iinfo(ids.dtype).bits < 32:  # widened losslessly, to hold N
+    ids = ids.astype(jnp.int32)
+  # In the ids' own dtype: a difference past its range wraps below zero
+  # (signed) and is not known; none is lost to a narrower cast.
+  d = ids - ids.min(1, keepdims=True)
   known = jnp.all((d >= 0) & (d < n))
-  return jnp.clip(d, 0, n - 1), known
+  return jnp.clip(d, 0, n - 1).astype(jnp.int32), known
