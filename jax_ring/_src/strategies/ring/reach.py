@@ -140,7 +140,8 @@ def _numbered(ids):
   slot, known = idtable.slots(ids)
   n = ids.shape[1]
   return lax.cond(known, lambda: slot, lambda: jax.vmap(
-      lambda row: jnp.unique(row, return_inverse=True, size=n)[1])(ids))
+      lambda row: jnp.unique(row, return_inverse=True, size=n)[1])(
+          ids).astype(jnp.int32))
 
 
 def _of_gathered(q_ids, kv_ids, plan: ShardPlan, causal: bool,
