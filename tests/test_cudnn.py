@@ -380,6 +380,20 @@ def test_packed_documents_through_ragged_offsets(name, smallest, path,
     ref.assert_close(got, r_g[gname], q.dtype, "d" + gname)
 
 
+@pytest.mark.parametrize("fill", [float("nan"), float("-inf")])
+@pytest.mark.parametrize("name", ["many_window_causal",
+                                  "many_striped_causal_next"])
+def test_the_pass_backward_reads_no_stats_past_a_documents_rows(
+    name, fill, monkeypatch):
+  """The pass's backward leaves its stats undefined past each document's
+  rows in its virtual batch (``ffi.uninitialized``): cuDNN does not read
+  them, so with them NaN or -inf the packed rows stay exact."""
+  from jax_ring._src.backends.cudnn import ffi
+  monkeypatch.setattr(ffi, "uninitialized",
+                      lambda shape, dtype: jnp.full(shape, fill, dtype))
+  test_packed_documents_through_ragged_offsets(name, 16, "pass", monkeypatch)
+
+
 def test_packed_causal_api_default_picks_cudnn():
   q, k, v, _ = ref.random_qkv(14, 1, 256, 256, 4, 4, 64, jnp.bfloat16)
   ids = jnp.asarray(ref.random_segments(15, 1, 256, 3))
