@@ -11,9 +11,8 @@ diagonal. ``()`` bool, decided on the device, two ways:
   otherwise.
 - :func:`by_sort`, O(T log T) a row: exact for any ids.
 
-:func:`exact` is the table's answer where it has one, else the sort's;
-``passes`` branches on ``known`` so that rows the table decides run no
-sort (on a GPU a sort is a dozen launches the host makes one by one).
+:meth:`packed.Block.decide` branches on ``known`` so that rows the table
+decides run no sort.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ def first_seen(slot, slots: int):
       jnp.arange(b)[:, None], slot].min(pos)
 
 
-def _slots(q_ids, kv_ids, same: bool):
+def slots(q_ids, kv_ids, same: bool = False):
   """``(d_q (B, T), d_k (B, S), size, known)``: :func:`idtable.slots` of the
   row's queries' ids (one array, ``size = T``) or of its queries' and
   keys' (``size = T + S``)."""
@@ -60,7 +59,7 @@ def by_table(q_ids, kv_ids, shift: int | None = None, same: bool = False):
   within its table (:func:`idtable.slots`), and where so, whether the ids fit
   (exactly)."""
   t, s = q_ids.shape[1], kv_ids.shape[1]
-  d_q, d_k, size, known = _slots(q_ids, kv_ids, same)
+  d_q, d_k, size, known = slots(q_ids, kv_ids, same)
   take = lambda table, slot: jnp.take_along_axis(table, slot, 1)
   q_first = first_seen(d_q, size)  # each id's first query (T: none)
   fits = jnp.all(take(q_first, d_q) == _run_starts(q_ids))
@@ -111,10 +110,3 @@ def by_sort(q_ids, kv_ids, shift: int | None = None, same: bool = False):
   if same:
     return jnp.all(jax.vmap(one_array)(q_ids))
   return jnp.all(jax.vmap(row)(q_ids, kv_ids))
-
-
-def exact(q_ids, kv_ids, shift: int | None = None, same: bool = False):
-  """``()`` bool: whether the ids fit; the table's answer where it has
-  one, else the sort's (which then runs whatever the answer)."""
-  known, fits = by_table(q_ids, kv_ids, shift, same)
-  return jnp.where(known, fits, by_sort(q_ids, kv_ids, shift, same))

@@ -62,7 +62,7 @@ import numpy as np
 from jax_ring._src.backends import xla
 from jax_ring._src.backends.cudnn import ffi, fits
 from jax_ring._src.backends.cudnn.band import Band
-from jax_ring._src.core import idtable, vma
+from jax_ring._src.core import vma
 from jax_ring._src.core.mask import MASK_VALUE
 
 
@@ -161,12 +161,11 @@ def _keys_of(q_ids, q_start, kv_ids):
 
 
 def _keys_by_table(q_ids, q_start, kv_ids):
-  """:func:`_keys_of` from the ids' table (:func:`idtable.slots`): each id's
+  """:func:`_keys_of` from the ids' table (:func:`fits.slots`): each id's
   first key and its keys' count; meaningful where the table knows and the
   ids fit (each id one range of keys)."""
   b, t = q_ids.shape
-  d, _ = idtable.slots(jnp.concatenate([q_ids, kv_ids], 1))
-  d_q, d_k, size = d[:, :t], d[:, t:], d.shape[1]
+  d_q, d_k, size, _ = fits.slots(q_ids, kv_ids)
   count = jnp.zeros((b, size), jnp.int32).at[
       jnp.arange(b)[:, None], d_k].add(1)
   slot = jnp.take_along_axis(d_q, jnp.minimum(q_start, t - 1), 1)
@@ -208,8 +207,11 @@ def layout(q_ids, kv_ids, shift: int | None = None, same: bool = False):
   """Whether the ids fit the calls (``()`` bool; see :mod:`fits`):
   every row's query ids are runs of one id each (no id in two runs), the
   keys of each such id one contiguous range, and (``shift``) no
-  document's first key before its first query's diagonal."""
-  return fits.exact(q_ids, kv_ids, shift, same)
+  document's first key before its first query's diagonal. Computed both
+  ways (the table's answer where it knows, else the sort's), for any ids:
+  the calls decide with :meth:`Block.decide` instead."""
+  known, ok = fits.by_table(q_ids, kv_ids, shift, same)
+  return jnp.where(known, ok, fits.by_sort(q_ids, kv_ids, shift, same))
 
 
 def class_counts(docs: Docs, classes: int):
@@ -338,9 +340,10 @@ class Block:
   """What a block's forward and backward share: the band inside each
   document, the ids, the documents, the causal ``shift`` between two id
   arrays, whether the keys' ids are the queries' (``same``), the ids'
-  table check (:func:`fits.by_table`: ``known``, ``table_fits``) and
-  whether every token is some call's (one id array, no shift: the first
-  call can write fresh buffers, :func:`each_call`'s ``fresh``)."""
+  table check (:func:`fits.by_table`: ``known``, ``table_fits``; the
+  decision, :meth:`decide`) and whether every token is some call's (one
+  id array, no shift: the first call can write fresh buffers,
+  :func:`each_call`'s ``fresh``)."""
 
   inner: Band
   q_ids: jax.Array
@@ -355,20 +358,22 @@ class Block:
   def fresh(self) -> bool:
     return self.same and self.shift is None
 
-  def sorted_fits(self):
-    """``()`` bool, by :func:`fits.by_sort` (traced where it is called)."""
-    return fits.by_sort(self.q_ids, self.kv_ids, self.shift, self.same)
-
-  def sorted_docs(self) -> Docs:
-    """The documents wherever the ids fit, the table known or not (two
-    arrays: their keys found by a sort; traced where it is called)."""
-    return self.docs if self.same else documents(
-        self.q_ids, self.kv_ids, self.shift)
-
-  @property
-  def fits(self):
-    """``()`` bool: whether the ids fit the calls, for any ids."""
-    return jnp.where(self.known, self.table_fits, self.sorted_fits())
+  def decide(self) -> tuple[jax.Array, Docs]:
+    """``(ok, docs)``: whether the ids fit the calls (``()`` bool), and
+    their documents (meaningful where they fit). Where the ids' table
+    knows (:func:`fits.by_table`), its answer and :attr:`docs`; else the
+    sort's (:func:`fits.by_sort`) and, for two id arrays, the documents
+    with their keys found by a sort. Chosen by a ``lax.cond``, so that
+    rows the table knows run no sort: on a GPU one more wait for the
+    device, where a sort is a dozen launches the host makes one by one."""
+    by_sort = lambda: fits.by_sort(self.q_ids, self.kv_ids, self.shift,
+                                   self.same)
+    if self.same:
+      return jax.lax.cond(self.known, lambda: self.table_fits,
+                          by_sort), self.docs
+    return jax.lax.cond(
+        self.known, lambda: (self.table_fits, self.docs),
+        lambda: (by_sort(), documents(self.q_ids, self.kv_ids, self.shift)))
 
 
 def block(mask, config, bnd: Band) -> Block:
@@ -387,7 +392,7 @@ def forward(q, k, v, mask, config, bnd: Band):
   b, t, n, _ = q.shape
   s = k.shape[1]
   refs = (q, k, v, blk.q_ids, blk.kv_ids)  # inside shard_map: what varies
-  docs = blk.sorted_docs()
+  ok, docs = blk.decide()
   lse0 = jnp.full((b, t, n), MASK_VALUE, jnp.float32)
 
   def one(acc, cls, first, geometry, m):
@@ -410,7 +415,7 @@ def forward(q, k, v, mask, config, bnd: Band):
 
   init = () if blk.fresh else vma.like((jnp.zeros((b, t, n, v.shape[3]),
                                               q.dtype), lse0), *refs)
-  return each_call(docs, t, s, one, init, blk.fits, lambda acc: vma.like(
+  return each_call(docs, t, s, one, init, ok, lambda acc: vma.like(
       xla.forward(q, k, v, None, mask, config), *refs), blk.fresh)
 
 
@@ -420,7 +425,7 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd: Band):
   b, t, n, _ = q.shape
   s = k.shape[1]
   refs = (q, k, v, out, lse, dout, blk.q_ids, blk.kv_ids)
-  docs = blk.sorted_docs()
+  ok, docs = blk.decide()
 
   def one(acc, cls, first, geometry, m):
     c = select(docs, cls, first, m, t, s)
@@ -440,7 +445,7 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd: Band):
 
   init = () if blk.fresh else vma.like(
       (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)), *refs)
-  return each_call(docs, t, s, one, init, blk.fits, lambda acc: vma.like(
+  return each_call(docs, t, s, one, init, ok, lambda acc: vma.like(
       tuple(xla.backward(q, k, v, None, mask, out, lse, dout, None,
                          config)[:3]), *refs), blk.fresh)
 

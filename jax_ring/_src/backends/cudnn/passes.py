@@ -35,7 +35,7 @@ whose longest document a size of ``tiles.SIZES`` takes
 the handler. Whether the ids fit is read from their table
 (:func:`fits.by_table`), with no sort, where it can place them; ids
 spread over more values than the block has tokens are sorted instead
-(:func:`_decide`). The tables are built before the switch.
+(:meth:`packed.Block.decide`). The tables are built before the switch.
 """
 
 from __future__ import annotations
@@ -229,29 +229,14 @@ def _tile_sizes(q, k, v, mask, config) -> tuple[int, ...]:
   return tiles.SIZES if tiles.serves(q, k, mask, config, v) else ()
 
 
-def _decide(blk: packed.Block, tab: Tables, sorted_tables):
-  """``(fits, tables)``: whether the ids fit the calls, and the tables of
-  their documents. Where the ids' table knows (:func:`fits.by_table`), its
-  answer and ``tab``; else the sort's and (two id arrays, whose keys the
-  table found) ``sorted_tables()``. Chosen by a ``lax.cond``, so that
-  rows the table knows run no sort: on a GPU one more wait for the device
-  (the tables are its only work before it), where a sort is a dozen
-  launches that the host makes one by one."""
-  if blk.same:
-    return jax.lax.cond(blk.known, lambda: blk.table_fits,
-                        blk.sorted_fits), tab
-  return jax.lax.cond(blk.known, lambda: (blk.table_fits, tab),
-                      lambda: (blk.sorted_fits(), sorted_tables()))
-
-
-def _switch(blk: packed.Block, fits, run, others, most: tuple[int, ...]):
+def _switch(ok, docs: packed.Docs, run, others, most: tuple[int, ...]):
   """``run`` (the handler) or one of ``others`` (the fallback, then each
   tile size), picked on the device: the fallback where the ids do not
-  fit, else the first tile size that takes the longest document (its
-  limit in ``most``, :func:`tiles.limits`), else the handler."""
-  pick = (tiles.size_index(blk.docs.q_len.max(), most) if len(others) > 1
+  fit (``ok``), else the first tile size that takes the longest document
+  (its limit in ``most``, :func:`tiles.limits`), else the handler."""
+  pick = (tiles.size_index(docs.q_len.max(), most) if len(others) > 1
           else 0)
-  return jax.lax.switch(jnp.where(fits, 1 + pick, 0), others + [run], None)
+  return jax.lax.switch(jnp.where(ok, 1 + pick, 0), others + [run], None)
 
 
 def _graphs(config, blk: packed.Block, lay: Layout) -> list[dict]:
@@ -265,9 +250,8 @@ def forward(q, k, v, mask, config, bnd):
   blk = packed.block(mask, config, bnd)
   b, t, n, _ = q.shape
   lay = layout(t, k.shape[1], b, mask.same_ids)
-  fits, tab = _decide(blk, tables(blk.docs, lay, q, k, v),
-                      lambda: tables(blk.sorted_docs(), lay, q, k, v))
-  tab = _before_the_branch(tab)
+  ok, docs = blk.decide()
+  tab = _before_the_branch(tables(docs, lay, q, k, v))
   r = lay.stats_size(n)
   refs = (q, k, v, blk.q_ids, blk.kv_ids)
 
@@ -290,7 +274,7 @@ def forward(q, k, v, mask, config, bnd):
   others = [lambda _: xla.forward(q, k, v, None, mask, config)] + [
       lambda _, p=p: tiles.forward(q, k, v, blk.q_ids, config, p)
       for p in _tile_sizes(q, k, v, mask, config)]
-  return _switch(blk, fits, run, [
+  return _switch(ok, docs, run, [
       lambda _, f=f: vma.like(_row_major(f(_)), *refs) for f in others],
                  tiles.limits(q, k, v))
 
@@ -300,8 +284,8 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd):
   blk = packed.block(mask, config, bnd)
   b, t, n, _ = q.shape
   lay = layout(t, k.shape[1], b, mask.same_ids)
-  fits, tab = _decide(blk, tables(blk.docs, lay, q, k, v),
-                      lambda: tables(blk.sorted_docs(), lay, q, k, v))
+  ok, docs = blk.decide()
+  tab = tables(docs, lay, q, k, v)
   r = lay.stats_size(n)
   refs = (q, k, v, out, lse, dout, blk.q_ids, blk.kv_ids)
   # The calls' stats at the rows they read (each document's); the rest of
@@ -327,6 +311,6 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd):
       lambda _, p=p: tiles.backward(q, k, v, blk.q_ids, out, lse, dout,
                                     config, p)
       for p in _tile_sizes(q, k, v, mask, config)]
-  return _switch(blk, fits, run, [
+  return _switch(ok, docs, run, [
       lambda _, f=f: vma.like(_row_major(f(_)), *refs) for f in others],
                  tiles.limits(q, k, v))
