@@ -127,10 +127,11 @@ def _reached_loop(plan, own, later, tail, k, v, tm, causal, beyond=None):
   stacked), then what ``(need (cp,), rows) = reach.needed_steps(tm, ...)``
   asks for (the same on every device; on contiguous shards documents
   reach a prefix of the steps, and a step no document reaches adds
-  nothing), picked by one ``lax.switch``:
+  nothing), picked by a ``lax.cond`` and, past it, one ``lax.switch``:
 
-  * no step after the own: documents that all stay inside their shards
-    cost one block and one branch test;
+  * no step after the own (the cond's first branch, the own block alone):
+    documents that all stay inside their shards cost one block and one
+    branch test;
   * step 1 only, the crossing rows within a size of ``reach.tail_sizes``:
     ``tail(size, kv, first)`` with the last ``size`` rows of device
     ``r - 1``'s K/V and ids (one permute of those rows), which adds its
@@ -144,37 +145,48 @@ def _reached_loop(plan, own, later, tail, k, v, tm, causal, beyond=None):
     branch that stops casts the float32 carry back rather than passing it
     through (a conditional copies an operand it returns).
 
-  The own block runs before the switch, queued ahead of the host's wait.
-  Returns in the own block's dtypes."""
+  On a GPU the host reads a branch test after all the work queued before
+  it. The cond's test comes before the own block: in the common case the
+  host waits for the reach test alone, then runs ahead of the own block
+  to the rest of the program (the next call's launches hide behind it).
+  The switch, where steps follow, comes after the own block and waits for
+  it. Returns in the own block's dtypes."""
   cp = plan.cp_size
   need, rows = reach.needed_steps(tm, plan, causal, rows=True)
   last, ids = reach.last_step(need), tm.kv_ids()
   t = k.shape[1]
-  first = own(((k, v), ids))
-  dtypes = jax.tree.map(lambda a: a.dtype, first)
-  finish = lambda carry: jax.tree.map(lambda a, t: a.astype(t), carry, dtypes)
-
-  def from_step(step, carry):
-    held = (kv_lib.pack(k, v), ids)  # packed inside the step's branch
-    carry = later(step, _shift(held, plan, step), carry)
-    if step == cp - 1:
-      return finish(carry)
-    return lax.cond(last > step, functools.partial(from_step, step + 1),
-                    finish, carry)
-
-  def cut(size, first):
-    end = slice(t - size, None)
-    held = (kv_lib.pack(k[:, end], v[:, end]), ids[:, end])
-    return tail(size, _shift(held, plan, 1), first)
-
   handed = bool(beyond)
   sizes = reach.tail_sizes(t, cp, handed)
-  branches = [lambda first: first] + [functools.partial(cut, n) for n in sizes]
-  if handed:
-    branches.append(lambda _: finish(beyond()))
-  elif cp > 2:  # documents reach past the previous shard, or past every size
-    branches.append(lambda first: from_step(1, as_f32(first)))
-  return lax.switch(reach.branch(need, rows, t, cp, handed), branches, first)
+  index = reach.branch(need, rows, t, cp, handed)
+  run_own = lambda: own(((k, v), ids))
+
+  def with_steps():
+    first = run_own()
+    dtypes = jax.tree.map(lambda a: a.dtype, first)
+    finish = lambda carry: jax.tree.map(lambda a, t: a.astype(t), carry,
+                                        dtypes)
+
+    def from_step(step, carry):
+      held = (kv_lib.pack(k, v), ids)  # packed inside the step's branch
+      carry = later(step, _shift(held, plan, step), carry)
+      if step == cp - 1:
+        return finish(carry)
+      return lax.cond(last > step, functools.partial(from_step, step + 1),
+                      finish, carry)
+
+    def cut(size, first):
+      end = slice(t - size, None)
+      held = (kv_lib.pack(k[:, end], v[:, end]), ids[:, end])
+      return tail(size, _shift(held, plan, 1), first)
+
+    branches = [functools.partial(cut, n) for n in sizes]
+    if handed:
+      branches.append(lambda _: finish(beyond()))
+    elif cp > 2:  # documents reach past the previous shard, or past sizes
+      branches.append(lambda first: from_step(1, as_f32(first)))
+    return lax.switch(index - 1, branches, first)
+
+  return lax.cond(index == 0, run_own, with_steps)
 
 
 def _beyond_plan(plan: ShardPlan) -> ShardPlan:
