@@ -35,11 +35,16 @@ def _run_starts(ids):
 
 def first_seen(slot, slots: int):
   """``(B, slots)`` int32: each slot's first position in ``slot (B, N)``
-  (``N`` where absent)."""
+  (``N`` where absent). Only the first token of each run of equal slots
+  is scattered (no later token of a run is its slot's first), so a row
+  of long documents updates each slot about once, not once a token."""
   b, n = slot.shape
   pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None], (b, n))
+  new = jnp.concatenate([jnp.ones((b, 1), bool),
+                         slot[:, 1:] != slot[:, :-1]], 1)
   return jnp.full((b, slots), n, jnp.int32).at[
-      jnp.arange(b)[:, None], slot].min(pos)
+      jnp.arange(b)[:, None], jnp.where(new, slot, slots)].min(
+          pos, mode="drop")
 
 
 def slots(q_ids, kv_ids, same: bool = False):

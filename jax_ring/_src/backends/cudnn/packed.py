@@ -165,9 +165,14 @@ def _keys_by_table(q_ids, q_start, kv_ids):
   first key and its keys' count; meaningful where the table knows and the
   ids fit (each id one range of keys)."""
   b, t = q_ids.shape
+  s = kv_ids.shape[1]
   d_q, d_k, size, _ = fits.slots(q_ids, kv_ids)
+  # Each run of keys adds its length once (runs past the row's: none).
+  _, k_start, k_len = _runs(d_k)
+  at = jnp.where(k_len > 0, jnp.take_along_axis(
+      d_k, jnp.minimum(k_start, s - 1), 1), size)
   count = jnp.zeros((b, size), jnp.int32).at[
-      jnp.arange(b)[:, None], d_k].add(1)
+      jnp.arange(b)[:, None], at].add(k_len, mode="drop")
   slot = jnp.take_along_axis(d_q, jnp.minimum(q_start, t - 1), 1)
   take = lambda x: jnp.take_along_axis(x, slot, 1)
   return take(fits.first_seen(d_k, size)), take(count)

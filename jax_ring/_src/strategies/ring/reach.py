@@ -160,8 +160,14 @@ def _of_gathered(q_ids, kv_ids, plan: ShardPlan, causal: bool,
             number.reshape(b, 2, n // 2))
   chunk = np.arange(cp * t) // (cp * t // g)  # r * chunks + x
   at = jnp.arange(b)[:, None]
-  held = lambda side: jnp.zeros((b, n, g), bool).at[
-      at, number[:, side], chunk[None]].set(True)
+
+  def held(side):  # (B, n, G): set at each run's first token in a chunk
+    num = number[:, side]
+    new = jnp.concatenate([jnp.ones((b, 1), bool), (num[:, 1:] != num[
+        :, :-1]) | (chunk[1:] != chunk[:-1])[None]], 1)
+    return jnp.zeros((b, n, g), bool).at[
+        at, jnp.where(new, num, n), chunk[None]].set(True, mode="drop")
+
   shared = (held(0)[:, :, :, None] & held(1)[:, :, None, :]).any((0, 1))
   need = (shared[None] & _pairs(plan, causal)).any((1, 2))
   need = need.at[0].set(True).astype(jnp.int32)
