@@ -23,6 +23,11 @@ def pack(k, v):
   return jnp.stack([k, v]) if k.shape == v.shape else (k, v)
 
 
+def unpack(kv):
+  """The pair ``(k, v)`` of the moving form ``kv``."""
+  return kv if isinstance(kv, tuple) else (kv[0], kv[1])
+
+
 def along(fn, kv, axis: int):
   """``fn(x, axis')`` on the moving form ``kv``, for ``axis`` an axis of
   ``k (B, S, K, H)``: once on the stacked buffer (whose axes are one

@@ -128,13 +128,18 @@ def _fwd(blk: _Block, cfg, dtype=None):
   return o.astype(dtype or o.dtype), l
 
 
-def _bwd(blk: _Block, out, lse, dout, cfg, dtype=None):
-  """(dq of the block rows, dK/dV of the block cols in the moving form),
-  in ``dtype``, or the kernel's (q's, k's) if None."""
+def _bwd(blk: _Block, out, lse, dout, cfg, dtype=None, pair=False):
+  """(dq of the block rows, dK/dV of the block cols in the moving form, or
+  with ``pair`` as the pair ``(dk, dv)``), in ``dtype``, or the kernel's
+  (q's, k's) if None."""
   rows = blk.rows
-  dq, dkv, _ = kernel.attention_backward_dkv(
-      blk.q_rows, *blk.kv_rows, None, blk.mask, out[:, rows], lse[:, rows],
-      dout[:, rows], None, cfg)
+  args = (blk.q_rows, *blk.kv_rows, None, blk.mask, out[:, rows],
+          lse[:, rows], dout[:, rows], None, cfg)
+  if pair:
+    dq, dk, dv, _ = kernel.attention_backward(*args)
+    dkv = (dk, dv)
+  else:
+    dq, dkv, _ = kernel.attention_backward_dkv(*args)
   return dq.astype(dtype or dq.dtype), jax.tree.map(
       lambda x: x.astype(dtype or x.dtype), dkv)
 
@@ -168,15 +173,17 @@ def kind_fwd(kind, q, tm, kv, qc, kc, cfgs, own=False):
   return o, l
 
 
-def kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs, own=False):
+def kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs, own=False,
+             pair=False):
   """(dq, dK/dV of the held kv) of one step, in the kernel's dtypes (q's,
-  k's)."""
+  k's); dK/dV in the moving form, or with ``pair`` as ``(dk, dv)`` (a step
+  whose dK/dV stay on this device: no stacking)."""
   t = q.shape[1]
   if kind == "skip":
     return vma.like((jnp.zeros_like(q), dkv_zeros(kv, dtype=kv[0][0].dtype)),
                     q, kv[0][0], out, dout)
   blk = _kind_block(kind, q, tm, kv, qc, kc, own)
-  dq, dkv = _bwd(blk, out, lse, dout, cfgs[kind == "diag"])
+  dq, dkv = _bwd(blk, out, lse, dout, cfgs[kind == "diag"], pair=pair)
   return _place(dq, blk.rows, t, 1), kv_lib.along(
       lambda x, ax: _place(x, blk.cols, t, ax), dkv, 1)
 

@@ -122,7 +122,8 @@ def _gathered_loop(plan, first, later, kv, carry, own_last=False):
   return first(kv, carry) if own_last else carry
 
 
-def _reached_loop(plan, own, later, tail, k, v, tm, causal, beyond=None):
+def _reached_loop(plan, own, later, tail, k, v, tm, causal, beyond=None,
+                  alone=None):
   """``own(kv)`` on the own K/V (held as the pair ``(k, v)``, not
   stacked), then what ``(need (cp,), rows) = reach.needed_steps(tm, ...)``
   asks for (the same on every device; on contiguous shards documents
@@ -150,7 +151,11 @@ def _reached_loop(plan, own, later, tail, k, v, tm, causal, beyond=None):
   host waits for the reach test alone, then runs ahead of the own block
   to the rest of the program (the next call's launches hide behind it).
   The switch, where steps follow, comes after the own block and waits for
-  it. Returns in the own block's dtypes."""
+  it. ``alone``: ``(own_alone, settle)``, the own block as the first
+  branch runs it and what puts the second branch's results in that form
+  (the backward: dK/dV as the pair, :func:`kv.unpack`, so that the common
+  branch stacks nothing that the caller splits again); default ``own``.
+  Returns in the own block's dtypes."""
   cp = plan.cp_size
   need, rows = reach.needed_steps(tm, plan, causal, rows=True)
   last, ids = reach.last_step(need), tm.kv_ids()
@@ -158,10 +163,10 @@ def _reached_loop(plan, own, later, tail, k, v, tm, causal, beyond=None):
   handed = bool(beyond)
   sizes = reach.tail_sizes(t, cp, handed)
   index = reach.branch(need, rows, t, cp, handed)
-  run_own = lambda: own(((k, v), ids))
+  own_alone, settle = alone or (own, lambda x: x)
 
   def with_steps():
-    first = run_own()
+    first = own(((k, v), ids))
     dtypes = jax.tree.map(lambda a: a.dtype, first)
     finish = lambda carry: jax.tree.map(lambda a, t: a.astype(t), carry,
                                         dtypes)
@@ -184,9 +189,9 @@ def _reached_loop(plan, own, later, tail, k, v, tm, causal, beyond=None):
       branches.append(lambda _: finish(beyond()))
     elif cp > 2:  # documents reach past the previous shard, or past sizes
       branches.append(lambda first: from_step(1, as_f32(first)))
-    return lax.switch(index - 1, branches, first)
+    return settle(lax.switch(index - 1, branches, first))
 
-  return lax.cond(index == 0, run_own, with_steps)
+  return lax.cond(index == 0, lambda: own_alone(((k, v), ids)), with_steps)
 
 
 def _beyond_plan(plan: ShardPlan) -> ShardPlan:
@@ -391,10 +396,14 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
       return (kv_lib.add_rows(first[0], dq_i, 0),
               kv_lib.add_last(first[1], _shift(part, plan, -1)))
 
+    own_pair = lambda kv: blocks.kind_bwd(
+        "diag" if cfg.is_causal else "full", q, tm, kv, qc, qc, *grads, cfgs,
+        tm.same_ids, pair=True)
     dq, dkv = _reached_loop(
         plan, first_bwd, later_parts, tail, k, v, tm, cfg.is_causal,
         plan.beyond and functools.partial(_beyond_bwd, q, k, v, tm, *grads,
-                                          cfg, plan))
+                                          cfg, plan),
+        alone=(own_pair, lambda r: (r[0], kv_lib.unpack(r[1]))))
   elif parts_back:
     # The own step's part stays here: run last, it hides the last part's
     # send. Not where this backward gathers K/V itself (the automatic
