@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
 import common  # noqa: E402
 import finetune_models  # noqa: E402
+import host_trace  # noqa: E402
 import lm_training  # noqa: E402
 import profile_host  # noqa: E402
 import profile_ring  # noqa: E402
@@ -518,3 +519,22 @@ def test_causal_keys_count_each_querys_keys():
       see &= i[:, None] - i[None] < window
     assert common.causal_keys(lengths, window) == see.sum()
 
+
+
+def test_host_trace_reads_each_run_and_names_what_the_gpu_waited_for(
+    tmp_path, capsys):
+  """A timeline file of two runs: each summarised apart, its GPU idle
+  stretches over the bound with the host events inside them."""
+  line = lambda ts, d, where, name: f"{ts:10.1f} {d:8.1f} {where:26} {name}\n"
+  run = [line(0, 10, "G0 Stream #1", "a"), line(12, 30, "H python", "wait"),
+         line(160, 40, "G0 Stream #1", "b"), line(205, 5, "G0 Stream #1", "c")]
+  path = tmp_path / "t.txt"
+  path.write_text("# one: cmd\n" + "".join(run) + "# two: cmd\n" +
+                  "".join(run[:1]))
+  host_trace.summary(str(path), calls=1, gap_us=100)
+  out = capsys.readouterr().out.splitlines()
+  assert out[0] == "# one: cmd" and out[3] == "# two: cmd"
+  assert out[1] == "GPU 0 over 1 calls: 210 us a call, busy 55, idle 155"
+  assert out[2].split() == ["idle", "150.0", "us", "at", "10.0", "before",
+                            "b:", "wait"]
+  assert out[4] == "GPU 0 over 1 calls: 10 us a call, busy 10, idle 0"

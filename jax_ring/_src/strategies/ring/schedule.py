@@ -146,16 +146,13 @@ def _reached_loop(plan, own, later, tail, k, v, tm, causal, beyond=None,
     branch that stops casts the float32 carry back rather than passing it
     through (a conditional copies an operand it returns).
 
-  On a GPU the host reads a branch test after all the work queued before
-  it. The cond's test comes before the own block: in the common case the
-  host waits for the reach test alone, then runs ahead of the own block
-  to the rest of the program (the next call's launches hide behind it).
-  The switch, where steps follow, comes after the own block and waits for
-  it. ``alone``: ``(own_alone, settle)``, the own block as the first
-  branch runs it and what puts the second branch's results in that form
-  (the backward: dK/dV as the pair, :func:`kv.unpack`, so that the common
-  branch stacks nothing that the caller splits again); default ``own``.
-  Returns in the own block's dtypes."""
+  A GPU's host reads a branch test after all the work queued before it:
+  the cond's test, before the own block, waits for the reach test alone
+  and the host runs ahead of the own block; the switch waits for it.
+  ``alone``: ``(own_alone, settle)``, the own block as the first branch
+  runs it and what puts the second's results in that form (the backward:
+  dK/dV as the pair, :func:`kv.unpack`, not stacked to be split again);
+  default ``own``. Returns in the own block's dtypes."""
   cp = plan.cp_size
   need, rows = reach.needed_steps(tm, plan, causal, rows=True)
   last, ids = reach.last_step(need), tm.kv_ids()
@@ -339,12 +336,11 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   r = lax.axis_index(plan.axis_name)
   src_of = lambda step: (r - step) % plan.cp_size
   grads = (out, lse, dout)
-  # Neighbour sends carry running dK/dV sums (float32); gathered K/V (a
-  # static shift: unrolled only) send each step's part straight back to its
-  # owner, a permute by -step, as the step returned it, and the owner sums
-  # in float32. A step returns what its kernel call gave (K/V's dtype: one
-  # call per step, nothing rounds, 16-bit halves the bytes), float32 where
-  # it adds several calls (window pairs).
+  # Neighbour sends carry running dK/dV sums (float32); gathered K/V
+  # (unrolled only) send each step's part back to its owner (a permute by
+  # -step) in the step's dtype (K/V's: one kernel call, nothing rounds,
+  # half the bytes; float32 where a step adds calls: window pairs), and
+  # the owner sums in float32.
   parts_back = plan.kv_sends == "gather" and plan.loop == "unrolled"
   if plan.load_balance == "striped":
     first_bwd = lambda kv: striped.striped_bwd(
@@ -360,9 +356,9 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   else:
     cfgs = block_cfgs(cfg)
     qc = layout.chunk_ids(plan, r)
-    first_bwd = lambda kv: blocks.kind_bwd(
+    first_bwd = lambda kv, pair=False: blocks.kind_bwd(
         "diag" if cfg.is_causal else "full", q, tm, kv, qc, qc, *grads, cfgs,
-        tm.same_ids)
+        tm.same_ids, pair=pair)
 
     def step_bwd(step, kv):
       src = src_of(step)
@@ -371,7 +367,6 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
       return step_call(lambda kind, kv: blocks.kind_bwd(
           kind, q, tm, kv, qc, kc, *grads, cfgs), plan, cfg.is_causal, r,
                         src, kv)
-
 
   # Neighbour sends: the carry is (dq, dkv), and dkv belongs to the KV held
   # at this step, so it moves with it after the step's compute.
@@ -396,14 +391,12 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
       return (kv_lib.add_rows(first[0], dq_i, 0),
               kv_lib.add_last(first[1], _shift(part, plan, -1)))
 
-    own_pair = lambda kv: blocks.kind_bwd(
-        "diag" if cfg.is_causal else "full", q, tm, kv, qc, qc, *grads, cfgs,
-        tm.same_ids, pair=True)
     dq, dkv = _reached_loop(
         plan, first_bwd, later_parts, tail, k, v, tm, cfg.is_causal,
         plan.beyond and functools.partial(_beyond_bwd, q, k, v, tm, *grads,
                                           cfg, plan),
-        alone=(own_pair, lambda r: (r[0], kv_lib.unpack(r[1]))))
+        alone=(functools.partial(first_bwd, pair=True),
+               lambda r: (r[0], kv_lib.unpack(r[1]))))
   elif parts_back:
     # The own step's part stays here: run last, it hides the last part's
     # send. Not where this backward gathers K/V itself (the automatic
