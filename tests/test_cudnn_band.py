@@ -453,9 +453,9 @@ def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
   monkeypatch.setattr(ffi, "sdpa_pass", ragged_cudnn.sdpa_pass)
   monkeypatch.setattr(packed, "SMALLEST", 4)
   monkeypatch.setattr(packed, "MAX_BATCHES", 8)
-  # Tiles of 4 and 8 tokens: their branches are traced inside shard_map,
-  # while each block's longest document (row 1's) takes the handler.
-  monkeypatch.setattr(tiles, "SIZES", (4, 8))
+  # Tiles of 4 tokens: their branch is traced inside shard_map, while each
+  # block's longest document (row 1's) takes the handler.
+  monkeypatch.setattr(tiles, "SIZES", (4,))
   # The reached step on the last quarter of a shard or the whole of it (the
   # library's four sizes would compile twice the blocks for no more cover).
   monkeypatch.setattr(reach, "TAIL_DIVISORS", (4,))

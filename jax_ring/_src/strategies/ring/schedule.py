@@ -396,7 +396,7 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
         plan.beyond and functools.partial(_beyond_bwd, q, k, v, tm, *grads,
                                           cfg, plan),
         alone=(functools.partial(first_bwd, pair=True),
-               lambda r: (r[0], kv_lib.unpack(r[1]))))
+               lambda got: (got[0], kv_lib.unpack(got[1]))))
   elif parts_back:
     # The own step's part stays here: run last, it hides the last part's
     # send. Not where this backward gathers K/V itself (the automatic
