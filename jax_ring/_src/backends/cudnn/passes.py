@@ -169,22 +169,19 @@ def tables(docs: packed.Docs, lay: Layout, q, k, v) -> Tables:
   entry = jnp.where(docs.cls >= 0, jnp.asarray(lay.offs_base(), jnp.int32)[
       cls] + docs.rank // m * (m + 4) + docs.rank % m, sum(lay.chunks()))
 
-  def put(width, at, x, fill):
-    return jnp.full((b, width), fill, jnp.int32).at[bi, at].set(
-        x, mode="drop")
+  def put(width, at, xs, fills):  # (len(xs), B, width): one scatter
+    init = jnp.broadcast_to(jnp.asarray(fills, jnp.int32)[:, None, None],
+                            (len(xs), b, width))
+    return init.at[:, bi, at].set(jnp.stack(xs), mode="drop")
 
-  lens = jnp.stack([put(p, slot, docs.q_len, 0),
-                    put(p, slot, docs.kv_len, 0)])
-  ends = (t * n * h, s * kh * h, s * kh * hv, t * n * hv)
-  starts = (docs.q_start * (n * h), docs.kv_start * (kh * h),
-            docs.kv_start * (kh * hv), docs.q_start * (n * hv))
-  offs = jnp.stack([put(sum(lay.chunks()), entry, x, end)
-                    for x, end in zip(starts, ends)])
-  # Each query token's call entry and row in it.
-  run_cls = jnp.take_along_axis(docs.cls, docs.run, 1)
-  rank = jnp.take_along_axis(docs.rank, docs.run, 1)
-  first = jnp.take_along_axis(docs.q_start, docs.run, 1)
-  size = jnp.take_along_axis(docs.q_len, docs.run, 1)
+  lens = put(p, slot, (docs.q_len, docs.kv_len), (0, 0))
+  offs = put(sum(lay.chunks()), entry, (
+      docs.q_start * (n * h), docs.kv_start * (kh * h),
+      docs.kv_start * (kh * hv), docs.q_start * (n * hv)),
+             (t * n * h, s * kh * h, s * kh * hv, t * n * hv))
+  # Each query token's call entry and row in it (one gather).
+  run_cls, rank, first, size = jnp.take_along_axis(jnp.stack(
+      [docs.cls, docs.rank, docs.q_start, docs.q_len]), docs.run[None], 2)
   row = jnp.arange(t, dtype=jnp.int32)[None] - first
   inside = (run_cls >= 0) & (row >= 0) & (row < size)
   c = jnp.maximum(run_cls, 0)
