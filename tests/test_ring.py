@@ -685,25 +685,6 @@ def test_ring_crossing_rows(causal, monkeypatch):
       assert got == branch, (ids, got)
 
 
-def test_reach_finds_the_last_needed_step_for_any_ids():
-  """The reach test's last needed step (``reach.steps_of_rows``) against a
-  brute-force scan of which shards share an id, on random rows whose ids
-  come from a few values (an id in several runs, runs across shards,
-  ids in any order), at cp 2 and 4, causal and not."""
-  from jax_ring._src.strategies.ring import reach
-  rng = np.random.default_rng(5)
-  for trial in range(12):
-    cp, causal = (2, 4)[trial % 2], trial % 4 < 2
-    lengths = rng.integers(1, 3 + 2 * trial, 2 * S)
-    row = np.repeat(rng.integers(0, 3 + trial, lengths.size), lengths)[:S]
-    shards = [set(x) for x in row.reshape(cp, -1)]
-    want = max((step for step in range(cp) for r in range(cp)
-                if (not causal or step <= r)
-                and shards[r] & shards[(r - step) % cp]), default=0)
-    got = reach.steps_of_rows(row[None].astype(np.int32), cp, causal)
-    assert got["last"] == want, (trial, row, got)
-
-
 def test_ring_hands_what_its_tails_leave_to_another_strategy(monkeypatch):
   """With a strategy beyond the ring (the automatic path's Ulysses), the
   step-1 tails (here 1/16, 1/4 and 1/2 of a shard) stop short of a whole

@@ -168,11 +168,14 @@ def _of_gathered(q_ids, kv_ids, plan: ShardPlan, causal: bool,
     return jnp.zeros((b, n, g), bool).at[
         at, jnp.where(new, num, n), chunk[None]].set(True, mode="drop")
 
-  shared = (held(0)[:, :, :, None] & held(1)[:, :, None, :]).any((0, 1))
+  tables = [held(0)]  # one table where the keys' ids are the queries'
+  tables.append(tables[0] if kv_ids is None else held(1))
+  shared = (tables[0][:, :, :, None] & tables[1][:, :, None, :]).any((0, 1))
   need = (shared[None] & _pairs(plan, causal)).any((1, 2))
   need = need.at[0].set(True).astype(jnp.int32)
   if rows:
-    need = jnp.append(need, _crossing_rows(number, held, plan, causal, t))
+    need = jnp.append(need, _crossing_rows(
+        number, lambda side: tables[side], plan, causal, t))
   return need
 
 
