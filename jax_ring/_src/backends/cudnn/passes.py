@@ -175,10 +175,10 @@ def tables(docs: packed.Docs, lay: Layout, q, k, v) -> Tables:
     return init.at[:, bi, at].set(jnp.stack(xs), mode="drop")
 
   lens = put(p, slot, (docs.q_len, docs.kv_len), (0, 0))
-  offs = put(sum(lay.chunks()), entry, (
-      docs.q_start * (n * h), docs.kv_start * (kh * h),
-      docs.kv_start * (kh * hv), docs.q_start * (n * hv)),
-             (t * n * h, s * kh * h, s * kh * hv, t * n * hv))
+  starts = (docs.q_start * (n * h), docs.kv_start * (kh * h),
+            docs.kv_start * (kh * hv), docs.q_start * (n * hv))
+  ends = (t * n * h, s * kh * h, s * kh * hv, t * n * hv)
+  offs = put(sum(lay.chunks()), entry, starts, ends)
   # Each query token's call entry and row in it (one gather).
   run_cls, rank, first, size = jnp.take_along_axis(jnp.stack(
       [docs.cls, docs.rank, docs.q_start, docs.q_len]), docs.run[None], 2)
