@@ -3,11 +3,19 @@ slot ``x - lo`` (``lo`` the row's least id), exact wherever a row's ids
 lie within as many values as it has tokens, as packing's ids 0, 1, 2,
 ... do in any order (padding id 0 included). Where they do not (ids
 spread far apart), only a sort numbers them; callers branch on
-``known``."""
+``known``. Also where a row's runs of equal ids start, which the table's
+users scatter from (one update a run, not a token)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+
+
+def run_starts(ids):
+  """``(B, N)`` bool: whether each token of ``ids (B, N)`` starts a run of
+  equal ids (every row's first token does)."""
+  return jnp.concatenate([jnp.ones_like(ids[:, :1], bool),
+                          ids[:, 1:] != ids[:, :-1]], 1)
 
 
 def slots(ids):

@@ -26,11 +26,8 @@ from jax_ring._src.core import idtable
 def _run_starts(ids):
   """``(B, N)`` int32: the first position of each token's run of equal
   ids."""
-  n = ids.shape[1]
-  new = jnp.concatenate([jnp.ones_like(ids[:, :1], bool),
-                         ids[:, 1:] != ids[:, :-1]], 1)
-  pos = jnp.arange(n, dtype=jnp.int32)[None]
-  return jax.lax.cummax(jnp.where(new, pos, 0), axis=1)
+  pos = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+  return jax.lax.cummax(jnp.where(idtable.run_starts(ids), pos, 0), axis=1)
 
 
 def first_seen(slot, slots: int):
@@ -40,11 +37,9 @@ def first_seen(slot, slots: int):
   of long documents updates each slot about once, not once a token."""
   b, n = slot.shape
   pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None], (b, n))
-  new = jnp.concatenate([jnp.ones((b, 1), bool),
-                         slot[:, 1:] != slot[:, :-1]], 1)
+  at = jnp.where(idtable.run_starts(slot), slot, slots)  # else dropped
   return jnp.full((b, slots), n, jnp.int32).at[
-      jnp.arange(b)[:, None], jnp.where(new, slot, slots)].min(
-          pos, mode="drop")
+      jnp.arange(b)[:, None], at].min(pos, mode="drop")
 
 
 def slots(q_ids, kv_ids, same: bool = False):

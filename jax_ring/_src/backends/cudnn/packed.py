@@ -62,7 +62,7 @@ import numpy as np
 from jax_ring._src.backends import xla
 from jax_ring._src.backends.cudnn import ffi, fits
 from jax_ring._src.backends.cudnn.band import Band
-from jax_ring._src.core import vma
+from jax_ring._src.core import idtable, vma
 from jax_ring._src.core.mask import MASK_VALUE
 
 
@@ -127,8 +127,7 @@ def _runs(ids):
   equal ids, and each run's first token and length (runs past the row's
   count start at N with length 0)."""
   b, n = ids.shape
-  new = jnp.concatenate([jnp.ones((b, 1), bool), ids[:, 1:] != ids[:, :-1]],
-                        1)
+  new = idtable.run_starts(ids)
   run = jnp.cumsum(new, 1, dtype=jnp.int32) - 1
   bi = jnp.arange(b)[:, None]
   start = jnp.full((b, n), n, jnp.int32).at[bi, jnp.where(new, run, n)].set(

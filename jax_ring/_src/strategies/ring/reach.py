@@ -161,10 +161,11 @@ def _of_gathered(q_ids, kv_ids, plan: ShardPlan, causal: bool,
   chunk = np.arange(cp * t) // (cp * t // g)  # r * chunks + x
   at = jnp.arange(b)[:, None]
 
+  chunk_start = np.append(True, chunk[1:] != chunk[:-1])[None]
+
   def held(side):  # (B, n, G): set at each run's first token in a chunk
     num = number[:, side]
-    new = jnp.concatenate([jnp.ones((b, 1), bool), (num[:, 1:] != num[
-        :, :-1]) | (chunk[1:] != chunk[:-1])[None]], 1)
+    new = idtable.run_starts(num) | chunk_start
     return jnp.zeros((b, n, g), bool).at[
         at, jnp.where(new, num, n), chunk[None]].set(True, mode="drop")
 
