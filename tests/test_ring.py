@@ -666,16 +666,19 @@ def test_ring_crossing_rows(causal, monkeypatch):
   the branch they pick, with three tail sizes (1, 3, 6): none, step 1 on
   1 or 3 rows, or the path over every step (a later step is needed, or
   documents cross by more than the largest size: that path stops after
-  step 1). Not under a causal mask, the queries that reach the next shard
-  are a shard's last rows, so the first rows that hold them are the whole
-  shard, and the step back (3, at cp = 4) is needed."""
+  step 1). Ids spread wider than a row's tokens (documents inside the
+  shards) share table slots, so they count as one document: more steps
+  and rows, never fewer. Not under a causal mask, the queries that reach
+  the next shard are a shard's last rows, so the first rows that hold
+  them are the whole shard, and the step back (3, at cp = 4) is needed."""
   from jax_ring._src.strategies.ring import reach
   monkeypatch.setattr(reach, "TAIL_DIVISORS", (16, 4, 2))
   cp = 4
   f = _needed_steps(cp, None, causal, rows=True)
   cases = [(_docs((6,) * 8), 0, 0), (CROSS_ONE, 1, 12), (CROSS_FEW, 2, 12),
-           (_docs((5, 11, 9, 7, 4, 12)), 8, 12), (_docs((S,)), 12, 12)]
-  branches = [0, 1, 2, 4, 4] if causal else [0, 4, 4, 4, 4]
+           (_docs((5, 11, 9, 7, 4, 12)), 8, 12), (_docs((S,)), 12, 12),
+           (ref.spread(_docs((6,) * 8)), 12, 12)]
+  branches = [0, 1, 2, 4, 4, 4] if causal else [0, 4, 4, 4, 4, 4]
   for (ids, want, want_full), branch in zip(cases, branches):
     for other in (_docs((6,) * 8), ids):
       need, rows = f(jnp.asarray(np.concatenate([ids, other])))
@@ -732,7 +735,9 @@ def test_ring_crossing_rows_with_padding_and_value_head_dim():
             (_docs((5, 11, 9, 7, 4, 12)), [1, 1, 0, 0]),  # crosses 12, 24
             (_docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 4]), [1, 0, 0, 0]),
             (_docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 7]), [1, 0, 0, 1]),
-            (_docs((S,)), [1, 1, 1, 1])]),
+            (_docs((S,)), [1, 1, 1, 1]),
+            # ids a table cannot place: one slot for ids 1-7, every step
+            (ref.spread(_docs((6,) * 8)), [1, 1, 1, 1])]),
     ("dual_chunk", [(_docs((6,) * 8), [1, 0, 0, 0]),
                     (_docs((5, 11, 9, 7, 4, 12)), [1, 1, 1, 1])])],
     ids=["contiguous", "dual_chunk"])

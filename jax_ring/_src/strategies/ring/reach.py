@@ -4,14 +4,17 @@ sent and its block does not run.
 
 Every device all-gathers the ring's query and kv ids (``(cp, B, T)``
 int32 each; one array where they are the same ids) and numbers the
-distinct ids of each row (their table slots, or one sort:
-:func:`_numbered`); two ``(B, S, G)`` bool tables (``(B,
-2S, G)`` for two id arrays) mark which of the G = cp x chunks query
-chunks, and which kv chunks, hold each id, and one reduction finds the
-(query chunk, kv chunk) pairs that share one. A step is needed where
-some pair it makes (and the mask lets meet: causal, the kv chunk
-earlier) shares an id. Exact for any ids, documents in any order or an
-id in several runs. A step is needed if some row of some device needs
+distinct ids of each row by their table slots (:func:`idtable.slots`);
+two ``(B, S, G)`` bool tables (``(B, 2S, G)`` for two id arrays) mark
+which of the G = cp x chunks query chunks, and which kv chunks, hold
+each id, and one reduction finds the (query chunk, kv chunk) pairs that
+share one. A step is needed where some pair it makes (and the mask lets
+meet: causal, the kv chunk earlier) shares an id. Exact for documents in
+any order or an id in several runs. Where a row's ids spread over more
+values than the row has tokens, the slots (clipped) give some different
+ids one slot: the test may then mark steps that no document needs, never
+miss one. So no sort and no branch on the ids (on a GPU, a branch test
+is a wait for the device). A step is needed if some row of some device needs
 it, over the whole mesh: a ``pmax`` over the mesh's other axes
 (data-parallel rows differ) makes the ``(cp,)`` mask the same on every
 device, so every device takes the same branches (a collective inside a
@@ -132,18 +135,6 @@ def _crossing_rows(number, held, plan: ShardPlan, causal: bool, t: int):
   return jnp.maximum(first, last).astype(jnp.int32)
 
 
-def _numbered(ids):
-  """``(B, N)`` int32 in ``[0, N)``: equal numbers for equal ids of a row.
-  Their table slots (:func:`idtable.slots`) where every row's ids lie
-  within ``N`` values, as packing's do; else each row sorted (a branch,
-  one more wait for the device)."""
-  slot, known = idtable.slots(ids)
-  n = ids.shape[1]
-  return lax.cond(known, lambda: slot, lambda: jax.vmap(
-      lambda row: jnp.unique(row, return_inverse=True, size=n)[1])(
-          ids).astype(jnp.int32))
-
-
 def _of_gathered(q_ids, kv_ids, plan: ShardPlan, causal: bool,
                  rows: bool):
   """``(cp,)`` int32 needed steps, then (``rows``) the crossing rows, from
@@ -155,7 +146,8 @@ def _of_gathered(q_ids, kv_ids, plan: ShardPlan, causal: bool,
   pair = q_ids if kv_ids is None else jnp.concatenate([q_ids, kv_ids], 1)
   ids = pair.reshape(b, -1)  # queries, then keys
   n = ids.shape[1]
-  number = _numbered(ids)
+  # Equal ids, equal slots; ids a table cannot place may share one (clipped).
+  number, _ = idtable.slots(ids)
   number = (jnp.stack([number, number], 1) if kv_ids is None else
             number.reshape(b, 2, n // 2))
   chunk = np.arange(cp * t) // (cp * t // g)  # r * chunks + x
