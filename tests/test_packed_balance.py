@@ -174,8 +174,9 @@ def test_explain_says_which_ring_steps_the_rows_run():
   """``ring_steps``: on contiguous shards (4 of 12 tokens) the branch the
   ring's reach test takes for the given rows, as the call computes it:
   none, step 1 on the last 3 rows of a shard (its one tail, a quarter),
-  or every step to the last reached; and, where the ring runs every step
-  (dual-chunk, a named K/V source), that it does."""
+  or every step to the last reached, naming ids spread too wide to number;
+  and, where the ring runs every step (dual-chunk, a named K/V source),
+  that it does."""
   docs = lambda lengths: np.repeat(np.arange(len(lengths)), lengths)[None]
   contiguous = jax_ring.ContextParallel(strategy="ring", load_balance=None)
   say = lambda ids, cpc=contiguous, causal=True: jax_ring.explain(
@@ -183,6 +184,10 @@ def test_explain_says_which_ring_steps_the_rows_run():
       segment_ids=ids, context_parallel=cpc).defaults["ring_steps"]
   got, why = say(docs((6,) * 8))
   assert (got["last"], got["rows"]) == (0, 0) and "no step after" in why
+  assert "spread" not in why
+  # Ids spread wider than a row's tokens: the test merges ids 1-7, says so.
+  got, why = say(docs((6,) * 8) * 1_000_003)
+  assert got["last"] == 3 and why.endswith("to let it skip"), why
   got, why = say(docs((11, 2, 10, 1, 1, 10, 1, 1, 11)))
   assert (got["rows"], got["size"]) == (1, 3), got
   assert why == ("the ring runs one step, on the last 3 of each shard's 12 "

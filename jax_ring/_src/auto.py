@@ -432,14 +432,19 @@ def _ring_steps(segment_ids, cpc, cp, run_t, is_causal, skips,
   ids = np.asarray(segment_ids)
   if ids.size == 0:
     return {}, "no tokens"
-  got = reach.steps_of_rows(_padded(ids, run_t, is_causal), cp, is_causal,
-                           beyond)
+  padded = _padded(ids, run_t, is_causal)
+  got = reach.steps_of_rows(padded, cp, is_causal, beyond)
+  wide = np.ptp(padded.astype(np.int64), 1).max() >= padded.shape[1]
+  spread = ("; the rows' ids spread over more values than a row has tokens, "
+            "so the reach test can count different documents as one (more "
+            "steps, never fewer): number each row's documents 0, 1, 2, ... "
+            "to let it skip") if wide else ""
   if got["beyond"]:
     return got, (
         "each device's own block and the reach test, then Ulysses for the "
         f"whole pass: documents reach {got['last']} shard(s) back and cross "
         f"boundaries by up to {got['rows']} of each shard's {got['shard']} "
-        "rows, more than the ring's step 1 takes")
+        "rows, more than the ring's step 1 takes" + spread)
   if got["last"] == 0:
     why = "no step after each device's own block: no document crosses a shard"
   elif got["size"] is not None:
@@ -451,7 +456,7 @@ def _ring_steps(segment_ids, cpc, cp, run_t, is_causal, skips,
            f"a document reaches {got['last']} shard(s) back"
            + ("" if is_causal else " (without a causal mask a document "
               "crossing a boundary reaches the step back round the ring)"))
-  return got, lead + "the ring runs " + why
+  return got, lead + "the ring runs " + why + spread
 
 
 def _balance(segment_ids, query_shape, cpc, sizes, run_t, is_causal):
