@@ -751,6 +751,16 @@ def test_ring_reach_marks_the_steps_documents_cross(load_balance, cases):
     assert (got == np.asarray(want, bool)[None]).all(), (ids, got)
 
 
+def test_ring_reach_test_branches_on_nothing():
+  """The reach test numbers the ids with no branch (on a GPU each branch's
+  test is a wait for the device): no ``cond`` in its program, for rows
+  the ids' table places and for ids spread too wide for it alike."""
+  f = _needed_steps(4, None, True, rows=True)
+  for ids in (_docs((6,) * 8), ref.spread(_docs((6,) * 8))):
+    text = str(jax.make_jaxpr(f)(jnp.asarray(ids)))
+    assert "cond[" not in text and "switch" not in text, text
+
+
 @pytest.mark.parametrize("load_balance", [None, "dual_chunk"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_ring_reach_equals_a_set_intersection(load_balance, causal):
