@@ -2,9 +2,11 @@
 slot ``x - lo`` (``lo`` the row's least id), exact wherever a row's ids
 lie within as many values as it has tokens, as packing's ids 0, 1, 2,
 ... do in any order (padding id 0 included). Where they do not (ids
-spread far apart), only a sort numbers them; callers branch on
-``known``. Also where a row's runs of equal ids start, which the table's
-users scatter from (one update a run, not a token)."""
+spread far apart), clipped ids share slots: callers that need exact
+numbers branch on ``known`` to a sort; a caller for which merged ids
+only cost work (the ring's reach test) takes the slots as they are.
+Also where a row's runs of equal ids start, which the table's users
+scatter from (one update a run, not a token)."""
 
 from __future__ import annotations
 

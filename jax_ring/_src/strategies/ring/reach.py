@@ -14,8 +14,8 @@ any order or an id in several runs. Where a row's ids spread over more
 values than the row has tokens, the slots (clipped) give some different
 ids one slot: the test may then mark steps that no document needs, never
 miss one. So no sort and no branch on the ids (on a GPU, a branch test
-is a wait for the device). A step is needed if some row of some device needs
-it, over the whole mesh: a ``pmax`` over the mesh's other axes
+is a wait for the device). A step is needed if some row of some device
+needs it, over the whole mesh: a ``pmax`` over the mesh's other axes
 (data-parallel rows differ) makes the ``(cp,)`` mask the same on every
 device, so every device takes the same branches (a collective inside a
 branch runs on all devices or none).
@@ -152,7 +152,6 @@ def _of_gathered(q_ids, kv_ids, plan: ShardPlan, causal: bool,
             number.reshape(b, 2, n // 2))
   chunk = np.arange(cp * t) // (cp * t // g)  # r * chunks + x
   at = jnp.arange(b)[:, None]
-
   chunk_start = np.append(True, chunk[1:] != chunk[:-1])[None]
 
   def held(side):  # (B, n, G): set at each run's first token in a chunk
