@@ -371,6 +371,24 @@ def tail_args(p) -> None:
                  "size (default: the library's); given alone, no tails")
 
 
+def prepare_own_arg(p) -> None:
+  """``--prepare-own``: where the ring's own packed block prepares its
+  pass, set with :func:`use_prepare_own` before anything is traced."""
+  p.add_argument("--prepare-own", choices=("on", "off"), default="on",
+                 help="on (the library's default): the own block's pass "
+                 "tables and branch index are computed before the reach "
+                 "test's branch (ring.reached.PREPARE_OWN); off: inside "
+                 "the block's call, in the branch")
+
+
+def use_prepare_own(flag: str) -> bool:
+  """Set ``reached.PREPARE_OWN`` from ``--prepare-own``; returns it, for
+  the results file."""
+  from jax_ring._src.strategies.ring import reached
+  reached.PREPARE_OWN = flag == "on"
+  return reached.PREPARE_OWN
+
+
 def use_tail_divisors(divisors) -> tuple:
   """Set ``reach.TAIL_DIVISORS`` (None: keep the library's); returns the
   divisors in force, for the results file."""

@@ -52,7 +52,8 @@ import jax_ring  # noqa: E402
 from common import (document_ids, lognormal_lengths,  # noqa: E402
                     packed_path_args, random_qkv, rel_err, ring_args,
                     ring_kwargs, shape_args, tail_args, time_fn,
-                    use_packed_path, use_tail_divisors, write)
+                    prepare_own_arg, use_packed_path, use_prepare_own,
+                    use_tail_divisors, write)
 
 def default_strategies(cp: int) -> list[str]:
   hybrids = [f"hybrid_{u}x{cp // u}" for u in range(2, cp // 2 + 1)
@@ -157,6 +158,7 @@ def report(rows, a):
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
                    **a.packed,
                    tail_divisors=a.tail_divisors,
+                   prepare_own=a.prepare_own,
                    **ring_kwargs(a),
                    efficiency="(single-GPU cuDNN time / cp) / strategy time",
                    path="automatic (jit + NamedSharding + ContextParallel)"),
@@ -175,10 +177,12 @@ def main():
                  help="single-GPU baseline backend (xla for a CPU dry run)")
   packed_path_args(p)
   tail_args(p)
+  prepare_own_arg(p)
   a = p.parse_args()
   a.packed = use_packed_path(a.packed_path, a.tile_sizes,
                              a.pallas_stages)
   a.tail_divisors = use_tail_divisors(a.tail_divisors)
+  a.prepare_own = use_prepare_own(a.prepare_own)
   cp = jax.device_count()
   a.strategies = a.strategies or default_strategies(cp)
   causal = True

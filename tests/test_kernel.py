@@ -270,3 +270,28 @@ def test_eager_primitive_matches_jit():
   jitted = jax.jit(functools.partial(kernel.attention, config=cfg))(
       q, k, v, None, jax_ring.BlockMask())
   chex.assert_trees_all_equal(eager, jitted)
+
+
+def test_vmap_leaves_a_prepared_mask_to_the_backend():
+  """A block mask carrying its backend's ``prepared`` operands (one
+  block's, not a vmapped batch's) drops them under vmap, forward and
+  backward: the batched call prepares its own, and the results are the
+  call's without them."""
+  q, k, v, do = ref.random_qkv(16, 3 * B, T, S, N, K, H)
+  case = CASES["segments"]
+  cfg = ref.config(case, **TILES)
+  ids = [jnp.asarray(np.concatenate([x] * 3)).reshape(3, B, -1)
+         for x in (case.q_segment_ids, case.kv_segment_ids)]
+  split = lambda x: x.reshape(3, B, *x.shape[1:])
+
+  def both(prepared, q, k, v, do, sq, sk):
+    mask = jax_ring.BlockMask(q_segment_ids=sq, kv_segment_ids=sk,
+                              prepared={"ids": sq[:1]} if prepared else None)
+    out, lse = kernel.forward(q, k, v, None, mask, cfg)
+    return out, kernel.attention_backward(q, k, v, None, mask, out, lse, do,
+                                          None, cfg)[:3]
+
+  args = tuple(map(split, (q, k, v, do))) + tuple(ids)
+  got, want = (jax.jit(jax.vmap(functools.partial(both, p)))(*args)
+               for p in (True, False))
+  chex.assert_trees_all_equal(got, want)

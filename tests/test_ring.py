@@ -833,3 +833,76 @@ def test_data_parallel_rows_that_reach_different_steps(entry):
              if " all-gather(" in line), hlo
   check(step(q, k, v, jnp.asarray(ids), do), q, k, v, do, ref.Case(
       H**-0.5, is_causal=True, q_segment_ids=ids, kv_segment_ids=ids))
+
+
+@pytest.fixture
+def probe_backend(monkeypatch):
+  """In the ``xla`` backend's place, one that computes ahead what it reads
+  back: the ``xla`` backend's results from the query ids (and, backward, the lse) in
+  ``mask.prepared`` where a call has one, so that another block's would
+  give wrong numbers; ``seen`` records the directions of the calls that
+  had one."""
+  from jax_ring._src.backends import xla
+  from jax_ring._src.core import registry
+  seen = []
+
+  def take(mask, lse=None):
+    ready = mask.prepared
+    if ready is None:
+      return mask, lse
+    seen.append("forward" if lse is None else "backward")
+    return dataclasses.replace(mask, q_segment_ids=ready["ids"],
+                               prepared=None), ready.get("lse", lse)
+
+  def forward(q, k, v, bias, mask, config):
+    return xla.forward(q, k, v, bias, take(mask)[0], config)
+
+  def backward(q, k, v, bias, mask, out, lse, dout, dlse, config):
+    mask, lse = take(mask, lse)
+    return xla.backward(q, k, v, bias, mask, out, lse, dout, dlse, config)
+
+  def prepare(q, k, v, mask, config, lse=None):
+    ready = {"ids": jax.lax.optimization_barrier(mask.q_segment_ids)}
+    return ready if lse is None else dict(ready, lse=lse)
+
+  monkeypatch.setitem(registry.BACKENDS, "xla", registry.Backend(
+      "xla", forward, backward, lambda *_: None, prepare=prepare))
+  return seen
+
+
+def _outside_branches(jaxpr, name, inside=False):
+  """Whether some ``name`` equation of ``jaxpr`` lies in no cond's
+  branch (``inside``: it is in one already)."""
+  for eqn in jaxpr.eqns:
+    nested = inside or eqn.primitive.name == "cond"
+    if eqn.primitive.name == name and not inside:
+      return True
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      if _outside_branches(sub, name, nested):
+        return True
+  return False
+
+
+def test_ring_hands_the_own_block_what_its_backend_prepares(probe_backend):
+  """Packed rows on the ring's reached loop: the own block's backend
+  operands (``kernel.prepare``) are computed before the reach test's
+  branch, in no branch of the program, and reach that block's calls, in
+  the forward and the backward: a backend that reads the ids and the lse
+  from them stays exact."""
+  cp = 4
+  q, k, v, do = rank_coded_qkv(16, cp, load_balance=None)
+  ids = np.broadcast_to(CROSS_FEW, (B, S))
+  spec = P(None, "cp")
+  f = jax.shard_map(
+      lambda q, k, v, ids: jax_ring.ring_attention(
+          q, k, v, axis_name="cp", is_causal=True, segment_ids=ids,
+          implementation="xla"),
+      mesh=mesh(cp), in_specs=(spec,) * 4, out_specs=spec)
+  got = layout_vjp(f, cp, None, q, k, v, do, jnp.asarray(ids))
+  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True,
+                                   q_segment_ids=ids, kv_segment_ids=ids))
+  assert set(probe_backend) == {"forward", "backward"}
+  vjp = lambda *a: jax.vjp(lambda q, k, v: f(q, k, v, a[3]), *a[:3])[1](
+      a[4])
+  program = jax.make_jaxpr(vjp)(q, k, v, jnp.asarray(ids), do).jaxpr
+  assert _outside_branches(program, "optimization_barrier")

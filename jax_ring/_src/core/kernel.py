@@ -8,7 +8,8 @@ context-parallel strategy, goes through these two functions:
   ``(q, k, v, bias, mask, out, lse, dout, dlse, config) -> (dq, dk, dv, dbias)``
 
 (Strategies, which define their own VJPs, call the variants :func:`forward`
-and :func:`attention_backward_dkv`, which returns dK/dV stacked.)
+and :func:`attention_backward_dkv`, which returns dK/dV stacked, and may
+give a block's mask what its backend computes ahead, :func:`prepare`.)
 
 Shapes: ``q (B, T, N, H)``, ``k (B, S, K, H)``, ``v (B, S, K, Hv)`` with
 ``N % K == 0`` (Hv, the value head dim, may differ from H: multi-head
@@ -215,7 +216,21 @@ def _leading_kinds(params, num_args, extra):
   return kinds
 
 
+def _unprepared(args, dims, params):
+  """The operands, dims and params without the mask's ``prepared`` leaves
+  (the mask's last, so the operands' last): a batched call computes its
+  own."""
+  tree = params["mask_tree"]
+  probe = jax.tree.unflatten(tree, list(range(tree.num_leaves)))
+  drop = len(jax.tree.leaves(probe.prepared))
+  if not drop:
+    return args, dims, params
+  tree = jax.tree.structure(dataclasses.replace(probe, prepared=None))
+  return args[:-drop], dims[:-drop], dict(params, mask_tree=tree)
+
+
 def _fwd_batch(args, dims, **params):
+  args, dims, params = _unprepared(args, dims, params)
   kinds = _leading_kinds(params, len(args), [])
   return _batch_rule(_fwd_p, kinds, args, dims, **params)
 
@@ -223,6 +238,7 @@ def _fwd_batch(args, dims, **params):
 def _bwd_batch(args, dims, **params):
   # The bias gradient is per vmapped instance, so a shared bias cannot stay
   # shared here: give it a full batch and reduce dbias back afterwards.
+  args, dims, params = _unprepared(args, dims, params)
   extra = ["B", "B", "B"] + (["B"] if params["has_dlse"] else [])
   kinds = _leading_kinds(params, len(args), extra)
   bias_b = None
@@ -261,6 +277,17 @@ def _forward(q, k, v, bias, mask, config):
   operands = vma.match(q, k, v, *args)
   return tuple(_fwd_p.bind(*operands, config=config,
                            has_bias=bias is not None, **params))
+
+
+def prepare(q, k, v, mask: BlockMask, config: AttentionConfig, lse=None):
+  """What ``config``'s backend computes ahead of this block's call
+  (``registry.Backend.prepare``; ``lse (B, T, N)`` given: the
+  backward's), for the call's ``mask.prepared``; None where it has
+  nothing. For a caller that branches before the block: computed before
+  the branch, it is not launched after the branch's wait for the
+  device."""
+  fn = registry.get(config.implementation).prepare
+  return None if fn is None else fn(q, k, v, mask, config, lse)
 
 
 def attention_backward(q, k, v, bias, mask: BlockMask, out, lse, dout, dlse,

@@ -19,6 +19,10 @@ field              shape        meaning
 ``kv_lengths``     ``(B,)``     keys at global position ``>= kv_lengths``
                                 are padding (never attended)
 ``dense``          ``(B|1, N|1, T, S)``  arbitrary boolean mask, True = keep
+``prepared``       pytree       what the block's backend computes ahead of
+                                the call (``kernel.prepare``), set by a
+                                strategy that branches before the block;
+                                None: the backend computes it in the call
 =================  ===========  ==============================================
 
 Query ``i`` sees key ``j`` iff every present condition holds, with global
@@ -65,6 +69,7 @@ class BlockMask:
   q_lengths: Array | None = None
   kv_lengths: Array | None = None
   dense: Array | None = None
+  prepared: Any = None
 
   @property
   def same_ids(self) -> bool:
@@ -93,6 +98,7 @@ class BlockMask:
         q_lengths=cast(self.q_lengths, jnp.int32),
         kv_lengths=cast(self.kv_lengths, jnp.int32),
         dense=cast(self.dense, jnp.bool_),
+        prepared=self.prepared,
     )
 
 

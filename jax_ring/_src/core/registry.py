@@ -36,6 +36,10 @@ class Backend:
   # As backward, but -> (dq, dkv stacked (2, B, S, K, H), dbias): dK/dV
   # written where the ring sends them from. None: backward, then a stack.
   backward_dkv: Callable | None = None
+  # (q, k, v, mask, config, lse or None) -> what forward (lse None) or
+  # backward computes before its call, to come back as ``mask.prepared``,
+  # or None. None: nothing.
+  prepare: Callable | None = None
 
   def backward_stacked(self, *args):
     """``(dq, dkv, dbias)`` with dK/dV stacked ``(2, B, S, K, H)``."""

@@ -52,6 +52,25 @@ def _packed(q, k, mask):
       q, k, mask.same_ids) else packed
 
 
+def _run_packed(q, k, mask) -> dict:
+  """The packed module's extra arguments: the pass's ``mask.prepared``."""
+  return ({"prepared": mask.prepared} if _packed(q, k, mask) is passes
+          else {})
+
+
+def prepare(q, k, v, mask, config, lse=None):
+  """``passes.Prepared`` where this block runs as one packed pass (``lse``
+  given: the backward's), else None: the registry's ``prepare``."""
+  if (mask.q_segment_ids is None or unsupported(config, q, k, v, None, mask)
+      or tiles.direct(q, k, v, mask, config)
+      or _packed(q, k, mask) is not passes):
+    return None
+  bnd = band.band(config, mask.q_offset, mask.kv_offset, q.shape[1],
+                  k.shape[1])
+  return None if bnd.empty else passes.prepare(q, k, v, mask, config, bnd,
+                                               lse)
+
+
 def forward(q, k, v, bias, mask, config):
   """``(out (B, T, N, Hv), lse (B, T, N) float32)``: the block-kernel
   forward (``core/kernel.py``)."""
@@ -69,7 +88,8 @@ def forward(q, k, v, bias, mask, config):
   if mask.q_segment_ids is not None:
     if tiles.direct(q, k, v, mask, config):
       return tiles.direct_forward(q, k, v, mask, config)
-    return _packed(q, k, mask).forward(q, k, v, mask, config, bnd)
+    return _packed(q, k, mask).forward(q, k, v, mask, config, bnd,
+                                       **_run_packed(q, k, mask))
   seq_q, seq_kv, padding = band.window_lengths(mask, bnd, b, t, s)
   rows = t - bnd.row_start
   out, stats = sdpa(
@@ -124,7 +144,8 @@ def _backward(q, k, v, bias, mask, out, lse, dout, dlse, config, stack):
     dq, dk, dv = (
         tiles.direct_backward(q, k, v, mask, out, lse, dout, config)
         if tiles.direct(q, k, v, mask, config) else _packed(q, k, mask)
-        .backward(q, k, v, mask, out, lse, dout, config, bnd))
+        .backward(q, k, v, mask, out, lse, dout, config, bnd,
+                  **_run_packed(q, k, mask)))
     return dq, pack(dk, dv)
   seq_q, seq_kv, padding = band.window_lengths(mask, bnd, b, t, s)
   stats = jnp.swapaxes(lse[:, bnd.row_start:], 1, 2).astype(jnp.float32)
@@ -196,6 +217,7 @@ if LOAD_ERROR is None:
   ffi.register_targets()
   registry.register(registry.Backend("cudnn", forward, backward, unsupported,
                                      platform="cuda",
-                                     backward_dkv=backward_dkv))
+                                     backward_dkv=backward_dkv,
+                                     prepare=prepare))
 else:
   registry.UNAVAILABLE["cudnn"] = LOAD_ERROR

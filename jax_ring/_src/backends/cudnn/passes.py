@@ -35,7 +35,9 @@ whose longest document a size of ``tiles.SIZES`` takes
 the handler. Whether the ids fit is read from their table
 (:func:`fits.by_table`), with no sort, where it can place them; ids
 spread over more values than the block has tokens are sorted instead
-(:meth:`packed.Block.decide`). The tables are built before the switch.
+(:meth:`packed.Block.decide`). The tables and the branch index are built
+before the switch (:func:`prepare`), or given by a caller that branches
+before the block (the ring's own block): ``mask.prepared``.
 """
 
 from __future__ import annotations
@@ -195,19 +197,61 @@ def tables(docs: packed.Docs, lay: Layout, q, k, v) -> Tables:
   return Tables(counts, lens, offs, at)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """What a pass computes before its branch: the branch ``index`` (``()``
+  int32, :func:`_index`), the :class:`Tables` and, for the backward, the
+  calls' ``stats (B, R)``; given ahead by a caller that branches first
+  (``mask.prepared``, :func:`prepare`)."""
+
+  index: jax.Array
+  tables: Tables
+  stats: jax.Array | None = None
+
+
+def prepare(q, k, v, mask, config, bnd, lse=None) -> Prepared:
+  """:class:`Prepared` of a pass over q (B, T, N, H), k (B, S, K, H), v
+  (B, S, K, Hv); with ``lse (B, T, N)``, the backward's. The calls' stats
+  hold ``lse`` at the rows they read (each document's); the rest of each
+  virtual batch, which cuDNN does not read, is left undefined."""
+  blk = packed.block(mask, config, bnd)
+  b, t, n, _ = q.shape
+  lay = layout(t, k.shape[1], b, mask.same_ids)
+  ok, docs = blk.decide()
+  tab = tables(docs, lay, q, k, v)
+  index = _index(ok, docs, len(_tile_sizes(q, k, v, mask, config)),
+                 tiles.limits(q, k, v))
+  if lse is None:
+    return Prepared(index, tab)
+  bi = jnp.arange(b)[:, None, None]
+  stats = ffi.uninitialized((b, lay.stats_size(n)), jnp.float32).at[
+      bi, tab.at].set(lse.astype(jnp.float32), mode="drop")
+  return Prepared(index, tab, stats)
+
+
+def _given(prepared, q, k, v, mask, config, bnd, lse=None) -> Prepared:
+  """``prepared``, checked against the pass's layout, or :func:`prepare`'s
+  before an optimization barrier: on a GPU the host waits for the device
+  at the branch, and again when the handler reads the counts; with the
+  tables done first, nothing runs between the two waits."""
+  b, t, n, _ = q.shape
+  lay = layout(t, k.shape[1], b, mask.same_ids)
+  if prepared is None:
+    return jax.lax.optimization_barrier(
+        prepare(q, k, v, mask, config, bnd, lse))
+  want = ((2, b, sum(lay.slots)), (4, b, sum(lay.chunks())))
+  got = (prepared.tables.lens.shape, prepared.tables.offs.shape)
+  if got != want or (prepared.stats is None) != (lse is None):
+    raise ValueError(f"mask.prepared holds tables {got}, this pass's are "
+                     f"{want}: give a block the prepare of its own mask")
+  return prepared
+
+
 def _pass_attrs(config, blk: packed.Block, lay: Layout) -> dict:
   return dict(scale=np.float32(config.scale),
               right_bound=blk.inner.right_bound,
               left_bound=blk.inner.left_bound, **lay.attrs())
-
-
-def _before_the_branch(tab):
-  """The tables (and the backward's stats), computed before the
-  ``lax.cond`` on the layout rather than moved into its branch: on a GPU
-  the host waits for the device at the branch, and again when the handler
-  reads the counts; with the tables done first, nothing runs between the
-  two waits."""
-  return jax.lax.optimization_barrier(tab)
 
 
 def _row_major(xs):
@@ -226,14 +270,13 @@ def _tile_sizes(q, k, v, mask, config) -> tuple[int, ...]:
   return tiles.SIZES if tiles.serves(q, k, mask, config, v) else ()
 
 
-def _switch(ok, docs: packed.Docs, run, others, most: tuple[int, ...]):
-  """``run`` (the handler) or one of ``others`` (the fallback, then each
-  tile size), picked on the device: the fallback where the ids do not
-  fit (``ok``), else the first tile size that takes the longest document
-  (its limit in ``most``, :func:`tiles.limits`), else the handler."""
-  pick = (tiles.size_index(docs.q_len.max(), most) if len(others) > 1
-          else 0)
-  return jax.lax.switch(jnp.where(ok, 1 + pick, 0), others + [run], None)
+def _index(ok, docs: packed.Docs, sizes: int, most: tuple[int, ...]):
+  """``()`` int32, the pass's branch: 0, the fallback, where the ids do
+  not fit (``ok``); else ``1 + i``, the first of the ``sizes`` tile sizes
+  that takes the longest document (its limit in ``most``,
+  :func:`tiles.limits`), ``1 + sizes`` (the handler) where none does."""
+  pick = tiles.size_index(docs.q_len.max(), most) if sizes else 0
+  return jnp.where(ok, 1 + pick, 0).astype(jnp.int32)
 
 
 def _graphs(config, blk: packed.Block, lay: Layout) -> list[dict]:
@@ -242,14 +285,14 @@ def _graphs(config, blk: packed.Block, lay: Layout) -> list[dict]:
           for menu, length in zip(lay.menus, lay.lengths) for m in menu]
 
 
-def forward(q, k, v, mask, config, bnd):
-  """:func:`packed.forward` as one handler a pass: ``(out, lse)``."""
+def forward(q, k, v, mask, config, bnd, prepared=None):
+  """:func:`packed.forward` as one handler a pass: ``(out, lse)``.
+  ``prepared``: this block's :func:`prepare`, or None."""
   blk = packed.block(mask, config, bnd)
   b, t, n, _ = q.shape
   lay = layout(t, k.shape[1], b, mask.same_ids)
-  ok, docs = blk.decide()
-  tab = _before_the_branch(tables(docs, lay, q, k, v))
-  r = lay.stats_size(n)
+  ready = _given(prepared, q, k, v, mask, config, bnd)
+  tab, r = ready.tables, lay.stats_size(n)
   refs = (q, k, v, blk.q_ids, blk.kv_ids)
 
   def run(_):
@@ -271,26 +314,20 @@ def forward(q, k, v, mask, config, bnd):
   others = [lambda _: xla.forward(q, k, v, None, mask, config)] + [
       lambda _, p=p: tiles.forward(q, k, v, blk.q_ids, config, p)
       for p in _tile_sizes(q, k, v, mask, config)]
-  return _switch(ok, docs, run, [
-      lambda _, f=f: vma.like(_row_major(f(_)), *refs) for f in others],
-                 tiles.limits(q, k, v))
+  return jax.lax.switch(ready.index, [
+      lambda _, f=f: vma.like(_row_major(f(_)), *refs) for f in others] +
+                        [run], None)
 
 
-def backward(q, k, v, mask, out, lse, dout, config, bnd):
-  """:func:`packed.backward` as one handler a pass: ``(dq, dk, dv)``."""
+def backward(q, k, v, mask, out, lse, dout, config, bnd, prepared=None):
+  """:func:`packed.backward` as one handler a pass: ``(dq, dk, dv)``.
+  ``prepared``: this block's :func:`prepare` given ``lse``, or None."""
   blk = packed.block(mask, config, bnd)
   b, t, n, _ = q.shape
   lay = layout(t, k.shape[1], b, mask.same_ids)
-  ok, docs = blk.decide()
-  tab = tables(docs, lay, q, k, v)
-  r = lay.stats_size(n)
+  ready = _given(prepared, q, k, v, mask, config, bnd, lse)
+  tab, stats = ready.tables, ready.stats
   refs = (q, k, v, out, lse, dout, blk.q_ids, blk.kv_ids)
-  # The calls' stats at the rows they read (each document's); the rest of
-  # each virtual batch, which cuDNN does not read, is left undefined.
-  bi = jnp.arange(b)[:, None, None]
-  tab, stats = _before_the_branch((tab, ffi.uninitialized(
-      (b, r), jnp.float32).at[bi, tab.at].set(lse.astype(jnp.float32),
-                                               mode="drop")))
 
   def run(_):
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
@@ -308,6 +345,6 @@ def backward(q, k, v, mask, out, lse, dout, config, bnd):
       lambda _, p=p: tiles.backward(q, k, v, blk.q_ids, out, lse, dout,
                                     config, p)
       for p in _tile_sizes(q, k, v, mask, config)]
-  return _switch(ok, docs, run, [
-      lambda _, f=f: vma.like(_row_major(f(_)), *refs) for f in others],
-                 tiles.limits(q, k, v))
+  return jax.lax.switch(ready.index, [
+      lambda _, f=f: vma.like(_row_major(f(_)), *refs) for f in others] +
+                        [run], None)

@@ -72,11 +72,12 @@ def _cut(x, sl):
 
 
 def _block(q, tm: TokenMask, kv, qc, kc, rows, cols, c, q_offset=0,
-           own=False):
+           own=False, ready=None):
   """A block of query chunks ``qc`` (local rows ``rows``) against kv chunks
   ``kc`` (held rows ``cols``). Offsets are static: 0, or ``q_offset`` for a
   window pair; lengths become local prefixes shifted by the same offset.
-  ``own``: the held KV is this device's, and the ids are the same."""
+  ``own``: the held KV is this device's, and the ids are the same.
+  ``ready``: the mask's ``prepared`` (:func:`prepare_own`)."""
   (k, v), kv_seg = (kv[0][0], kv[0][1]), kv[1]
   q_len = layout.prefix(tm.q_lengths, qc, c)
   q_seg = _cut(tm.q_segment_ids, rows)
@@ -87,11 +88,11 @@ def _block(q, tm: TokenMask, kv, qc, kc, rows, cols, c, q_offset=0,
       q_segment_ids=q_seg,
       kv_segment_ids=q_seg if same else _cut(kv_seg, cols),
       q_lengths=None if q_len is None else q_len + q_offset,
-      kv_lengths=layout.prefix(tm.kv_lengths, kc, c))
+      kv_lengths=layout.prefix(tm.kv_lengths, kc, c), prepared=ready)
   return _Block(q[:, rows], (k[:, cols], v[:, cols]), mask, rows, cols)
 
 
-def _kind_block(kind, q, tm, kv, qc, kc, own=False):
+def _kind_block(kind, q, tm, kv, qc, kc, own=False, ready=None):
   """The block of a no-window step kind (diag, full, half_kv, half_q)."""
   c = q.shape[1] // len(qc)
   rows = cols = slice(None)
@@ -99,7 +100,18 @@ def _kind_block(kind, q, tm, kv, qc, kc, own=False):
     rows, qc = slice(c, None), qc[1:]
   if kind == "half_kv":
     cols, kc = slice(0, c), kc[:1]
-  return _block(q, tm, kv, qc, kc, rows, cols, c, own=own)
+  return _block(q, tm, kv, qc, kc, rows, cols, c, own=own, ready=ready)
+
+
+def prepare_own(kind, q, tm, kv, qc, cfgs, lse=None):
+  """What the backend of the own block (``kind`` "diag" or "full", the
+  held ``kv`` this device's) computes ahead of it (``kernel.prepare``;
+  ``lse (B, T, N)`` given: the backward's), for ``kind_fwd`` and
+  ``kind_bwd``'s ``ready``: a caller that branches before the block
+  computes it before the branch. None where the backend has nothing."""
+  blk = _kind_block(kind, q, tm, kv, qc, qc, own=True)
+  return kernel.prepare(blk.q_rows, *blk.kv_rows, blk.mask,
+                        cfgs[kind == "diag"], lse)
 
 
 def _window_pairs(plan: ShardPlan, cfg: AttentionConfig, c: int):
@@ -160,12 +172,13 @@ def _place(x, sl, size, axis):
 # it. Cast inside a branch, it would be a pass of its own over the block at
 # every step (measured: docs/decisions.md, "Wire dtypes").
 
-def kind_fwd(kind, q, tm, kv, qc, kc, cfgs, own=False):
-  """(out in q's dtype, lse f32) of one step, over all t local rows."""
+def kind_fwd(kind, q, tm, kv, qc, kc, cfgs, own=False, ready=None):
+  """(out in q's dtype, lse f32) of one step, over all t local rows;
+  ``ready``: the own block's :func:`prepare_own`, or None."""
   b, t, n, h = q.shape[:3] + kv[0][1].shape[3:]
   if kind == "skip":
     return masked(b, t, n, h, (q, kv[0][0]), q.dtype)
-  blk = _kind_block(kind, q, tm, kv, qc, kc, own)
+  blk = _kind_block(kind, q, tm, kv, qc, kc, own, ready)
   o, l = _fwd(blk, cfgs[kind == "diag"])
   if blk.rows != slice(None):  # half_q: the first chunk saw nothing
     zo, zl = masked(b, t - o.shape[1], n, h, (q, kv[0][0]), o.dtype)
@@ -174,15 +187,16 @@ def kind_fwd(kind, q, tm, kv, qc, kc, cfgs, own=False):
 
 
 def kind_bwd(kind, q, tm, kv, qc, kc, out, lse, dout, cfgs, own=False,
-             pair=False):
+             pair=False, ready=None):
   """(dq, dK/dV of the held kv) of one step, in the kernel's dtypes (q's,
   k's); dK/dV in the moving form, or with ``pair`` as ``(dk, dv)`` (a step
-  whose dK/dV stay on this device: no stacking)."""
+  whose dK/dV stay on this device: no stacking). ``ready``: the own
+  block's :func:`prepare_own` given ``lse``, or None."""
   t = q.shape[1]
   if kind == "skip":
     return vma.like((jnp.zeros_like(q), dkv_zeros(kv, dtype=kv[0][0].dtype)),
                     q, kv[0][0], out, dout)
-  blk = _kind_block(kind, q, tm, kv, qc, kc, own)
+  blk = _kind_block(kind, q, tm, kv, qc, kc, own, ready)
   dq, dkv = _bwd(blk, out, lse, dout, cfgs[kind == "diag"], pair=pair)
   return _place(dq, blk.rows, t, 1), kv_lib.along(
       lambda x, ax: _place(x, blk.cols, t, ax), dkv, 1)

@@ -18,10 +18,9 @@ no send is wasted. Causal steps after the first pick their block with a
 ``lax.cond`` on ``src < r`` (``blocks`` has the blocks; ``striped`` those
 of the striped layout). Packed rows on contiguous shards under the
 default sends run the steps up to the last one some document reaches
-(``reach``, :func:`_reached_loop`), each fetching its K/V in its own
-branch. Partial
-results merge in float32 and the output is cast to the input dtype once,
-at the end.
+(``reach``, :func:`reached.reached_loop`), each fetching its K/V in its
+own branch. Partial results merge in float32 and the output is cast to
+the input dtype once, at the end.
 
 The backward is given the global ``out`` and ``lse``; dq accumulates
 locally. dK/dV travel with the K/V as float32 running sums (neighbour
@@ -49,17 +48,13 @@ from jax_ring._src.core.mask import TokenMask
 from jax_ring._src.strategies import base, kv as kv_lib, layout, ulysses
 from jax_ring._src.strategies.layout import LoadBalance
 from jax_ring._src.strategies.ring import blocks, reach, striped
-
-
-def _shift(x, plan: ShardPlan, by: int):
-  """Every array of ``x`` from each device j to device j + by (mod cp)."""
-  perm = [(j, (j + by) % plan.cp_size) for j in range(plan.cp_size)]
-  return jax.tree.map(lambda a: lax.ppermute(a, plan.axis_name, perm), x)
+from jax_ring._src.strategies.ring.reached import (as_f32, merge_rows,
+                                                   reached_loop, shift)
 
 
 def _send_next(x, plan: ShardPlan):
   """Every array of ``x`` to the next device on the ring."""
-  return _shift(x, plan, 1)
+  return shift(x, plan, 1)
 
 
 def _kinds(plan: ShardPlan, causal: bool):
@@ -122,75 +117,6 @@ def _gathered_loop(plan, first, later, kv, carry, own_last=False):
   return first(kv, carry) if own_last else carry
 
 
-def _reached_loop(plan, own, later, tail, k, v, tm, causal, beyond=None,
-                  alone=None):
-  """``own(kv)`` on the own K/V (held as the pair ``(k, v)``, not
-  stacked), then what ``(need (cp,), rows) = reach.needed_steps(tm, ...)``
-  asks for (the same on every device; on contiguous shards documents
-  reach a prefix of the steps, and a step no document reaches adds
-  nothing), picked by a ``lax.cond`` and, past it, one ``lax.switch``:
-
-  * no step after the own (the cond's first branch, the own block alone):
-    documents that all stay inside their shards cost one block and one
-    branch test;
-  * step 1 only, the crossing rows within a size of ``reach.tail_sizes``:
-    ``tail(size, kv, first)`` with the last ``size`` rows of device
-    ``r - 1``'s K/V and ids (one permute of those rows), which adds its
-    block into the first ``size`` rows of the own block's results;
-  * else, given ``beyond`` (another strategy's whole pass, in the own
-    block's structure; falsy: none), that;
-  * else ``later(step, kv, carry)`` for steps ``1 .. m``, ``m`` the last
-    step ``need`` marks, each fetching its K/V (``blocks.held_kv``'s form)
-    straight from device ``r - step`` in one permute, two K/V held at a
-    time. These steps nest, one ``lax.cond`` on ``step < m`` each, and a
-    branch that stops casts the float32 carry back rather than passing it
-    through (a conditional copies an operand it returns).
-
-  A GPU's host reads a branch test after all the work queued before it:
-  the cond's test, before the own block, waits for the reach test alone
-  and the host runs ahead of the own block; the switch waits for it.
-  ``alone``: ``(own_alone, settle)``, the own block as the first branch
-  runs it and what puts the second's results in that form (the backward:
-  dK/dV as the pair, :func:`kv.unpack`, not stacked to be split again);
-  default ``own``. Returns in the own block's dtypes."""
-  cp = plan.cp_size
-  need, rows = reach.needed_steps(tm, plan, causal, rows=True)
-  last, ids = reach.last_step(need), tm.kv_ids()
-  t = k.shape[1]
-  handed = bool(beyond)
-  sizes = reach.tail_sizes(t, cp, handed)
-  index = reach.branch(need, rows, t, cp, handed)
-  own_alone, settle = alone or (own, lambda x: x)
-
-  def with_steps():
-    first = own(((k, v), ids))
-    dtypes = jax.tree.map(lambda a: a.dtype, first)
-    finish = lambda carry: jax.tree.map(lambda a, t: a.astype(t), carry,
-                                        dtypes)
-
-    def from_step(step, carry):
-      held = (kv_lib.pack(k, v), ids)  # packed inside the step's branch
-      carry = later(step, _shift(held, plan, step), carry)
-      if step == cp - 1:
-        return finish(carry)
-      return lax.cond(last > step, functools.partial(from_step, step + 1),
-                      finish, carry)
-
-    def cut(size, first):
-      end = slice(t - size, None)
-      held = (kv_lib.pack(k[:, end], v[:, end]), ids[:, end])
-      return tail(size, _shift(held, plan, 1), first)
-
-    branches = [functools.partial(cut, n) for n in sizes]
-    if handed:
-      branches.append(lambda _: finish(beyond()))
-    elif cp > 2:  # documents reach past the previous shard, or past sizes
-      branches.append(lambda first: from_step(1, as_f32(first)))
-    return settle(lax.switch(index - 1, branches, first))
-
-  return lax.cond(index == 0, lambda: own_alone(((k, v), ids)), with_steps)
-
-
 def _beyond_plan(plan: ShardPlan) -> ShardPlan:
   """The plan of ``plan.beyond`` (Ulysses), on the ring's axis."""
   return ShardPlan(plan.axis_name, plan.cp_size, plan.load_balance)
@@ -204,22 +130,9 @@ def _beyond_bwd(q, k, v, tm, out, lse, dout, cfg, plan):
   return dq, kv_lib.pack(dk, dv)
 
 
-def _merge_rows(first, part):
-  """``first = (out, lse)`` with ``part``, the ``(out, lse)`` of its first
-  rows against other keys, merged in (float32, kept in out's dtype)."""
-  out, lse = first
-  n = part[1].shape[1]
-  o, l = base.merge(out[:, :n].astype(jnp.float32), lse[:, :n], *part)
-  # Slices, not ``.at[:, :n]``: with n the whole shard that is a scatter
-  # of no indices, which jax 0.11's shard_map partitioner crashes on.
-  put = lambda a, b: lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), 0,
-                                                     1)
-  return put(out, o), put(lse, l)
-
-
 def _skips(plan: ShardPlan, tm: TokenMask, cfg: AttentionConfig) -> bool:
   """Whether the ring skips the steps no document reaches
-  (:func:`_reached_loop`): packed rows, more than one device, and the
+  (:func:`reached.reached_loop`): packed rows, more than one device, and the
   options of :func:`reach.skips_steps`."""
   return (tm.q_segment_ids is not None and plan.cp_size > 1 and
           reach.skips_steps(plan.load_balance, plan.loop, plan.kv_sends,
@@ -259,10 +172,6 @@ def _tail_of(plan: ShardPlan, cfg: AttentionConfig, r):
   (causal: only where it is earlier, so not on device 0)."""
   src = (r - 1) % plan.cp_size
   return layout.chunk_ids(plan, src), (src < r if cfg.is_causal else True)
-
-
-def as_f32(x):
-  return jax.tree.map(lambda a: a.astype(jnp.float32), x)
 
 
 def _add(carry, part):
@@ -315,14 +224,16 @@ def forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
 
   if skips:
     def tail(size, kv, first):
-      return _merge_rows(first, blocks.tail_fwd(
+      return merge_rows(first, blocks.tail_fwd(
           q, tm, kv, qc, *_tail_of(plan, cfg, r), size, cfgs[0]))
 
-    out, lse = _reached_loop(
-        plan, lambda kv: blocks.kind_fwd("diag" if cfg.is_causal else "full",
-                                         q, tm, kv, qc, qc, cfgs, tm.same_ids),
+    kind = "diag" if cfg.is_causal else "full"
+    out, lse = reached_loop(
+        plan, lambda kv, ready: blocks.kind_fwd(kind, q, tm, kv, qc, qc, cfgs,
+                                                tm.same_ids, ready),
         later, tail, k, v, tm, cfg.is_causal, plan.beyond and functools.partial(
-            ulysses.forward, q, k, v, tm, cfg, _beyond_plan(plan)))
+            ulysses.forward, q, k, v, tm, cfg, _beyond_plan(plan)),
+        prepare=lambda kv: blocks.prepare_own(kind, q, tm, kv, qc, cfgs))
   else:
     out, lse = _kv_loop(plan)(plan, first, later, kv0, None)
   return out.astype(q.dtype), lse
@@ -337,10 +248,9 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   src_of = lambda step: (r - step) % plan.cp_size
   grads = (out, lse, dout)
   # Neighbour sends carry running dK/dV sums (float32); gathered K/V
-  # (unrolled only) send each step's part back to its owner (a permute by
-  # -step) in the step's dtype (K/V's: one kernel call, nothing rounds,
-  # half the bytes; float32 where a step adds calls: window pairs), and
-  # the owner sums in float32.
+  # (unrolled) send each step's part to its owner (a permute by -step) in
+  # K/V's dtype (half the bytes; float32 for window pairs, several calls),
+  # and the owner sums in float32.
   parts_back = plan.kv_sends == "gather" and plan.loop == "unrolled"
   if plan.load_balance == "striped":
     first_bwd = lambda kv: striped.striped_bwd(
@@ -356,9 +266,9 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   else:
     cfgs = block_cfgs(cfg)
     qc = layout.chunk_ids(plan, r)
-    first_bwd = lambda kv, pair=False: blocks.kind_bwd(
-        "diag" if cfg.is_causal else "full", q, tm, kv, qc, qc, *grads, cfgs,
-        tm.same_ids, pair=pair)
+    kind = "diag" if cfg.is_causal else "full"
+    first_bwd = lambda kv, ready=None, pair=False: blocks.kind_bwd(
+        kind, q, tm, kv, qc, qc, *grads, cfgs, tm.same_ids, pair, ready)
 
     def step_bwd(step, kv):
       src = src_of(step)
@@ -378,7 +288,7 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
 
   def later_parts(step, kv, carry):
     dq_i, part = step_bwd(step, kv)
-    back = _shift(part, plan, -step)  # made on device r + step
+    back = shift(part, plan, -step)  # made on device r + step
     return _add(carry, (dq_i, back))
 
   loop = _gathered_loop if plan.backward_kv == "gather" else _kv_loop(plan)
@@ -389,14 +299,15 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
       dq_i, part = blocks.tail_bwd(q, tm, kv, qc, *_tail_of(plan, cfg, r),
                                    size, *grads, cfgs[0])
       return (kv_lib.add_rows(first[0], dq_i, 0),
-              kv_lib.add_last(first[1], _shift(part, plan, -1)))
+              kv_lib.add_last(first[1], shift(part, plan, -1)))
 
-    dq, dkv = _reached_loop(
+    dq, dkv = reached_loop(
         plan, first_bwd, later_parts, tail, k, v, tm, cfg.is_causal,
         plan.beyond and functools.partial(_beyond_bwd, q, k, v, tm, *grads,
                                           cfg, plan),
         alone=(functools.partial(first_bwd, pair=True),
-               lambda got: (got[0], kv_lib.unpack(got[1]))))
+               lambda got: (got[0], kv_lib.unpack(got[1]))),
+        prepare=lambda kv: blocks.prepare_own(kind, q, tm, kv, qc, cfgs, lse))
   elif parts_back:
     # The own step's part stays here: run last, it hides the last part's
     # send. Not where this backward gathers K/V itself (the automatic
