@@ -442,7 +442,7 @@ def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
   loops too): the loops' carries vary over the mesh axis as their calls'
   results do, and the output and gradients equal the reference's. On
   contiguous shards the second row's document 0 crosses the shards, so
-  the ring's reached step runs (``schedule._reached_loop``)."""
+  the ring's reached step runs (``reached.reached_loop``)."""
   import jax
   import jax_ring
   import ragged_cudnn

@@ -629,18 +629,25 @@ CROSS_FEW = _docs((10, 3, 10, 3, 10, 3, 9))
          "an_id_twice", "an_id_twice_full", "cross_few_cp2",
          "cross_few_full_cp2"])
 def test_ring_skips_steps_no_document_reaches(ids, causal, cp):
-  load_balance = None
-  q, k, v, do = rank_coded_qkv(16, cp, load_balance=load_balance)
+  _check_packed_ring(ids, causal, cp)
+
+
+def _check_packed_ring(ids, causal, cp):
+  """The ring on contiguous shards of packed rows ``ids`` (xla blocks,
+  inside a user's shard_map), output and gradients against the
+  reference; returns ``(f, q, k, v, do, ids (B, S))``."""
+  q, k, v, do = rank_coded_qkv(16, cp, load_balance=None)
   ids = np.broadcast_to(ids, (B, S))
   spec = P(None, "cp")
   f = jax.shard_map(
       lambda q, k, v, ids: jax_ring.ring_attention(
-          q, k, v, axis_name="cp", is_causal=causal, load_balance=load_balance,
-          segment_ids=ids, implementation="xla"),
+          q, k, v, axis_name="cp", is_causal=causal, segment_ids=ids,
+          implementation="xla"),
       mesh=mesh(cp), in_specs=(spec,) * 4, out_specs=spec)
-  got = layout_vjp(f, cp, load_balance, q, k, v, do, jnp.asarray(ids))
+  got = layout_vjp(f, cp, None, q, k, v, do, jnp.asarray(ids))
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=causal, q_segment_ids=ids,
                                    kv_segment_ids=ids))
+  return f, q, k, v, do, ids
 
 
 def _needed_steps(cp, load_balance, causal, rows=False, two=False):
@@ -889,18 +896,7 @@ def test_ring_hands_the_own_block_what_its_backend_prepares(probe_backend):
   branch, in no branch of the program, and reach that block's calls, in
   the forward and the backward: a backend that reads the ids and the lse
   from them stays exact."""
-  cp = 4
-  q, k, v, do = rank_coded_qkv(16, cp, load_balance=None)
-  ids = np.broadcast_to(CROSS_FEW, (B, S))
-  spec = P(None, "cp")
-  f = jax.shard_map(
-      lambda q, k, v, ids: jax_ring.ring_attention(
-          q, k, v, axis_name="cp", is_causal=True, segment_ids=ids,
-          implementation="xla"),
-      mesh=mesh(cp), in_specs=(spec,) * 4, out_specs=spec)
-  got = layout_vjp(f, cp, None, q, k, v, do, jnp.asarray(ids))
-  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True,
-                                   q_segment_ids=ids, kv_segment_ids=ids))
+  f, q, k, v, do, ids = _check_packed_ring(CROSS_FEW, True, 4)
   assert set(probe_backend) == {"forward", "backward"}
   vjp = lambda *a: jax.vjp(lambda q, k, v: f(q, k, v, a[3]), *a[:3])[1](
       a[4])

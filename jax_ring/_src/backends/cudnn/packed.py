@@ -352,15 +352,31 @@ class Block:
   inner: Band
   q_ids: jax.Array
   kv_ids: jax.Array
-  docs: Docs  # two arrays: by the table (documents' ``by_table``)
   shift: int | None
   same: bool
-  known: jax.Array
-  table_fits: jax.Array
 
   @property
   def fresh(self) -> bool:
     return self.same and self.shift is None
+
+  # Computed where asked for (:meth:`decide`): a pass given its tables
+  # (``passes.prepare``) traces none of them.
+  @functools.cached_property
+  def docs(self) -> Docs:  # two arrays: by the table (``by_table``)
+    return documents(self.q_ids, self.kv_ids, self.shift, self.same,
+                     by_table=True)
+
+  @functools.cached_property
+  def _by_table(self) -> tuple[jax.Array, jax.Array]:
+    return fits.by_table(self.q_ids, self.kv_ids, self.shift, self.same)
+
+  @property
+  def known(self) -> jax.Array:
+    return self._by_table[0]
+
+  @property
+  def table_fits(self) -> jax.Array:
+    return self._by_table[1]
 
   def decide(self) -> tuple[jax.Array, Docs]:
     """``(ok, docs)``: whether the ids fit the calls (``()`` bool), and
@@ -385,9 +401,7 @@ def block(mask, config, bnd: Band) -> Block:
   shift = diagonal_shift(config, mask)
   q_ids, kv_ids = mask.q_segment_ids, mask.kv_ids()
   return Block(bnd if shift is None else Band(right_bound=0), q_ids, kv_ids,
-               documents(q_ids, kv_ids, shift, mask.same_ids, by_table=True),
-               shift, mask.same_ids,
-               *fits.by_table(q_ids, kv_ids, shift, mask.same_ids))
+               shift, mask.same_ids)
 
 
 def forward(q, k, v, mask, config, bnd: Band):

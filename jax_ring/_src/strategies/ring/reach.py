@@ -26,7 +26,7 @@ crosses into a shard holds its first rows, and the part of it that the
 next shard's queries reach, the previous shard's last rows. Where only
 step 1 is needed and those rows fit one of :func:`tail_sizes`, the step
 sends only the last rows of each shard and pairs them with the first
-rows (``schedule._reached_loop``).
+rows (``reached.reached_loop``).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def last_step(need):
 
 
 def branch(need, rows, t: int, cp: int, beyond: bool = False):
-  """``()`` int32, the branch ``schedule._reached_loop`` takes: 0, no step
+  """``()`` int32, the branch ``reached.reached_loop`` takes: 0, no step
   after the own; ``1 + i``, step 1 only on ``tail_sizes(t, cp,
   beyond)[i]`` rows, the smallest that holds ``rows``; ``1 +
   len(tail_sizes(...))`` (where cp > 2 or ``beyond``), what the tails
