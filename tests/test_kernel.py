@@ -288,10 +288,26 @@ def test_vmap_leaves_a_prepared_mask_to_the_backend():
     mask = jax_ring.BlockMask(q_segment_ids=sq, kv_segment_ids=sk,
                               prepared={"ids": sq[:1]} if prepared else None)
     out, lse = kernel.forward(q, k, v, None, mask, cfg)
-    return out, kernel.attention_backward(q, k, v, None, mask, out, lse, do,
-                                          None, cfg)[:3]
+    return out, kernel.backward(q, k, v, None, mask, out, lse, do, None,
+                                cfg)[:3]
 
   args = tuple(map(split, (q, k, v, do))) + tuple(ids)
   got, want = (jax.jit(jax.vmap(functools.partial(both, p)))(*args)
                for p in (True, False))
   chex.assert_trees_all_equal(got, want)
+
+
+def test_the_public_contract_refuses_a_prepared_mask():
+  """``mask.prepared`` is the library's, computed from the same block for
+  its own calls: ``jax_ring.attention`` and ``attention_backward`` refuse
+  a mask that carries one, before anything runs."""
+  q, k, v, do = ref.random_qkv(17, B, T, S, N, K, H)
+  cfg = ref.config(CASES["causal"], **TILES)
+  mask = jax_ring.BlockMask(prepared={"index": jnp.zeros((), jnp.int32)})
+  with pytest.raises(ValueError, match=r"attention: mask\.prepared"):
+    jax_ring.attention(q, k, v, None, mask, cfg)
+  out = jnp.zeros(q.shape, q.dtype)
+  lse = jnp.zeros(q.shape[:3], jnp.float32)
+  with pytest.raises(ValueError, match=r"attention_backward: mask\.prep"):
+    jax_ring.attention_backward(q, k, v, None, mask, out, lse, do, None,
+                                cfg)

@@ -158,9 +158,8 @@ def _functions(present: tuple[str, ...]):
   @functools.partial(custom_partitioning, static_argnums=(0, 1, 2))
   def bwd(cfg, cpc, scope, *args):
     (q, k, v, out, lse, dout), tm = split(args)
-    return kernel.attention_backward(q, k, v, None, tm.block_mask(), out,
-                                     lse, dout, None,
-                                     local(cfg, q, k, v, tm))[:3]
+    return kernel.backward(q, k, v, None, tm.block_mask(), out, lse, dout,
+                           None, local(cfg, q, k, v, tm))[:3]
 
   def bwd_partition(cfg, cpc, scope, mesh, arg_shapes, result_shape):
     mesh = _concrete(mesh, scope, arg_shapes)

@@ -7,9 +7,10 @@ context-parallel strategy, goes through these two functions:
 * :func:`attention_backward`
   ``(q, k, v, bias, mask, out, lse, dout, dlse, config) -> (dq, dk, dv, dbias)``
 
-(Strategies, which define their own VJPs, call the variants :func:`forward`
-and :func:`attention_backward_dkv`, which returns dK/dV stacked, and may
-give a block's mask what its backend computes ahead, :func:`prepare`.)
+(Strategies, which define their own VJPs, call the variants :func:`forward`,
+:func:`backward` and :func:`attention_backward_dkv`, which returns dK/dV
+stacked; these take a block's mask with what its backend computed ahead,
+:func:`prepare`, which the public two refuse.)
 
 Shapes: ``q (B, T, N, H)``, ``k (B, S, K, H)``, ``v (B, S, K, Hv)`` with
 ``N % K == 0`` (Hv, the value head dim, may differ from H: multi-head
@@ -290,9 +291,27 @@ def prepare(q, k, v, mask: BlockMask, config: AttentionConfig, lse=None):
   return None if fn is None else fn(q, k, v, mask, config, lse)
 
 
+def _users(mask: BlockMask, name: str) -> None:
+  """A mask given to the public contract carries no ``prepared``: only a
+  strategy, which computed it from the same block (:func:`prepare`),
+  may give one, to :func:`forward` and :func:`backward`."""
+  if mask.prepared is not None:
+    raise ValueError(f"{name}: mask.prepared must be None (the library "
+                     "fills it for its own blocks); got "
+                     f"{type(mask.prepared).__name__}")
+
+
 def attention_backward(q, k, v, bias, mask: BlockMask, out, lse, dout, dlse,
                        config: AttentionConfig):
   """Block backward from given out/lse: ``(dq, dk, dv, dbias or None)``."""
+  _users(mask, "attention_backward")
+  return backward(q, k, v, bias, mask, out, lse, dout, dlse, config)
+
+
+def backward(q, k, v, bias, mask: BlockMask, out, lse, dout, dlse,
+             config: AttentionConfig):
+  """:func:`attention_backward` for strategies: ``mask`` may carry what
+  the backend prepared for this block (:func:`prepare`)."""
   grads = _bind_bwd(q, k, v, bias, mask, out, lse, dout, dlse, config, False)
   return tuple(grads) + ((None,) if bias is None else ())
 
@@ -305,8 +324,8 @@ def attention_backward_dkv(q, k, v, bias, mask: BlockMask, out, lse, dout,
   writes them there: cuDNN; the others are stacked after), else the pair
   ``(dk, dv)``."""
   if k.shape != v.shape:
-    dq, dk, dv, dbias = attention_backward(q, k, v, bias, mask, out, lse,
-                                           dout, dlse, config)
+    dq, dk, dv, dbias = backward(q, k, v, bias, mask, out, lse, dout, dlse,
+                                 config)
     return dq, (dk, dv), dbias
   grads = _bind_bwd(q, k, v, bias, mask, out, lse, dout, dlse, config, True)
   return tuple(grads) + ((None,) if bias is None else ())
@@ -324,6 +343,7 @@ def attention(q, k, v, bias, mask: BlockMask, config: AttentionConfig,
   """Block forward: ``(out, lse)``. Differentiable in q, k, v, bias, lse
   and ``sinks``: ``(N,)`` logits that join every row's softmax with no
   value (:func:`fold_sinks`), or None."""
+  _users(mask, "attention")
   # Python-int offsets bypass the custom VJP's pytree: it would turn them
   # into traced arrays, and cuDNN needs them static.
   static = tuple((f, int(getattr(mask, f))) for f in ("q_offset", "kv_offset")
@@ -391,8 +411,8 @@ def _attention_bwd(static, config, res, cts):
     dout = jnp.zeros_like(out)
   if isinstance(dlse, SymbolicZero):
     dlse = None
-  dq, dk, dv, dbias = attention_backward(q, k, v, bias, mask, out, lse, dout,
-                                         dlse, config)
+  dq, dk, dv, dbias = backward(q, k, v, bias, mask, out, lse, dout, dlse,
+                               config)
   dsinks = None if sinks is None else sinks_grad(
       sinks, out, lse, dout, dlse).astype(sinks.dtype)
   return dq, dk, dv, dbias, None, dsinks

@@ -141,7 +141,7 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   """``(dq, dk, dv)`` on local shards from the global ``out``/``lse``."""
   q_h, out_h, dout_h = q_out_dout_to_heads(q, out, dout, plan)
   kv = kv_to_heads(k, v, plan)
-  dq, dk, dv, _ = kernel.attention_backward(
+  dq, dk, dv, _ = kernel.backward(
       q_h, kv[0], kv[1], None, _block_mask(tm, plan), out_h,
       to_heads(lse, plan, 1), dout_h, None, cfg)
   dq = to_tokens(dq, plan, 1)

@@ -148,7 +148,7 @@ def _bwd(blk: _Block, out, lse, dout, cfg, dtype=None, pair=False):
   args = (blk.q_rows, *blk.kv_rows, None, blk.mask, out[:, rows],
           lse[:, rows], dout[:, rows], None, cfg)
   if pair:
-    dq, dk, dv, _ = kernel.attention_backward(*args)
+    dq, dk, dv, _ = kernel.backward(*args)
     dkv = (dk, dv)
   else:
     dq, dkv, _ = kernel.attention_backward_dkv(*args)
