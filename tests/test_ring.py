@@ -632,21 +632,26 @@ def test_ring_skips_steps_no_document_reaches(ids, causal, cp):
   _check_packed_ring(ids, causal, cp)
 
 
-def _check_packed_ring(ids, causal, cp):
-  """The ring on contiguous shards of packed rows ``ids`` (xla blocks,
-  inside a user's shard_map), output and gradients against the
-  reference; returns ``(f, q, k, v, do, ids (B, S))``."""
+def _check_packed_ring(ids, causal, cp, kv_ids=None):
+  """The ring on contiguous shards of packed rows ``ids`` (and keys'
+  ``kv_ids``, default the same; xla blocks, inside a user's shard_map),
+  output and gradients against the reference; returns ``(f, q, k, v, do,
+  ids)``, the ids ``(B, S)`` or the pair, as ``f`` takes them."""
   q, k, v, do = rank_coded_qkv(16, cp, load_balance=None)
-  ids = np.broadcast_to(ids, (B, S))
+  qi = np.broadcast_to(ids, (B, S))
+  ki = qi if kv_ids is None else np.broadcast_to(kv_ids, (B, S))
+  ids = jnp.asarray(qi) if kv_ids is None else (jnp.asarray(qi),
+                                                jnp.asarray(ki))
   spec = P(None, "cp")
   f = jax.shard_map(
       lambda q, k, v, ids: jax_ring.ring_attention(
           q, k, v, axis_name="cp", is_causal=causal, segment_ids=ids,
           implementation="xla"),
-      mesh=mesh(cp), in_specs=(spec,) * 4, out_specs=spec)
-  got = layout_vjp(f, cp, None, q, k, v, do, jnp.asarray(ids))
-  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=causal, q_segment_ids=ids,
-                                   kv_segment_ids=ids))
+      mesh=mesh(cp), in_specs=(spec, spec, spec, jax.tree.map(
+          lambda _: spec, ids)), out_specs=spec)
+  got = layout_vjp(f, cp, None, q, k, v, do, ids)
+  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=causal, q_segment_ids=qi,
+                                   kv_segment_ids=ki))
   return f, q, k, v, do, ids
 
 
@@ -845,10 +850,10 @@ def test_data_parallel_rows_that_reach_different_steps(entry):
 @pytest.fixture
 def probe_backend(monkeypatch):
   """In the ``xla`` backend's place, one that computes ahead what it reads
-  back: the ``xla`` backend's results from the query ids (and, backward, the lse) in
-  ``mask.prepared`` where a call has one, so that another block's would
-  give wrong numbers; ``seen`` records the directions of the calls that
-  had one."""
+  back: the ``xla`` backend's results from the ids (and, backward, the
+  lse) in ``mask.prepared`` where a call has one, so that another block's
+  would give wrong numbers; ``seen`` records the directions of the calls
+  that had one."""
   from jax_ring._src.backends import xla
   from jax_ring._src.core import registry
   seen = []
@@ -859,7 +864,8 @@ def probe_backend(monkeypatch):
       return mask, lse
     seen.append("forward" if lse is None else "backward")
     return dataclasses.replace(mask, q_segment_ids=ready["ids"],
-                               prepared=None), ready.get("lse", lse)
+                               kv_segment_ids=ready["kv"], prepared=None
+                               ), ready.get("lse", lse)
 
   def forward(q, k, v, bias, mask, config):
     return xla.forward(q, k, v, bias, take(mask)[0], config)
@@ -869,7 +875,8 @@ def probe_backend(monkeypatch):
     return xla.backward(q, k, v, bias, mask, out, lse, dout, dlse, config)
 
   def prepare(q, k, v, mask, config, lse=None):
-    ready = {"ids": jax.lax.optimization_barrier(mask.q_segment_ids)}
+    ready = {"ids": jax.lax.optimization_barrier(mask.q_segment_ids),
+             "kv": mask.kv_ids()}
     return ready if lse is None else dict(ready, lse=lse)
 
   monkeypatch.setitem(registry.BACKENDS, "xla", registry.Backend(
@@ -890,15 +897,20 @@ def _outside_branches(jaxpr, name, inside=False):
   return False
 
 
-def test_ring_hands_the_own_block_what_its_backend_prepares(probe_backend):
+@pytest.mark.parametrize("two", [False, True], ids=["one_ids", "two_ids"])
+def test_ring_hands_the_own_block_what_its_backend_prepares(probe_backend,
+                                                            two):
   """Packed rows on the ring's reached loop: the own block's backend
   operands (``kernel.prepare``) are computed before the reach test's
   branch, in no branch of the program, and reach that block's calls, in
   the forward and the backward: a backend that reads the ids and the lse
-  from them stays exact."""
-  f, q, k, v, do, ids = _check_packed_ring(CROSS_FEW, True, 4)
+  from them stays exact, with one id array and with the keys' own (here
+  document 2's keys are another's: its queries see none)."""
+  f, q, k, v, do, ids = _check_packed_ring(
+      CROSS_FEW, True, 4, np.where(CROSS_FEW == 2, 9, CROSS_FEW) if two
+      else None)
   assert set(probe_backend) == {"forward", "backward"}
   vjp = lambda *a: jax.vjp(lambda q, k, v: f(q, k, v, a[3]), *a[:3])[1](
       a[4])
-  program = jax.make_jaxpr(vjp)(q, k, v, jnp.asarray(ids), do).jaxpr
+  program = jax.make_jaxpr(vjp)(q, k, v, ids, do).jaxpr
   assert _outside_branches(program, "optimization_barrier")
