@@ -104,13 +104,13 @@ def _kind_block(kind, q, tm, kv, qc, kc, own=False, ready=None):
 
 
 def prepare_own(kind, q, tm, kv, qc, cfgs, lse=None):
-  """What the backend of the own block (``kind`` "diag" or "full", the
-  held ``kv`` this device's, its mask built as ``kind_fwd``'s and
-  ``kind_bwd``'s with ``own=tm.same_ids``) computes ahead of it
-  (``kernel.prepare``;
-  ``lse (B, T, N)`` given: the backward's), for ``kind_fwd`` and
-  ``kind_bwd``'s ``ready``: a caller that branches before the block
-  computes it before the branch. None where the backend has nothing."""
+  """What the backend of the own block computes ahead of it
+  (``kernel.prepare``; with ``lse (B, T, N)``, the backward's), for
+  ``kind_fwd``'s and ``kind_bwd``'s ``ready``: a caller that branches
+  before the block computes it before the branch. The own block: ``kind``
+  "diag" or "full", the held ``kv`` this device's, its mask built as
+  those calls build it with ``own=tm.same_ids``. None where the backend
+  has nothing."""
   blk = _kind_block(kind, q, tm, kv, qc, qc, own=tm.same_ids)
   return kernel.prepare(blk.q_rows, *blk.kv_rows, blk.mask,
                         cfgs[kind == "diag"], lse)
