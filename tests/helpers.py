@@ -207,9 +207,10 @@ def relative_error(got, want):
 def cudnn_blocks_on_the_cpu(monkeypatch):
   """Strategies' blocks on the cudnn backend on the CPU, as on a GPU: no
   option refused, the backend registered (its FFI handlers: whatever the
-  test puts in their place)."""
+  test puts in their place), with what it prepares ahead of a block."""
   from jax_ring._src.backends import cudnn
   from jax_ring._src.core import registry
   monkeypatch.setattr(cudnn, "unsupported", lambda *_: None)
   monkeypatch.setitem(registry.BACKENDS, "cudnn", registry.Backend(
-      "cudnn", cudnn.forward, cudnn.backward, lambda *_: None))
+      "cudnn", cudnn.forward, cudnn.backward, lambda *_: None,
+      prepare=cudnn.prepare))

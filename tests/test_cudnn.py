@@ -575,3 +575,39 @@ def test_pallas_tiles_inside_shard_map(monkeypatch):
   args = (q, k, v, jnp.asarray(ids), do)
   assert "jax_ring_band_tiles" in g.lower(*args).as_text()
   helpers.check(g(*args), q, k, v, do, case)
+
+
+@pytest.mark.parametrize("two", [False, True], ids=["one_ids", "two_ids"])
+def test_ring_prepares_the_own_packed_pass(monkeypatch, two):
+  """The ring on contiguous shards of 2 GPUs, packed rows whose documents
+  cross the shards, with one id array and with the keys' own (document 3's
+  keys renamed: its queries see none): the own block's pass gets its
+  tables and branch index computed before the reach test's branch
+  (``mask.prepared``), and out and every gradient equal the float64
+  reference's."""
+  from jax.sharding import PartitionSpec as Spec
+  from jax_ring._src.backends.cudnn import passes
+  given, seen = passes._given, []
+
+  def spy(prepared, *args, **kw):
+    seen.append(prepared is not None)
+    return given(prepared, *args, **kw)
+
+  monkeypatch.setattr(passes, "_given", spy)
+  t = 2048
+  ids = np.repeat(np.arange(7), [300, 500, 260, 400, 200, 188, 200])[None]
+  kv_ids = np.where(ids == 3, 9, ids) if two else ids
+  q, k, v, do = ref.random_qkv(22, 1, t, t, 8, 4, 128, jnp.bfloat16)
+  case = ref.Case(128**-0.5, q_segment_ids=ids, kv_segment_ids=kv_ids,
+                  is_causal=True)
+  seg = (jnp.asarray(ids), jnp.asarray(kv_ids)) if two else jnp.asarray(ids)
+  spec = Spec(None, "cp")
+  f = jax.shard_map(
+      lambda q, k, v, s: jax_ring.ring_attention(
+          q, k, v, axis_name="cp", is_causal=True, segment_ids=s,
+          implementation="cudnn"), mesh=helpers.mesh(2),
+      in_specs=(spec,) * 3 + (jax.tree.map(lambda _: spec, seg),),
+      out_specs=spec)
+  got = helpers.layout_vjp(f, 2, None, q, k, v, do, seg)
+  assert True in seen, seen
+  helpers.check(got, q, k, v, do, case)

@@ -431,6 +431,23 @@ def test_a_pass_serves_shapes_whose_stats_fit_its_bound():
         assert (lens[:, mine.size:] == 0).all(), (c, j)
 
 
+def _replayed_passes(monkeypatch):
+  """The cuDNN backend on the CPU with its handlers replayed in jnp
+  (``ragged_cudnn``), small length classes (SMALLEST = 4, MAX_BATCHES =
+  8: class 0 loops too), tiles of 4 tokens (their branch traced, the
+  longer documents taking the handler) and one step-1 tail size (the last
+  quarter of a shard, or the whole of it)."""
+  import ragged_cudnn
+  from jax_ring._src.strategies.ring import reach
+  monkeypatch.setattr(ffi, "sdpa", ragged_cudnn.sdpa)
+  monkeypatch.setattr(ffi, "sdpa_pass", ragged_cudnn.sdpa_pass)
+  monkeypatch.setattr(packed, "SMALLEST", 4)
+  monkeypatch.setattr(packed, "MAX_BATCHES", 8)
+  monkeypatch.setattr(tiles, "SIZES", (4,))
+  monkeypatch.setattr(reach, "TAIL_DIVISORS", (4,))
+  cudnn_blocks_on_the_cpu(monkeypatch)
+
+
 @pytest.mark.parametrize("load_balance", [
     None, pytest.param("dual_chunk", marks=pytest.mark.slow),
     pytest.param("striped", marks=pytest.mark.slow)],
@@ -445,21 +462,9 @@ def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
   the ring's reached step runs (``reached.reached_loop``)."""
   import jax
   import jax_ring
-  import ragged_cudnn
   from jax.sharding import PartitionSpec as P
   from helpers import layout_vjp, mesh
-  from jax_ring._src.strategies.ring import reach
-  monkeypatch.setattr(ffi, "sdpa", ragged_cudnn.sdpa)
-  monkeypatch.setattr(ffi, "sdpa_pass", ragged_cudnn.sdpa_pass)
-  monkeypatch.setattr(packed, "SMALLEST", 4)
-  monkeypatch.setattr(packed, "MAX_BATCHES", 8)
-  # Tiles of 4 tokens: their branch is traced inside shard_map, while each
-  # block's longest document (row 1's) takes the handler.
-  monkeypatch.setattr(tiles, "SIZES", (4,))
-  # The reached step on the last quarter of a shard or the whole of it (the
-  # library's four sizes would compile twice the blocks for no more cover).
-  monkeypatch.setattr(reach, "TAIL_DIVISORS", (4,))
-  cudnn_blocks_on_the_cpu(monkeypatch)
+  _replayed_passes(monkeypatch)
   cp, t = 2, 84
   ids = _many(14, 70, t)
   q, k, v, do = ref.random_qkv(15, 2, t, t, 4, 2, 8)
@@ -472,6 +477,42 @@ def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
   check(layout_vjp(f, cp, load_balance, q, k, v, do, jnp.asarray(ids)),
         q, k, v, do, ref.Case(8**-0.5, is_causal=True, q_segment_ids=ids,
                               kv_segment_ids=ids))
+
+
+def test_ring_prepares_the_own_pass_of_two_id_arrays(monkeypatch):
+  """The ring on contiguous shards (2 simulated devices), its packed
+  blocks on cuDNN's semantics replayed in jnp, the ids given as a (query,
+  key) pair (document 3's keys renamed: its queries see none): the own
+  block's pass gets its tables and branch index computed before the reach
+  test's branch (``mask.prepared``, built from the block's two arrays),
+  and out and gradients equal the float64 reference's."""
+  import jax
+  import jax_ring
+  from jax.sharding import PartitionSpec as P
+  from helpers import layout_vjp, mesh
+  _replayed_passes(monkeypatch)
+  monkeypatch.setattr(tiles, "SIZES", ())  # no tiles: fewer branches to compile
+  given, seen = passes._given, []
+
+  def spy(prepared, *args, **kw):
+    seen.append(prepared is not None)
+    return given(prepared, *args, **kw)
+
+  monkeypatch.setattr(passes, "_given", spy)
+  ids = np.repeat(np.arange(7), [9, 16, 8, 12, 7, 6, 6])[None]
+  kv_ids = np.where(ids == 3, 9, ids)
+  q, k, v, do = ref.random_qkv(22, 1, 64, 64, 4, 2, 8)
+  seg = (jnp.asarray(ids), jnp.asarray(kv_ids))
+  f = jax.shard_map(
+      lambda q, k, v, s: jax_ring.ring_attention(
+          q, k, v, axis_name="cp", is_causal=True, segment_ids=s,
+          implementation="cudnn"), mesh=mesh(2),
+      in_specs=(P(None, "cp"),) * 3 + ((P(None, "cp"),) * 2,),
+      out_specs=P(None, "cp"))
+  got = layout_vjp(f, 2, None, q, k, v, do, seg)
+  assert True in seen, seen
+  check(got, q, k, v, do, ref.Case(8**-0.5, is_causal=True,
+                                   q_segment_ids=ids, kv_segment_ids=kv_ids))
 
 
 def test_recording_notes_each_traced_call_with_its_graph_key(monkeypatch):
