@@ -204,6 +204,25 @@ def relative_error(got, want):
   return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
 
 
+def prepared_passes(monkeypatch, name="cudnn") -> list:
+  """The passes, "forward" or "backward", whose operands backend ``name``
+  (as registered now) prepared ahead of a block (``kernel.prepare``
+  returned something), listed as the calls are traced."""
+  import dataclasses
+  from jax_ring._src.core import registry
+  backend, seen = registry.BACKENDS[name], []
+
+  def spy(q, k, v, mask, config, lse):
+    got = backend.prepare(q, k, v, mask, config, lse)
+    if got is not None:
+      seen.append("forward" if lse is None else "backward")
+    return got
+
+  monkeypatch.setitem(registry.BACKENDS, name,
+                      dataclasses.replace(backend, prepare=spy))
+  return seen
+
+
 def cudnn_blocks_on_the_cpu(monkeypatch):
   """Strategies' blocks on the cudnn backend on the CPU, as on a GPU: no
   option refused, the backend registered (its FFI handlers: whatever the

@@ -586,14 +586,7 @@ def test_ring_prepares_the_own_packed_pass(monkeypatch, two):
   (``mask.prepared``), and out and every gradient equal the float64
   reference's."""
   from jax.sharding import PartitionSpec as Spec
-  from jax_ring._src.backends.cudnn import passes
-  given, seen = passes._given, []
-
-  def spy(prepared, *args, **kw):
-    seen.append(prepared is not None)
-    return given(prepared, *args, **kw)
-
-  monkeypatch.setattr(passes, "_given", spy)
+  seen = helpers.prepared_passes(monkeypatch)
   t = 2048
   ids = np.repeat(np.arange(7), [300, 500, 260, 400, 200, 188, 200])[None]
   kv_ids = np.where(ids == 3, 9, ids) if two else ids
@@ -609,5 +602,5 @@ def test_ring_prepares_the_own_packed_pass(monkeypatch, two):
       in_specs=(spec,) * 3 + (jax.tree.map(lambda _: spec, seg),),
       out_specs=spec)
   got = helpers.layout_vjp(f, 2, None, q, k, v, do, seg)
-  assert True in seen, seen
+  assert set(seen) == {"forward", "backward"}, seen
   helpers.check(got, q, k, v, do, case)

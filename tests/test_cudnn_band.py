@@ -18,7 +18,7 @@ from jax_ring._src.backends.cudnn import ffi, packed, passes, tiles
 from jax_ring._src.backends.cudnn.band import (Band, band, row_valid,
                                                rows_may_be_empty,
                                                window_lengths)
-from helpers import check, cudnn_blocks_on_the_cpu
+from helpers import check, cudnn_blocks_on_the_cpu, prepared_passes
 import reference as ref
 
 
@@ -492,13 +492,7 @@ def test_ring_prepares_the_own_pass_of_two_id_arrays(monkeypatch):
   from helpers import layout_vjp, mesh
   _replayed_passes(monkeypatch)
   monkeypatch.setattr(tiles, "SIZES", ())  # no tiles: fewer branches to compile
-  given, seen = passes._given, []
-
-  def spy(prepared, *args, **kw):
-    seen.append(prepared is not None)
-    return given(prepared, *args, **kw)
-
-  monkeypatch.setattr(passes, "_given", spy)
+  seen = prepared_passes(monkeypatch)
   ids = np.repeat(np.arange(7), [9, 16, 8, 12, 7, 6, 6])[None]
   kv_ids = np.where(ids == 3, 9, ids)
   q, k, v, do = ref.random_qkv(22, 1, 64, 64, 4, 2, 8)
@@ -510,7 +504,7 @@ def test_ring_prepares_the_own_pass_of_two_id_arrays(monkeypatch):
       in_specs=(P(None, "cp"),) * 3 + ((P(None, "cp"),) * 2,),
       out_specs=P(None, "cp"))
   got = layout_vjp(f, 2, None, q, k, v, do, seg)
-  assert True in seen, seen
+  assert set(seen) == {"forward", "backward"}, seen
   check(got, q, k, v, do, ref.Case(8**-0.5, is_causal=True,
                                    q_segment_ids=ids, kv_segment_ids=kv_ids))
 
