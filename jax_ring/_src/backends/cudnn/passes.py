@@ -231,10 +231,11 @@ def prepare(q, k, v, mask, config, bnd, lse=None) -> Prepared:
 
 
 def _given(prepared, q, k, v, mask, config, bnd, lse=None) -> Prepared:
-  """``prepared``, checked against the pass's layout, or :func:`prepare`'s
-  before an optimization barrier: on a GPU the host waits for the device
-  at the branch, and again when the handler reads the counts; with the
-  tables done first, nothing runs between the two waits."""
+  """``prepared``, checked against the pass's layout; where None,
+  :func:`prepare`'s behind an optimization barrier, so that the tables
+  are done before the switch: on a GPU the host waits for the device at
+  the switch, and again when the handler reads the counts, and nothing
+  then runs between the two waits."""
   b, t, n, _ = q.shape
   lay = layout(t, k.shape[1], b, mask.same_ids)
   if prepared is None:
