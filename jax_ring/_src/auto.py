@@ -432,13 +432,13 @@ def _ring_steps(segment_ids, cpc, cp, run_t, is_causal, skips,
   ids = np.asarray(segment_ids)
   if ids.size == 0:
     return {}, "no tokens"
-  padded = _padded(ids, run_t, is_causal)
-  got = reach.steps_of_rows(padded, cp, is_causal, beyond)
-  wide = np.ptp(padded.astype(np.int64), 1).max() >= padded.shape[1]
-  spread = ("; the rows' ids spread over more values than a row has tokens, "
-            "so the reach test can count different documents as one (more "
-            "steps, never fewer): number each row's documents 0, 1, 2, ... "
-            "to let it skip") if wide else ""
+  got = reach.steps_of_rows(_padded(ids, run_t, is_causal), cp, is_causal,
+                           beyond)
+  spread = "" if got["numbered"] else (
+      "; the rows' ids spread over more values than a row has tokens, "
+      "so the reach test can count different documents as one (more "
+      "steps, never fewer): number each row's documents 0, 1, 2, ... "
+      "to let it skip")
   if got["beyond"]:
     return got, (
         "each device's own block and the reach test, then Ulysses for the "

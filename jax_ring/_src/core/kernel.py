@@ -291,7 +291,7 @@ def prepare(q, k, v, mask: BlockMask, config: AttentionConfig, lse=None):
   return None if fn is None else fn(q, k, v, mask, config, lse)
 
 
-def _users(mask: BlockMask, name: str) -> None:
+def _refuse_prepared(mask: BlockMask, name: str) -> None:
   """A mask given to the public contract carries no ``prepared``: only a
   strategy, which computed it from the same block (:func:`prepare`),
   may give one, to :func:`forward` and :func:`backward`."""
@@ -304,7 +304,7 @@ def _users(mask: BlockMask, name: str) -> None:
 def attention_backward(q, k, v, bias, mask: BlockMask, out, lse, dout, dlse,
                        config: AttentionConfig):
   """Block backward from given out/lse: ``(dq, dk, dv, dbias or None)``."""
-  _users(mask, "attention_backward")
+  _refuse_prepared(mask, "attention_backward")
   return backward(q, k, v, bias, mask, out, lse, dout, dlse, config)
 
 
@@ -343,7 +343,7 @@ def attention(q, k, v, bias, mask: BlockMask, config: AttentionConfig,
   """Block forward: ``(out, lse)``. Differentiable in q, k, v, bias, lse
   and ``sinks``: ``(N,)`` logits that join every row's softmax with no
   value (:func:`fold_sinks`), or None."""
-  _users(mask, "attention")
+  _refuse_prepared(mask, "attention")
   # Python-int offsets bypass the custom VJP's pytree: it would turn them
   # into traced arrays, and cuDNN needs them static.
   static = tuple((f, int(getattr(mask, f))) for f in ("q_offset", "kv_offset")

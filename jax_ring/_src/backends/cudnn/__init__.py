@@ -52,12 +52,6 @@ def _packed(q, k, mask):
       q, k, mask.same_ids) else packed
 
 
-def _run_packed(q, k, mask) -> dict:
-  """The packed module's extra arguments: the pass's ``mask.prepared``."""
-  return ({"prepared": mask.prepared} if _packed(q, k, mask) is passes
-          else {})
-
-
 def prepare(q, k, v, mask, config, lse=None):
   """``passes.Prepared`` where this block runs as one packed pass (``lse``
   given: the backward's), else None: the registry's ``prepare``."""
@@ -88,8 +82,7 @@ def forward(q, k, v, bias, mask, config):
   if mask.q_segment_ids is not None:
     if tiles.direct(q, k, v, mask, config):
       return tiles.direct_forward(q, k, v, mask, config)
-    return _packed(q, k, mask).forward(q, k, v, mask, config, bnd,
-                                       **_run_packed(q, k, mask))
+    return _packed(q, k, mask).forward(q, k, v, mask, config, bnd)
   seq_q, seq_kv, padding = band.window_lengths(mask, bnd, b, t, s)
   rows = t - bnd.row_start
   out, stats = sdpa(
@@ -144,8 +137,7 @@ def _backward(q, k, v, bias, mask, out, lse, dout, dlse, config, stack):
     dq, dk, dv = (
         tiles.direct_backward(q, k, v, mask, out, lse, dout, config)
         if tiles.direct(q, k, v, mask, config) else _packed(q, k, mask)
-        .backward(q, k, v, mask, out, lse, dout, config, bnd,
-                  **_run_packed(q, k, mask)))
+        .backward(q, k, v, mask, out, lse, dout, config, bnd))
     return dq, pack(dk, dv)
   seq_q, seq_kv, padding = band.window_lengths(mask, bnd, b, t, s)
   stats = jnp.swapaxes(lse[:, bnd.row_start:], 1, 2).astype(jnp.float32)

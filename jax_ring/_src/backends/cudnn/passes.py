@@ -230,14 +230,15 @@ def prepare(q, k, v, mask, config, bnd, lse=None) -> Prepared:
   return Prepared(index, tab, stats)
 
 
-def _given(prepared, q, k, v, mask, config, bnd, lse=None) -> Prepared:
-  """``prepared``, checked against the pass's layout; where None,
+def _given(q, k, v, mask, config, bnd, lse=None) -> Prepared:
+  """``mask.prepared``, checked against the pass's layout; where None,
   :func:`prepare`'s behind an optimization barrier, so that the tables
   are done before the switch: on a GPU the host waits for the device at
   the switch, and again when the handler reads the counts, and nothing
   then runs between the two waits."""
   b, t, n, _ = q.shape
   lay = layout(t, k.shape[1], b, mask.same_ids)
+  prepared = mask.prepared
   if prepared is None:
     return jax.lax.optimization_barrier(
         prepare(q, k, v, mask, config, bnd, lse))
@@ -286,13 +287,13 @@ def _graphs(config, blk: packed.Block, lay: Layout) -> list[dict]:
           for menu, length in zip(lay.menus, lay.lengths) for m in menu]
 
 
-def forward(q, k, v, mask, config, bnd, prepared=None):
-  """:func:`packed.forward` as one handler a pass: ``(out, lse)``.
-  ``prepared``: this block's :func:`prepare`, or None."""
+def forward(q, k, v, mask, config, bnd):
+  """:func:`packed.forward` as one handler a pass: ``(out, lse)``, with
+  ``mask.prepared`` this block's :func:`prepare` where given."""
   blk = packed.block(mask, config, bnd)
   b, t, n, _ = q.shape
   lay = layout(t, k.shape[1], b, mask.same_ids)
-  ready = _given(prepared, q, k, v, mask, config, bnd)
+  ready = _given(q, k, v, mask, config, bnd)
   tab, r = ready.tables, lay.stats_size(n)
   refs = (q, k, v, blk.q_ids, blk.kv_ids)
 
@@ -320,13 +321,14 @@ def forward(q, k, v, mask, config, bnd, prepared=None):
                         [run], None)
 
 
-def backward(q, k, v, mask, out, lse, dout, config, bnd, prepared=None):
-  """:func:`packed.backward` as one handler a pass: ``(dq, dk, dv)``.
-  ``prepared``: this block's :func:`prepare` given ``lse``, or None."""
+def backward(q, k, v, mask, out, lse, dout, config, bnd):
+  """:func:`packed.backward` as one handler a pass: ``(dq, dk, dv)``,
+  with ``mask.prepared`` this block's :func:`prepare` given ``lse`` where
+  given."""
   blk = packed.block(mask, config, bnd)
   b, t, n, _ = q.shape
   lay = layout(t, k.shape[1], b, mask.same_ids)
-  ready = _given(prepared, q, k, v, mask, config, bnd, lse)
+  ready = _given(q, k, v, mask, config, bnd, lse)
   tab, stats = ready.tables, ready.stats
   refs = (q, k, v, out, lse, dout, blk.q_ids, blk.kv_ids)
 

@@ -203,7 +203,9 @@ def steps_of_rows(segment_ids, cp_size: int, causal: bool,
   last needed step, the crossing rows, the shard length T, the branch
   (``branch``) with, where it is step 1 alone, its size, and whether
   (``beyond``: another strategy takes what the tails leave) that strategy
-  runs the pass. Computed as the call computes it, on the host's CPU."""
+  runs the pass, and whether the ids' table numbers every row's ids
+  (``numbered``; else different ids may share a slot, and the test marks
+  more steps). Computed as the call computes it, on the host's CPU."""
   ids = np.asarray(segment_ids, np.int32)
   b, s = ids.shape
   t = s // cp_size
@@ -214,9 +216,10 @@ def steps_of_rows(segment_ids, cp_size: int, causal: bool,
     index = int(branch(need[:cp_size] > 0, need[cp_size], t, cp_size,
                        beyond))
     last = int(last_step(need[:cp_size] > 0))
+    numbered = bool(idtable.slots(jnp.asarray(ids))[1])
   sizes = tail_sizes(t, cp_size, beyond)
   size = sizes[index - 1] if 0 < index <= len(sizes) else None
   handed = beyond and index == 1 + len(sizes)
   return dict(last=last, rows=int(need[cp_size]), shard=t, branch=index,
               size=t if size is None and last == 1 and not handed else size,
-              beyond=handed)
+              beyond=handed, numbered=numbered)
