@@ -352,11 +352,20 @@ def main():
                                                                "xla"),
                  help="what both libraries are asked for (xla: a CPU dry "
                  "run)")
+  p.add_argument("--cudnn-graphs", choices=("on", "off"), default="on",
+                 help="replay a cuDNN call run before on the same pointers "
+                 "as one CUDA graph (on, the library's default) or always "
+                 "run cuDNN's execute")
   a = p.parse_args()
   if a.plot:
     return plot_packed(a.plot, "packed" if a.mode == "default" else a.mode)
   builders = dict(default=default_table, sinks=sinks_table, mla=mla_table,
                   packed=packed_table, empty=empty_table)
+  from jax_ring._src.backends import cudnn
+  graphs = {}
+  if a.implementation == "cudnn" and cudnn.LOAD_ERROR is None:
+    cudnn.use_graphs(a.cudnn_graphs == "on")
+    graphs = dict(cudnn_graphs=a.cudnn_graphs)
   runs = [(t, None) for t in a.tables if t != "packed"] + (
       [("packed", p) for p in a.packed_paths] if "packed" in a.tables else [])
   for table, path in runs:
@@ -369,7 +378,9 @@ def main():
       mode = f"{mode}_{path}"
     write("cudnn_attention", rows, columns,
           extra=dict(dtype="bfloat16", batch=1,
-                     implementation=a.implementation, **packed,
+                     implementation=a.implementation, **packed, **graphs,
+                     **({"graph_counts": cudnn.graph_counts()} if graphs
+                        else {}),
                      flops="2*S^2*N*(H+Hv) fwd, 2*S^2*N*(4H+3Hv) fwd+bwd "
                            "(x0.5 causal)", **extra),
           mode=mode)

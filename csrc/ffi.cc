@@ -21,6 +21,7 @@
 #include <nanobind/nanobind.h>
 
 #include "checks.h"
+#include "graphs.h"
 #include "run.h"
 #include "sdpa.h"
 #include "xla/ffi/api/ffi.h"
@@ -54,8 +55,8 @@ ffi::Error Run(const SdpaKey& key, cudaStream_t stream,
     return ffi::Error::Internal(std::string("cudnnSetStream: ") +
                                 cudnnGetErrorString(status));
   }
-  if (!Execute(*plan, handle, ptrs, need > 0 ? workspace->untyped_data() : nullptr,
-               &error)) {
+  if (!Execute(*plan, handle, stream, ptrs,
+               need > 0 ? workspace->untyped_data() : nullptr, &error)) {
     return ffi::Error::Internal("jax_ring cuDNN attention: " + error);
   }
   return ffi::Error::Success();
@@ -554,6 +555,13 @@ NB_MODULE(_cudnn, m) {
         stages(JaxRingPassBackwardInit, JaxRingPassBackward);
     d["jax_ring_uninitialized"] = Capsule(JaxRingUninitialized);
     return d;
+  });
+  // CUDA-graph replays of cuDNN's launches (graphs.h): a switch for A/B
+  // measurements, and the counts (launched, recorded, plans unsupported).
+  m.def("use_graphs", [](bool on) { jax_ring::SetGraphsEnabled(on); });
+  m.def("graph_counts", []() {
+    auto c = jax_ring::GraphCounts();
+    return nb::make_tuple(c[0], c[1], c[2]);
   });
   m.def("cudnn_version", []() { return static_cast<int64_t>(cudnnGetVersion()); });
   // The workspace a call's graph needs (the graph is built and cached as

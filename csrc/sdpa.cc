@@ -10,6 +10,8 @@
 #include <cuda_runtime.h>
 #include <cudnn_frontend.h>
 
+#include "graphs.h"
+
 namespace fe = cudnn_frontend;
 
 namespace jax_ring {
@@ -18,6 +20,7 @@ class SdpaPlan {
  public:
   std::shared_ptr<fe::graph::Graph> graph;
   int64_t workspace = 0;
+  GraphCache graphs;  // its launches by pointers, under the device's lock
 };
 
 size_t SdpaKeyHash::operator()(const SdpaKey& key) const {
@@ -263,11 +266,34 @@ std::shared_ptr<SdpaPlan> GetPlan(const SdpaKey& key, cudnnHandle_t handle,
 
 int64_t WorkspaceSize(const SdpaPlan& plan) { return plan.workspace; }
 
-bool Execute(const SdpaPlan& plan, cudnnHandle_t handle, void* const* ptrs,
-             void* workspace, std::string* error) {
+bool Execute(SdpaPlan& plan, cudnnHandle_t handle, cudaStream_t stream,
+             void* const* ptrs, void* workspace, std::string* error) {
+  static_assert(GraphCache::kPointers == kRaggedO + 2);
   std::unordered_map<int64_t, void*> pack;
+  GraphCache::Pointers key{};
   for (int64_t uid = kQ; uid <= kRaggedO; ++uid) {
+    key[uid] = ptrs[uid];
     if (ptrs[uid] != nullptr) pack.emplace(uid, ptrs[uid]);
+  }
+  key[kRaggedO + 1] = workspace;
+  auto record = [&](cudaGraph_t graph, std::string* why) {
+    auto bindings = pack;  // populate adds the workspace's own entries
+    try {
+      *why = Check(plan.graph->populate_cuda_graph(handle, bindings,
+                                                   workspace, graph),
+                   "populate_cuda_graph");
+    } catch (const std::exception& e) {
+      *why = e.what();
+    }
+    return why->empty();
+  };
+  switch (plan.graphs.Launch(key, stream, record, error)) {
+    case GraphCache::Result::kLaunched:
+      return true;
+    case GraphCache::Result::kFailed:
+      return false;
+    case GraphCache::Result::kExecute:
+      break;
   }
   try {
     *error = Check(plan.graph->execute(handle, pack, workspace), "execute");

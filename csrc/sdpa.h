@@ -38,6 +38,7 @@
 #include <mutex>
 #include <string>
 
+#include <cuda_runtime.h>
 #include <cudnn.h>
 
 namespace jax_ring {
@@ -81,9 +82,11 @@ std::shared_ptr<SdpaPlan> GetPlan(const SdpaKey& key, cudnnHandle_t handle,
 
 int64_t WorkspaceSize(const SdpaPlan& plan);
 
-// Runs the plan on `handle`'s stream. `ptrs` maps Uid -> device pointer.
-bool Execute(const SdpaPlan& plan, cudnnHandle_t handle, void* const* ptrs,
-             void* workspace, std::string* error);
+// Runs the plan on `stream`, which is `handle`'s. `ptrs` maps Uid ->
+// device pointer. Off a stream XLA captures, a set of pointers seen before
+// replays as a CUDA graph (graphs.h).
+bool Execute(SdpaPlan& plan, cudnnHandle_t handle, cudaStream_t stream,
+             void* const* ptrs, void* workspace, std::string* error);
 
 // The process's cuDNN handle for `device`, and the lock that serialises its
 // use (a handle carries its stream, so two threads must not interleave).

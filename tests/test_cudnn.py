@@ -604,3 +604,48 @@ def test_ring_prepares_the_own_packed_pass(monkeypatch, two):
   got = helpers.layout_vjp(f, 2, None, q, k, v, do, seg)
   assert set(seen) == {"forward", "backward"}, seen
   helpers.check(got, q, k, v, do, case)
+
+
+def test_calls_run_again_replay_as_cuda_graphs():
+  """A packed pass run again on the same buffers replays each cuDNN call
+  as one CUDA graph (``csrc/graphs.h``: recorded at its second run on the
+  same pointers, launched from its third). The graphs read the tables'
+  values when they run: new documents of the same length classes (the
+  same calls on the same pointers, other lengths and offsets) replay
+  exactly. Out and every gradient equal the float64 reference's, replayed,
+  with new values, and with the replays switched off."""
+  t = 1024
+  f = jax.jit(lambda q, k, v, do, ids: (lambda out, pull: (out, pull(do)))(
+      *jax.vjp(lambda q, k, v: jax_ring.dot_product_attention(
+          q, k, v, is_causal=True, segment_ids=ids, implementation="cudnn"),
+               q, k, v)))
+  q, k, v, do = ref.random_qkv(23, 1, t, t, 8, 2, 128, jnp.bfloat16)
+
+  def check(lengths, replayed, warm=3):
+    """Runs f on documents of ``lengths`` ``warm`` times, results dropped
+    (their buffers free for the next run), then once more against the
+    reference; ``replayed``: whether that run must launch graphs."""
+    ids = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None])
+    for _ in range(warm):
+      jax.block_until_ready(f(q, k, v, do, ids))
+    launched = cudnn.graph_counts()["launched"]
+    got = f(q, k, v, do, ids)
+    assert (cudnn.graph_counts()["launched"] > launched) == replayed
+    case = ref.Case(128**-0.5, q_segment_ids=ids, kv_segment_ids=ids,
+                    is_causal=True)
+    helpers.check(got, q, k, v, do, case)
+
+  assert "jax_ring_sdpa_bwd_pass" in f.lower(
+      q, k, v, do, jnp.zeros((1, t), jnp.int32)).as_text()
+  unsupported = cudnn.graph_counts()["unsupported"]
+  check((300, 500, 224), replayed=True)
+  # Three documents of class 512 again: the graphs recorded above.
+  check((424, 200, 400), replayed=True, warm=0)
+  q, k, v, do = ref.random_qkv(24, 1, t, t, 8, 2, 128, jnp.bfloat16)
+  check((100, 60, 200, 64, 600), replayed=True)
+  try:
+    cudnn.use_graphs(False)
+    check((300, 500, 224), replayed=False, warm=0)
+  finally:
+    cudnn.use_graphs(True)
+  assert cudnn.graph_counts()["unsupported"] == unsupported

@@ -33,16 +33,18 @@ import numpy as np
 
 from jax_ring._src.backends import xla
 from jax_ring._src.backends.cudnn import band, ffi, packed, passes, tiles
-from jax_ring._src.backends.cudnn.ffi import (LOAD_ERROR, attrs, no_ragged,
-                                              recording, sdpa, version,
-                                              workspace_bytes)
+from jax_ring._src.backends.cudnn.ffi import (LOAD_ERROR, attrs,
+                                              graph_counts, no_ragged,
+                                              recording, sdpa, use_graphs,
+                                              version, workspace_bytes)
 from jax_ring._src.core import registry
 from jax_ring._src.core.mask import MASK_VALUE
 
 
 __all__ = ["LOAD_ERROR", "backward", "backward_dkv",
-           "forward", "recording", "unsupported", "unsupported_head_dims",
-           "version", "workspace_bytes"]
+           "forward", "graph_counts", "recording", "unsupported",
+           "unsupported_head_dims", "use_graphs", "version",
+           "workspace_bytes"]
 
 
 def _packed(q, k, mask):

@@ -148,6 +148,21 @@ def version() -> int | None:
   return None if _cudnn is None else _cudnn.cudnn_version()
 
 
+def use_graphs(on: bool) -> None:
+  """Whether the extension replays a cuDNN call it has run before on the
+  same pointers as one CUDA graph (``csrc/graphs.h``; on by default) or
+  always runs cuDNN's execute: the switch of an A/B measurement. Results
+  are the same either way."""
+  _cudnn.use_graphs(on)
+
+
+def graph_counts() -> dict[str, int]:
+  """This process's CUDA-graph replays so far: graphs ``launched``,
+  ``recorded``, and plans found ``unsupported`` (which then execute)."""
+  return dict(zip(("launched", "recorded", "unsupported"),
+                  _cudnn.graph_counts()))
+
+
 def register_targets() -> None:
   """Register the handlers with jax (CUDA), once the extension loaded.
   Stages: "initialize" builds the handle and plan before XLA runs or
