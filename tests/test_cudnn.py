@@ -5,6 +5,8 @@ suite checks the cuDNN mask mapping in test_cudnn_band.py). On a GPU the
 extension must be built (JAX_RING_CUDNN=ON pip install ...), else they fail.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -649,3 +651,36 @@ def test_calls_run_again_replay_as_cuda_graphs():
   finally:
     cudnn.use_graphs(True)
   assert cudnn.graph_counts()["unsupported"] == unsupported
+
+
+def test_a_block_given_its_pass_ahead_with_two_id_arrays():
+  """A block's pass given its tables and index ahead (``kernel.prepare``,
+  then ``mask.prepared``: what the ring's own block gets), the ids a
+  (query, key) pair (document 3's keys renamed: its queries see none):
+  out and every gradient equal the float64 reference's."""
+  t = 1024
+  ids = np.repeat(np.arange(7), [150, 250, 130, 200, 100, 94, 100])[None]
+  kv_ids = np.where(ids == 3, 9, ids)
+  q, k, v, do = ref.random_qkv(27, 1, t, t, 8, 2, 128, jnp.bfloat16)
+  case = ref.Case(128**-0.5, q_segment_ids=ids, kv_segment_ids=kv_ids,
+                  is_causal=True)
+  cfg = ref.config(case).replace(implementation="cudnn")
+  given = []
+
+  def f(q, k, v, do, ids, kv_ids):
+    mask = jax_ring.BlockMask(q_offset=0, kv_offset=0, q_segment_ids=ids,
+                              kv_segment_ids=kv_ids)
+
+    def ahead(lse=None):
+      given.append(kernel.prepare(q, k, v, mask, cfg, lse))
+      return dataclasses.replace(mask, prepared=given[-1])
+
+    out, lse = kernel.forward(q, k, v, None, ahead(), cfg)
+    dq, dk, dv, _ = kernel.backward(q, k, v, None, ahead(lse), out, lse, do,
+                                    None, cfg)
+    return out, (dq, dk, dv)
+
+  args = (q, k, v, do, jnp.asarray(ids), jnp.asarray(kv_ids))
+  assert "jax_ring_sdpa_bwd_pass" in jax.jit(f).lower(*args).as_text()
+  assert len(given) == 2 and all(x is not None for x in given)
+  helpers.check(jax.jit(f)(*args), q, k, v, do, case)
