@@ -14,6 +14,21 @@ std::string CudaError(const char* call, cudaError_t err) {
   return std::string(call) + ": " + cudaGetErrorString(err);
 }
 
+// The executable graph of `record`'s launches, or null where cuDNN cannot
+// record them (its engine) or CUDA cannot build the graph.
+cudaGraphExec_t Instantiate(const GraphCache::Record& record) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  std::string why;
+  if (cudaGraphCreate(&graph, 0) == cudaSuccess && record(graph, &why) &&
+      cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+    exec = nullptr;
+  }
+  if (graph != nullptr) cudaGraphDestroy(graph);  // exec keeps what it needs
+  cudaGetLastError();  // a failure here leaves no error behind
+  return exec;
+}
+
 }  // namespace
 
 void SetGraphsEnabled(bool on) { enabled = on; }
@@ -48,26 +63,11 @@ GraphCache::Result GraphCache::Launch(const Pointers& ptrs,
       return Result::kExecute;
     }
     noted_.erase(seen);
-    cudaGraph_t graph = nullptr;
-    if (cudaError_t err = cudaGraphCreate(&graph, 0); err != cudaSuccess) {
-      *error = CudaError("cudaGraphCreate", err);
-      return Result::kFailed;
-    }
-    std::string why;
-    if (!record(graph, &why)) {
-      // The engine records no graph: execute, now and from now on.
-      cudaGraphDestroy(graph);
-      cudaGetLastError();
+    cudaGraphExec_t exec = Instantiate(record);
+    if (exec == nullptr) {  // not recordable: execute, now and from now on
       unsupported_ = true;
       ++unsupported;
       return Result::kExecute;
-    }
-    cudaGraphExec_t exec = nullptr;
-    cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
-    cudaGraphDestroy(graph);  // the executable keeps what it needs
-    if (err != cudaSuccess) {
-      *error = CudaError("cudaGraphInstantiate", err);
-      return Result::kFailed;
     }
     if (graphs_.size() >= kGraphs) {
       auto oldest = std::min_element(

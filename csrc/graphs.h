@@ -46,8 +46,9 @@ class GraphCache {
   ~GraphCache();
 
   // Launches the graph of `ptrs` on `stream` (recording it at the set's
-  // second run), or answers kExecute: the caller runs cuDNN's execute.
-  // kFailed sets `error` (a CUDA call failed).
+  // second run), or answers kExecute: the caller runs cuDNN's execute
+  // (also where the graph could not be recorded or built). kFailed sets
+  // `error`: the launch failed.
   Result Launch(const Pointers& ptrs, cudaStream_t stream,
                 const Record& record, std::string* error);
 
