@@ -12,6 +12,15 @@ def registrations() -> dict[str, dict[str, Any]]:
   that write into buffers they are given (aliased), ``jax_ring_sdpa_fwd_into``
   and ``jax_ring_sdpa_bwd_into``."""
 
+def use_graphs(on: bool) -> None:
+  """Whether a cuDNN call run again on the same device pointers replays as
+  one CUDA graph (``csrc/graphs.h``; on by default) or runs cuDNN's
+  execute."""
+
+def graph_counts() -> tuple[int, int, int]:
+  """(graphs launched, graphs recorded, plans whose launches could not be
+  recorded) in this process."""
+
 def cudnn_version() -> int:
   """The version of the cuDNN library loaded (e.g. 91900 for 9.19.0)."""
 
