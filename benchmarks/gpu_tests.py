@@ -10,7 +10,9 @@ versions, and the context-parallel cases' errors and cuDNN calls, as
 in parts (``LANE_SHARD=i/n``, one machine) is merged by giving each part's
 files and seconds, in the same order; each part's record also holds the
 machine's environment (one ``{"environment": ...}`` line, appended here),
-so that the summary can be written on another machine:
+so that the summary can be written on another machine. A part whose
+report pytest never wrote (stopped in its shutdown) is named as such, its
+recorded cases' errors still summarised:
 
   python benchmarks/gpu_tests.py --junit p1.xml p2.xml \\
       --record p1.jsonl p2.jsonl --seconds 300 280
@@ -45,8 +47,9 @@ def outcomes(junit: pathlib.Path) -> list[tuple[str, str, str, str]]:
   return out
 
 
-def summary(results, records, seconds, env, command) -> str:
-  """``seconds``: the wall time of each part (one, unless merged)."""
+def summary(results, records, seconds, env, command, missing=()) -> str:
+  """``seconds``: the wall time of each part (one, unless merged);
+  ``missing``: the junit reports that pytest never wrote."""
   counts = collections.Counter(o for _, _, o, _ in results)
   wall = f"{sum(seconds):.0f} s" + (
       "" if len(seconds) == 1 else " in " + str(len(seconds)) +
@@ -60,8 +63,13 @@ def summary(results, records, seconds, env, command) -> str:
       f"cuDNN {env.get('cudnn', 'not loaded')}; jax_ring {env['jax_ring']}",
       f"wall time: {wall}",
       "totals: " + ", ".join(f"{counts[k]} {k}" for k in (
-          "passed", "failed", "error", "skipped")),
-      "", "by module:"]
+          "passed", "failed", "error", "skipped"))]
+  if missing:
+    lines.append("no junit report in " + ", ".join(missing) + " (pytest "
+                 "stopped before writing it): the totals leave out those "
+                 "tests; the errors below still hold their recorded "
+                 "context-parallel cases")
+  lines += ["", "by module:"]
   by_module = collections.defaultdict(collections.Counter)
   for module, _, outcome, _ in results:
     by_module[module][outcome] += 1
@@ -139,8 +147,10 @@ def main(argv=None):
     if args.record:  # kept with the cases, for a merge on another machine
       with open(args.record[0], "a") as f:
         f.write(json.dumps(dict(environment=env)) + "\n")
-  results = [r for path in args.junit for r in outcomes(path)]
-  text = summary(results, records, args.seconds, env, args.command)
+  missing = [str(path) for path in args.junit if not path.exists()]
+  results = [r for path in args.junit if path.exists()
+             for r in outcomes(path)]
+  text = summary(results, records, args.seconds, env, args.command, missing)
   kind = common.device_kind(env["device"], env["platform"])
   path = args.out / f"gpu_tests_{env['device_count']}x{kind}.txt"
   path.parent.mkdir(parents=True, exist_ok=True)

@@ -45,7 +45,8 @@ command="python -m pytest ${TESTS:-tests} -m gpu -n $workers"
 command+="${LANE_SHARD:+ --lane-shard $LANE_SHARD}"
 start=$(date +%s)
 # Interrupted (SIGINT) after LANE_SECONDS, pytest still writes its report,
-# so the summary holds what ran.
+# so the summary holds what ran; unless the interrupt lands in the workers'
+# shutdown, after the last test: then the summary says it has no report.
 timeout -s INT "${LANE_SECONDS:-0}" \
   $command -q -p no:cacheprovider --junitxml="$OUT/gpu_tests$part.xml" 2>&1 \
   | tee "$OUT/gpu_tests$part.log" | tail -40

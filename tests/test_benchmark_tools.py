@@ -337,6 +337,14 @@ def test_gpu_lane_summary_counts_outcomes_errors_and_calls(tmp_path):
       "(12 + 30 s)" in text
   with pytest.raises(SystemExit):
     gpu_tests.main(["--junit", str(junit), "--seconds", "1", "2"])
+  # A part whose report was never written: named, its records still read.
+  gone = tmp_path / "never_written.xml"
+  text = gpu_tests.main([
+      "--junit", str(junit), str(gone), "--record", str(part),
+      "--seconds", "12", "30", "--out", str(tmp_path)]).read_text()
+  assert "totals: 2 passed, 1 failed, 0 error, 1 skipped" in text
+  assert f"no junit report in {gone} (pytest stopped" in text
+  assert "bfloat16 (tolerance 0.03): out 3.00e-03 (0.10)" in text
 
 
 @pytest.mark.parametrize("name, kind", [
