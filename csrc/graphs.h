@@ -10,8 +10,8 @@
 // with, so a graph serves exactly its pointers and workspace: a set's first
 // run executes as usual and is noted, its second records the graph, later
 // runs launch it. A plan keeps at most kGraphs graphs (the least recently
-// used goes) and kGraphs noted sets; a plan whose engine cannot be
-// recorded executes from then on. Streams XLA is capturing into a command
+// used goes) and kGraphs noted sets; a plan whose launches cuDNN cannot
+// record, or whose graph CUDA cannot build, executes from then on. Streams XLA is capturing into a command
 // buffer are never served here (the capture records the execute).
 //
 // Not thread-safe: a plan belongs to one device, whose handle lock
