@@ -122,6 +122,22 @@ def test_cudnn_unavailable_is_a_clear_error():
     call(implementation="cudnn")
 
 
+def test_the_extensions_switches_say_when_it_is_not_loaded():
+  """The CUDA-graph replays' switch and counts: a ``RuntimeError`` naming
+  the unbuilt extension, or (built) the counts, every one a whole number
+  at least 0."""
+  from jax_ring._src.backends.cudnn import ffi
+  if cudnn.LOAD_ERROR is None:
+    counts = ffi.graph_counts()
+    assert set(counts) == {"launched", "recorded", "unsupported"}
+    assert all(isinstance(n, int) and n >= 0 for n in counts.values())
+    return
+  for fn in (lambda: ffi.use_graphs(False), ffi.graph_counts):
+    with pytest.raises(RuntimeError, match="cuDNN extension is not loaded: "
+                       "the cuDNN extension .jax_ring._cudnn. is not built"):
+      fn()
+
+
 def test_errors_are_raised_before_any_compile():
   with pytest.raises(ValueError):
     jax.eval_shape(lambda: jax_ring.dot_product_attention(

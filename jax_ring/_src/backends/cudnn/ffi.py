@@ -123,13 +123,18 @@ def recording():
     RECORD = outer
 
 
+def _loaded():
+  """The extension, or a ``RuntimeError`` saying why it is not loaded."""
+  if _cudnn is None:
+    raise RuntimeError(f"the cuDNN extension is not loaded: {LOAD_ERROR}")
+  return _cudnn
+
+
 def workspace_bytes(call: dict, device: int = 0) -> int:
   """cuDNN's workspace for one recorded call, from its graph (built and
   cached as at run time, on local GPU ``device``)."""
-  if _cudnn is None:
-    raise RuntimeError(f"the cuDNN extension is not loaded: {LOAD_ERROR}")
   (b, t, n, h), (_, s, k, _), hv = call["q"], call["k"], call["v"][3]
-  return _cudnn.workspace_bytes(
+  return _loaded().workspace_bytes(
       call["backward"], call["dtype"] == "bfloat16", device, b, t, s, n, k,
       h, hv, call["slots"], call["row_start"], call["col_start"],
       call["right_bound"], call["left_bound"], call["padding"],
@@ -153,14 +158,14 @@ def use_graphs(on: bool) -> None:
   same pointers as one CUDA graph (``csrc/graphs.h``; on by default) or
   always runs cuDNN's execute: the switch of an A/B measurement. Results
   are the same either way."""
-  _cudnn.use_graphs(on)
+  _loaded().use_graphs(on)
 
 
 def graph_counts() -> dict[str, int]:
   """This process's CUDA-graph replays so far: graphs ``launched``,
   ``recorded``, and plans found ``unsupported`` (which then execute)."""
   return dict(zip(("launched", "recorded", "unsupported"),
-                  _cudnn.graph_counts()))
+                  _loaded().graph_counts()))
 
 
 def register_targets() -> None:
