@@ -19,8 +19,7 @@ std::string CudaError(const char* call, cudaError_t err) {
 cudaGraphExec_t Instantiate(const GraphCache::Record& record) {
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
-  std::string why;
-  if (cudaGraphCreate(&graph, 0) == cudaSuccess && record(graph, &why) &&
+  if (cudaGraphCreate(&graph, 0) == cudaSuccess && record(graph) &&
       cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
     exec = nullptr;
   }

@@ -11,8 +11,9 @@
 // run executes as usual and is noted, its second records the graph, later
 // runs launch it. A plan keeps at most kGraphs graphs (the least recently
 // used goes) and kGraphs noted sets; a plan whose launches cuDNN cannot
-// record, or whose graph CUDA cannot build, executes from then on. Streams XLA is capturing into a command
-// buffer are never served here (the capture records the execute).
+// record, or whose graph CUDA cannot build, executes from then on. Streams
+// XLA is capturing into a command buffer are never served here (the
+// capture records the execute).
 //
 // Not thread-safe: a plan belongs to one device, whose handle lock
 // (LockHandle) its callers hold.
@@ -34,9 +35,9 @@ class GraphCache {
   static constexpr int kPointers = 17;
   static constexpr int kGraphs = 64;
   using Pointers = std::array<void*, kPointers>;
-  // Fills an empty graph with the plan's launches for the pointers; false,
-  // with `error` set, where the engine cannot be recorded.
-  using Record = std::function<bool(cudaGraph_t, std::string* error)>;
+  // Fills an empty graph with the plan's launches for the pointers; false
+  // where the engine cannot be recorded.
+  using Record = std::function<bool(cudaGraph_t)>;
 
   enum class Result { kLaunched, kExecute, kFailed };
 

@@ -276,16 +276,14 @@ bool Execute(SdpaPlan& plan, cudnnHandle_t handle, cudaStream_t stream,
     if (ptrs[uid] != nullptr) pack.emplace(uid, ptrs[uid]);
   }
   key[kRaggedO + 1] = workspace;
-  auto record = [&](cudaGraph_t graph, std::string* why) {
+  auto record = [&](cudaGraph_t graph) {
     auto bindings = pack;  // populate adds the workspace's own entries
     try {
-      *why = Check(plan.graph->populate_cuda_graph(handle, bindings,
-                                                   workspace, graph),
-                   "populate_cuda_graph");
-    } catch (const std::exception& e) {
-      *why = e.what();
+      return plan.graph->populate_cuda_graph(handle, bindings, workspace,
+                                             graph).is_good();
+    } catch (const std::exception&) {
+      return false;
     }
-    return why->empty();
   };
   switch (plan.graphs.Launch(key, stream, record, error)) {
     case GraphCache::Result::kLaunched:
