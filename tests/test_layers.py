@@ -23,10 +23,12 @@ LAYERS = {
     "root": {"core", "backends", "strategies", "top"},  # jax_ring/__init__
     "flax": {"core", "strategies", "top", "root"},
     "models": {"core", "strategies", "top", "root", "flax"},
+    "maxtext": {"core", "strategies", "top", "root"},
 }
-# What only the optional add-ons (jax_ring.flax, jax_ring.models) may use.
+# What only the optional add-ons (jax_ring.flax, jax_ring.models,
+# jax_ring.maxtext) may use.
 ADD_ON_DEPENDENCIES = ("flax", "safetensors", "tokenizers", "optax", "orbax",
-                       "transformers", "torch")
+                       "transformers", "torch", "maxtext")
 
 
 def library_files():
@@ -45,7 +47,7 @@ def layer(module: str) -> str | None:
     return None
   if len(parts) == 1 or parts[1] == "_cudnn":
     return "root" if len(parts) == 1 else "backends"
-  if parts[1] in ("flax", "models"):
+  if parts[1] in ("flax", "models", "maxtext"):
     return parts[1]
   if len(parts) == 2:  # jax_ring._src: the package marker
     return "core"
