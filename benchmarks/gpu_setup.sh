@@ -17,6 +17,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --upgrade --target /tmp/site .whl/*.whl || return 1
   export PYTHONPATH=/tmp/site
 fi
+# benchmarks/maxtext_wheels.sh's stub of xprof, which tokamax imports.
+[ -d .whl/xprof-stub ] && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/.whl/xprof-stub
 nvidia-smi -L
 JAX_RING_CUDNN=ON python3 -m pip install --no-build-isolation --no-deps -e . \
   > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; return 1; }
