@@ -43,7 +43,8 @@ class Case(types.SimpleNamespace):
   """A built model, its batch, its jitted step and MaxText's answer."""
 
 
-def case(layout, dtype=None, documents=3, params=None, **overrides):
+def case(layout, dtype=None, documents=3, padding=5, params=None,
+         **overrides):
   """MaxText's model for ``overrides`` (with ``params`` cast to ``dtype``
   in place of its own, if given) and batch in ``layout``."""
   jax_ring.maxtext.uninstall()
@@ -52,7 +53,8 @@ def case(layout, dtype=None, documents=3, params=None, **overrides):
   params = own if params is None else jax.tree.map(
       lambda p, x: x.astype(p.dtype), own, params)
   run = mm.step(config, mesh, graph)
-  args = (params, rest, *mm.batch(config, layout=layout, documents=documents))
+  args = (params, rest, *mm.batch(config, layout=layout, documents=documents,
+                                  padding=padding))
   return Case(config=config, run=run, args=args, want=run(*args))
 
 
@@ -108,8 +110,10 @@ def test_striped_layout_read_from_maxtexts_auto_rule(caplog):
 
 
 def test_natural_order_mqa_with_sinks(caplog):
-  c = case(None, documents=None, context_parallel_load_balance="false",
-           base_num_kv_heads=1, attention_sink="true")
+  # Unpacked rows, marked as MaxText's pipeline marks them: every id 1.
+  c = case(None, documents=1, padding=0,
+           context_parallel_load_balance="false", base_num_kv_heads=1,
+           attention_sink="true")
   got, plans = served(caplog, "auto", c.run, c.args)
   assert_equal_to(got, c.want)
   assert all("inputs='natural'" in p for p in plans), plans

@@ -26,6 +26,7 @@ import functools
 import logging
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jax_ring._src.api import dot_product_attention
@@ -179,18 +180,27 @@ def _attend(mesh: Mesh, plan: _read.Plan, settings: Settings, query, key,
     query, key, value = map(to, (query, key, value))
     segment_ids = jax.tree.map(to, segment_ids)
 
-  def run():
+  def run(ids):
     return dot_product_attention(
         query, key, value, scale=1.0, is_causal=plan.is_causal,
         local_window_size=plan.local_window_size,
-        logits_soft_cap=plan.logits_soft_cap, segment_ids=segment_ids,
+        logits_soft_cap=plan.logits_soft_cap, segment_ids=ids,
         sinks=sinks, implementation=settings.implementation,
         context_parallel=plan.context_parallel)
 
+  def attend():
+    if not isinstance(segment_ids, jax.Array) or not plan.is_causal:
+      return run(segment_ids)
+    # MaxText marks every row, packed or not: rows of one id (unpacked
+    # data) run the kernel without ids, which is the same attention (and
+    # on cuDNN a plain causal pass, not a packed one).
+    one = jnp.all(segment_ids == segment_ids[:, :1])
+    return jax.lax.cond(one, lambda: run(None), lambda: run(segment_ids))
+
   if jax.sharding.get_abstract_mesh().empty:
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return back(run())
-  return back(run())
+      return back(attend())
+  return back(attend())
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
