@@ -158,6 +158,28 @@ def test_maxtexts_trainer_gives_stock_losses(tmp_path):
                              atol=1e-5)
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_served_reorder_is_maxtexts(cp):
+  """While installed, MaxText's pipeline reorders with jax_ring's layouts:
+  dual_chunk_swap equal to MaxText's own (pure-JAX) reorder, striped to
+  the order MaxText documents (token i on device i mod cp)."""
+  from maxtext.common.common_types import ReorderStrategy
+  from maxtext.utils import max_utils
+  t = 8 * cp
+  batch = {"inputs": np.arange(2 * t).reshape(2, t), "other": np.ones(3)}
+  with jax_ring.maxtext.installed():
+    dual = max_utils.reorder_causal_load_balanced(
+        batch, cp, ReorderStrategy.DUAL_CHUNK_SWAP, "gpu")
+    striped = max_utils.reorder_causal_load_balanced(
+        batch, cp, ReorderStrategy.STRIPED, "gpu")
+  np.testing.assert_array_equal(
+      dual["inputs"], max_utils.reorder_sequence(batch["inputs"], cp))
+  shards = np.asarray(striped["inputs"][0]).reshape(cp, t // cp)
+  np.testing.assert_array_equal(
+      shards, np.arange(t).reshape(t // cp, cp).T)
+  np.testing.assert_array_equal(striped["other"], batch["other"])
+
+
 # -- what is read, without a model ----------------------------------------
 
 def op(**fields):
