@@ -49,6 +49,14 @@ kv heads of 64, vocabulary 128256, tied embeddings) in bfloat16.
   the kernel the default path runs against the XLA baseline; ``xla``
   elsewhere).
 
+* ``--default-load``: the path a user writes instead: the model saved as a
+  bfloat16 checkpoint, ``load_pretrained(path)`` with no dtype argument
+  (it loads in the checkpoint's dtype), and ``Generator.generate`` with
+  its defaults from a prompt of each ``--context`` length, batch 1: a
+  token's mean time after the first call (``on_tokens``' clock, from the
+  first decode call's last token), against the floor; and the loaded
+  weights' bytes against the checkpoint's.
+
 Writes benchmarks/results/decoding_<count>x<gpu>.json after each row (a
 run that is stopped keeps the rows it measured).
 """
@@ -58,6 +66,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import pathlib
 import re
 import time
 
@@ -245,6 +254,49 @@ def kernel_profile(generator, cache, steps: int = 5, top: int = 12):
               top={k: round(v, 1) for k, v in by_name.most_common(top)})
 
 
+def default_load_rows(a, cfg, model, bw, rows, save, new: int = 49):
+  """``--default-load``: a row per context and load, appended to ``rows``:
+  ``load_pretrained(path)`` as a user writes it, then with float32 master
+  weights asked for (``param_dtype=jnp.float32``, bfloat16 compute)."""
+  import tempfile
+  from safetensors import safe_open
+  with tempfile.TemporaryDirectory() as tmp:
+    models.save_pretrained(model, tmp, dtype=jnp.bfloat16)
+    stored = 0
+    for path in pathlib.Path(tmp).glob("*.safetensors"):
+      with safe_open(path, "np") as f:
+        stored += sum(2 * np.prod(f.get_slice(n).get_shape())
+                      for n in f.keys())
+    loads = {"load_pretrained(path)": models.load_pretrained(tmp),
+             "param_dtype=float32": models.load_pretrained(
+                 tmp, param_dtype=jnp.float32)}
+  for way, loaded in loads.items():
+    weights = weight_bytes(loaded)
+    generator = gen.Generator(loaded)
+    for ctx in a.context:
+      prompt = np.random.default_rng(1).integers(1, cfg.vocab_size,
+                                                 ctx).tolist()
+      times = []
+      for _ in range(2):  # the first call compiles
+        times.clear()
+        generator.generate([prompt], max_new_tokens=new,
+                           on_tokens=lambda *_: times.append(
+                               time.perf_counter()))
+      after = times[gen.TOKENS_PER_CALL:]  # from the first decode call's end
+      token = (after[-1] - after[0]) / (len(after) - 1)
+      kv = 2 * cfg.num_layers * ctx * cfg.num_kv_heads * cfg.head_dim * 2
+      floor = (stored + kv) / bw  # bfloat16 weights + the cache
+      rows.append(dict(kind="generate", way=way, batch=1, context=ctx,
+                       devices=1, step_ms=token * 1e3, floor_ms=floor * 1e3,
+                       over_floor=token / floor,
+                       param_dtype=str(jnp.dtype(loaded.cfg.param_dtype)),
+                       dtype=str(jnp.dtype(loaded.cfg.dtype)),
+                       loaded_gib=weights / 2**30,
+                       checkpoint_gib=stored / 2**30))
+      print(rows[-1], flush=True)
+      save()
+
+
 def weight_bytes(model) -> int:
   return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
@@ -323,6 +375,9 @@ def parse_args():
                  "profile of the step at each batch's longest context")
   p.add_argument("--host", action="store_true", help="also where a "
                  "batch-1 step's host time goes (rows kind=host)")
+  p.add_argument("--default-load", action="store_true", help="only "
+                 "generate through load_pretrained(path) of a bfloat16 "
+                 "checkpoint with no dtype argument (rows kind=generate)")
   p.add_argument("--dry-run", action="store_true", help="a 2-layer model "
                  "of hidden 64 (CPU: checks that the script runs)")
   return p.parse_args()
@@ -423,6 +478,10 @@ def main():
        "step_after_prefill_ms", "tokens_per_s", "way", "host_us",
        "call_us"], extra=extra, mode=a.mode,
       show=show)
+  if a.default_load:
+    default_load_rows(a, cfg, model, bw, rows, save)
+    save(show=True)
+    return
   with scope:
     decode_rows(a, cfg, model, weights, bw, mesh, rows, save)
     generator = gen.Generator(model)

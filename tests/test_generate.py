@@ -100,6 +100,55 @@ def test_one_prompt_gives_transformers_tokens(name, checkpoints):
   assert got == want[:1]
 
 
+def test_a_checkpoint_loads_in_its_own_dtype(checkpoints, tmp_path):
+  """As transformers 5 loads (``dtype="auto"``): config.json's dtype, else
+  the tensors'; the loaded weights hold the checkpoint's bytes; asking for
+  another param_dtype is heard."""
+  import json
+  from safetensors import safe_open
+  path, _ = checkpoints["llama3"]
+  model = models.load_pretrained(path)
+  assert (model.cfg.dtype, model.cfg.param_dtype) == (jnp.float32,) * 2
+  bf16 = tmp_path / "bf16"
+  models.save_pretrained(model, bf16, dtype=jnp.bfloat16)
+  config = json.loads((bf16 / "config.json").read_text())
+  for key in ("dtype", "torch_dtype"):  # the tensors' dtype decides
+    config.pop(key, None)
+  (bf16 / "config.json").write_text(json.dumps(config))
+  for loaded in (models.load_pretrained(bf16),
+                 models.load_pretrained(bf16, dtype=jnp.float32)):
+    assert loaded.cfg.param_dtype == jnp.bfloat16
+    leaves = jax.tree.leaves(nnx.state(loaded, nnx.Param))
+    assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
+    with safe_open(bf16 / "model.safetensors", "np") as f:
+      stored = sum(f.get_slice(n).get_dtype() == "BF16" and
+                   2 * np.prod(f.get_slice(n).get_shape()) for n in f.keys())
+    assert sum(x.nbytes for x in leaves) == stored
+  assert models.load_pretrained(bf16).cfg.dtype == jnp.bfloat16
+  wide = models.load_pretrained(bf16, param_dtype=jnp.float32)
+  assert (wide.cfg.dtype, wide.cfg.param_dtype) == (jnp.bfloat16,
+                                                    jnp.float32)
+
+
+def test_a_generator_casts_wide_weights_once(checkpoints, monkeypatch):
+  """float32 weights, bfloat16 compute: the generator holds the matrices
+  in bfloat16 (norms as stored), and its logits are the same bits as a
+  generator that casts them in every step."""
+  path, _ = checkpoints["llama3"]
+  model = models.load_pretrained(path, dtype=jnp.bfloat16,
+                                 param_dtype=jnp.float32)
+  once = gen.Generator(model)
+  assert {jnp.dtype(x.dtype) for x in jax.tree.leaves(once._leaves)} >= {
+      jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}
+  got, _ = once.prefill(PROMPTS, max_new_tokens=2)
+  monkeypatch.setattr(gen, "CAST_AT_USE", frozenset())
+  every_step = gen.Generator(model)
+  assert {x.dtype for x in jax.tree.leaves(every_step._leaves)} == {
+      jnp.dtype(jnp.float32)}
+  want, _ = every_step.prefill(PROMPTS, max_new_tokens=2)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_a_one_row_step_projects_two_rows():
   """At batch 1 every product with a layer's weights sees two rows (one
   of them the spare), so none is a one-row product; only the logits'

@@ -25,6 +25,7 @@ import pathlib
 from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -182,6 +183,31 @@ def _check(tensor: Tensor, file: pathlib.Path, fh) -> None:
                      f"{tensor.shape}")
 
 
+# config.json's dtype names and safetensors' dtype codes -> numpy dtypes.
+_DTYPES = {"float32": jnp.float32, "float": jnp.float32, "F32": jnp.float32,
+           "bfloat16": jnp.bfloat16, "BF16": jnp.bfloat16,
+           "float16": jnp.float16, "half": jnp.float16, "F16": jnp.float16,
+           "float64": jnp.float64, "F64": jnp.float64}
+
+
+def _stored_dtype(path: pathlib.Path, hf: dict, files: dict):
+  """The checkpoint's dtype: ``config.json``'s ``dtype`` (transformers 5)
+  or ``torch_dtype`` (older), else the most common of its floating
+  tensors' (ties: the wider). float64 loads as float32."""
+  name = hf.get("dtype") or hf.get("torch_dtype")
+  if name is not None and name != "auto":
+    if name not in _DTYPES:
+      raise ValueError(f"{path / CONFIG}: dtype {name!r} is none of "
+                       f"{sorted(n for n in _DTYPES if n.islower())}")
+    dtype = _DTYPES[name]
+  else:
+    codes = [fh.get_slice(n).get_dtype() for n, (_, fh) in files.items()]
+    codes = [c for c in codes if c in _DTYPES] or ["F32"]
+    dtype = _DTYPES[max(set(codes), key=lambda c: (
+        codes.count(c), np.dtype(_DTYPES[c]).itemsize))]
+  return jnp.float32 if dtype == jnp.float64 else dtype
+
+
 def _differ(files: dict, a: str, b: str) -> bool:
   """Whether tensors ``a`` and ``b`` are both in ``files`` and differ (in
   shape, dtype or any bit)."""
@@ -212,7 +238,12 @@ def load_pretrained(path, *, mesh: jax.sharding.Mesh | None = None,
       None: the default device.
     **options: :class:`DecoderConfig` fields that say how the model runs
       (dtype, param_dtype, implementation, context_parallel, rules,
-      param_rules, remat).
+      param_rules, remat). ``param_dtype`` and ``dtype`` default to the
+      checkpoint's own dtype, as transformers loads it (``dtype="auto"``):
+      ``config.json``'s ``dtype`` (``torch_dtype`` in older files), else
+      the stored tensors'; a bfloat16 checkpoint loads, and computes, in
+      bfloat16. Training that keeps float32 master weights asks for
+      ``param_dtype=jnp.float32``.
 
   Returns:
     The model, its config keeping ``config.json`` (``cfg.hf_config``); call
@@ -236,12 +267,14 @@ def load_pretrained(path, *, mesh: jax.sharding.Mesh | None = None,
     fields = hf_config.fields_from_hf(hf)
   except ValueError as e:
     raise ValueError(f"{path / CONFIG}: {e}") from e
-  cfg = DecoderConfig(**fields, hf_config=json.dumps(hf), **options)
-  if cfg.rules and mesh is None:
+  if options.get("rules") and mesh is None:
     raise ValueError("load_pretrained: rules are given, so a mesh is needed "
                      "to place the weights (mesh=...)")
   with contextlib.ExitStack() as stack:
     files = _locate(path, stack)
+    stored = _stored_dtype(path, hf, files)
+    options = dict(param_dtype=stored, dtype=stored) | options
+    cfg = DecoderConfig(**fields, hf_config=json.dumps(hf), **options)
     if cfg.tie_word_embeddings and _differ(files, "lm_head.weight",
                                            "model.embed_tokens.weight"):
       # As transformers: a tied config whose checkpoint holds another
