@@ -265,7 +265,7 @@ def default_load_rows(a, cfg, model, bw, rows, save, new: int = 49):
     stored = 0
     for path in pathlib.Path(tmp).glob("*.safetensors"):
       with safe_open(path, "np") as f:
-        stored += sum(2 * np.prod(f.get_slice(n).get_shape())
+        stored += sum(2 * int(np.prod(f.get_slice(n).get_shape()))
                       for n in f.keys())
     loads = {"load_pretrained(path)": models.load_pretrained(tmp),
              "param_dtype=float32": models.load_pretrained(

@@ -142,7 +142,11 @@ def test_maxtexts_trainer_gives_stock_losses(tmp_path):
   keys = [k for k in mm.argv(hardware="cpu", base_output_directory=tmp_path,
                               dataset_type="synthetic", steps=3,
                               enable_goodput_recording="false")[1:]]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  # conftest.py's compile flags, and 8 devices (the trainer reads no
+  # jax.config of this process).
+  env = dict(os.environ, XLA_FLAGS=" ".join(filter(None, (
+      os.environ.get("XLA_FLAGS"),
+      "--xla_force_host_platform_device_count=8"))))
   losses = {}
   for name, module in (("stock", "maxtext.trainers.pre_train.train"),
                        ("jax_ring", "jax_ring.maxtext.train")):

@@ -27,7 +27,6 @@ import logging
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 
 from jax_ring._src.api import dot_product_attention
 from jax_ring._src.strategies.layout import (reorder_for_load_balance,
@@ -122,10 +121,6 @@ def installed(strategy: str = "auto", implementation: str | None = None):
       install(before.strategy, before.implementation)
 
 
-def is_installed() -> bool:
-  return _State.settings is not None
-
-
 def _say(message: str):
   """Log ``message`` once per install."""
   if message not in _State.said:
@@ -159,17 +154,17 @@ def _apply_attention(original, settings: Settings):
     kv_ids = call.get("decoder_segment_ids_kv")
     if ids is not None and kv_ids is not None:
       ids = (ids, kv_ids)
-    out = _attend(self.mesh, plan, settings, query, key, value, ids,
-                  call.get("sinks"))
+    out = _attend(plan, settings, query, key, value, ids, call.get("sinks"))
     return out, None, None
 
   return apply_attention
 
 
-def _attend(mesh: Mesh, plan: _read.Plan, settings: Settings, query, key,
-            value, segment_ids, sinks):
+def _attend(plan: _read.Plan, settings: Settings, query, key, value,
+            segment_ids, sinks):
   """``jax_ring.dot_product_attention`` on MaxText's arrays, in the layout
-  they arrive in."""
+  they arrive in, on the mesh in scope (MaxText's trainer runs its steps
+  under ``jax.set_mesh``)."""
   to = back = lambda x: x
   if plan.natural:  # a layout over another device count than the call's
     cp, name = plan.layout.cp_size, plan.layout.name
@@ -197,9 +192,6 @@ def _attend(mesh: Mesh, plan: _read.Plan, settings: Settings, query, key,
     one = jnp.all(segment_ids == segment_ids[:, :1])
     return jax.lax.cond(one, lambda: run(None), lambda: run(segment_ids))
 
-  if jax.sharding.get_abstract_mesh().empty:
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return back(attend())
   return back(attend())
 
 

@@ -349,6 +349,14 @@ def cp_given(cp, kv_heads: int) -> None:
   kv_chunk_heads(cp.kv_chunk_heads, kv_heads)
 
 
+def cp_size(value) -> int:
+  """A device count: a positive Python or NumPy int (not a bool)."""
+  if not _is_int(value) or value < 1:
+    raise ValueError(f"cp_size must be a positive int (the devices the "
+                     f"layout spreads a sequence over); got {value!r}")
+  return int(value)
+
+
 def cp_fields(cp) -> None:
   """When a ``ContextParallel`` is made: each field a valid choice."""
   if cp.strategy not in STRATEGY_NAMES:
@@ -369,6 +377,10 @@ def cp_fields(cp) -> None:
     raise ValueError(f"context_parallel.axis must be one axis name for "
                      f"strategy {cp.strategy!r}; got {cp.axis!r}")
   ring_choices(cp.load_balance, cp.loop, cp.kv_sends)
+  if cp.kv_chunk_heads is not None and (
+      not _is_int(cp.kv_chunk_heads) or cp.kv_chunk_heads < 1):
+    raise ValueError(f"context_parallel.kv_chunk_heads must be None or a "
+                     f"positive int; got {cp.kv_chunk_heads!r}")
   if cp.inputs not in INPUTS:
     raise ValueError(f"context_parallel.inputs must be one of {INPUTS}; got "
                      f"{cp.inputs!r}")

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # The closed choice lives with the other static options, in config.
+from jax_ring._src.core import validate
 from jax_ring._src.core.config import LOAD_BALANCES, LoadBalance, ShardPlan
 
 
@@ -87,6 +88,7 @@ def explicit_axes(mesh) -> tuple[str, ...]:
 
 
 def _reorder(x, cp_size, seq_axis, layout, inverse):
+  cp_size = validate.cp_size(cp_size)
   x = jnp.asarray(x)
   sharding = getattr(jax.typeof(x), "sharding", None)
   explicit = explicit_axes(sharding.mesh) if sharding is not None else ()
