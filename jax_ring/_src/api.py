@@ -47,8 +47,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     local_window_size: ``w`` or ``(left, right)``: query ``i`` attends keys
       ``i - left <= j <= i + right``.
     segment_ids: packed documents, ``(B, T)`` int (needs T == S) or a
-      ``(q_ids (B, T), kv_ids (B, S))`` pair; tokens attend only within
-      their own segment id.
+      ``(q_ids (B, T), kv_ids (B, S))`` pair (``(T,)``, ``(S,)`` with an
+      unbatched query); tokens attend only within their own segment id.
     logits_soft_cap: ``c``: logits become ``c * tanh(logits / c)`` after
       scaling, before bias and masks (Gemma 2).
     implementation: ``None`` (best available), ``"xla"`` (pure-JAX
@@ -74,6 +74,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
   """
   q_rank = jnp.ndim(query)
   query, key, value = (_batched(x) for x in (query, key, value))
+  if q_rank == 3 and segment_ids is not None:  # (T,) ids of one row
+    segment_ids = jax.tree.map(
+        lambda x: x[None] if jnp.ndim(x) == 1 else x, segment_ids)
   tm, config = base.prepare(
       query, key, value, segment_ids=segment_ids,
       lengths=(query_seq_lengths, key_value_seq_lengths),
@@ -174,11 +177,8 @@ def _padded(query, key, value, tm: TokenMask, config: AttentionConfig,
       last = jnp.max(jnp.where(at[None, :x.shape[1]] == x.shape[1] - 1, x,
                                jnp.iinfo(x.dtype).min), axis=1)
       return jnp.where(at[None] < x.shape[1], grow(x, n), last[:, None])
-  elif ids:  # an id no real token has (unless the ids span their dtype)
-    top = functools.reduce(jnp.maximum, [jnp.max(x) for x in ids])
-    low = functools.reduce(jnp.minimum, [jnp.min(x) for x in ids])
-    fresh = jnp.where(top < jnp.iinfo(ids[0].dtype).max, top + 1,
-                      low - 1).astype(ids[0].dtype)
+  elif ids:  # an id no real token has
+    fresh = _unused_id(ids)
     pad_ids = lambda x, n: None if x is None else jnp.where(
         jnp.arange(x.shape[1] + n)[None] < x.shape[1], grow(x, n), fresh)
   kv_lengths = tm.kv_lengths
@@ -190,6 +190,31 @@ def _padded(query, key, value, tm: TokenMask, config: AttentionConfig,
           TokenMask(q_segment_ids=pad_ids(tm.q_segment_ids, pad_t),
                     kv_segment_ids=pad_ids(tm.kv_segment_ids, pad_s),
                     q_lengths=tm.q_lengths, kv_lengths=kv_lengths))
+
+
+def _unused_id(ids):
+  """An id that none of the int arrays ``ids`` holds: above their largest,
+  else below their smallest, else (both ends of the dtype taken) the
+  first gap in their sorted values, which fewer tokens than the dtype
+  has values always leave."""
+  dtype = ids[0].dtype
+  info = jnp.iinfo(dtype)
+  top = functools.reduce(jnp.maximum, [jnp.max(x) for x in ids])
+  low = functools.reduce(jnp.minimum, [jnp.min(x) for x in ids])
+
+  def gap():
+    values = jnp.sort(jnp.concatenate([x.reshape(-1) for x in ids]))
+    # A gap: a step of more than one. ``values[1:] - 1`` cannot wrap
+    # where the step is positive (it is then above the dtype's minimum).
+    up = values[1:] > values[:-1]
+    at = jnp.argmax(up & (jnp.where(up, values[1:] - 1, values[1:]) >
+                          values[:-1]))
+    return (values[at] + 1).astype(dtype)
+
+  return jnp.where(top < info.max, top + 1, jnp.where(
+      low > info.min, low - 1, jax.lax.cond(
+          (top == info.max) & (low == info.min), gap,
+          lambda: jnp.asarray(0, dtype)))).astype(dtype)
 
 
 def _context_parallel(query, key, value, tm: TokenMask, sinks,

@@ -337,6 +337,9 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
                                     run_t, is_causal)
     defaults_["cudnn_packed"] = _one_run_each(np.asarray(segment_ids))
     defaults_["work"] = _work(np.asarray(segment_ids), is_causal)
+  if 0 in (b, run_t, run_s):
+    return Choice("none", "none", {}, "no tokens: the call "
+                  "returns an empty output and runs no kernel", defaults_)
   if cpc.is_hybrid:
     return Choice("hybrid", "hybrid", {}, f"a pair of axes {cpc.axis!r} "
                   f"(sizes {tuple(sizes.values())}): Ulysses inside a ring",
@@ -475,6 +478,9 @@ def _balance(segment_ids, query_shape, cpc, sizes, run_t, is_causal):
   ring = validate.ring_size(cpc, sizes)
   layouts = ("dual_chunk", None) if cpc.strategy == "all_gather" else (
       "dual_chunk", "striped", None)
+  # The layouts the padded rows divide into (the call pads to its own).
+  layouts = [x for x in layouts if ids.shape[1] % (
+      2 * ring if x == "dual_chunk" else ring) == 0]
   found = {name or "contiguous": round(layout.work_balance(
       ids, ring, name, is_causal), 3) for name in layouts}
   kind = "causal" if is_causal else "full"

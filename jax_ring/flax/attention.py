@@ -51,6 +51,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jax_ring._src.api import dot_product_attention
@@ -172,9 +173,14 @@ class AttentionLayerConfig:
   param_rules: LogicalRules | None = None
 
   def __post_init__(self):
+    for name in ("embed_dim", "num_heads", "num_kv_heads", "head_dim",
+                 "sliding_window"):
+      value = getattr(self, name)
+      if isinstance(value, np.integer):  # NumPy ints, as elsewhere
+        object.__setattr__(self, name, int(value))
     for name in ("embed_dim", "num_heads", "num_kv_heads", "head_dim"):
       value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int; got {value!r}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
@@ -421,7 +427,7 @@ class Attention(nnx.Module):
     bias, q/k norms and RoPE. A ``ValueError`` names an ``x`` or
     ``positions`` of another shape or kind."""
     cfg = self.config
-    _check_inputs(x, positions, cfg.embed_dim)
+    positions = _check_inputs(x, positions, cfg.embed_dim)
     dt = cfg.dtype
     x = constrain(x.astype(dt), (BATCH, LENGTH, EMBED), cfg.rules)
     q = jnp.einsum("bse,enh->bsnh", x, self.wq[...].astype(dt))
@@ -476,14 +482,24 @@ class Attention(nnx.Module):
     return constrain(y, (BATCH, LENGTH, EMBED), cfg.rules)
 
 
-def _check_inputs(x, positions, embed_dim: int) -> None:
-  """``x (B, S, embed_dim)`` float and ``positions (B, S)`` int."""
+def _check_inputs(x, positions, embed_dim: int):
+  """``x (B, S, embed_dim)`` float and ``positions (B, S)`` int (an
+  array, or nested lists of ints); returns ``positions`` as an array."""
   shape = tuple(jnp.shape(x))
   if len(shape) != 3 or shape[2] != embed_dim:
     raise ValueError(f"jax_ring.flax.Attention: x must be (B, S, "
                      f"embed_dim={embed_dim}); got {shape}")
+  if isinstance(positions, (list, tuple)):
+    try:
+      positions = jnp.asarray(positions)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"jax_ring.flax.Attention: positions must be an int "
+                       f"array of x's (B, S) = {shape[:2]}; got a "
+                       f"{type(positions).__name__} that is not one ({e})"
+                       ) from None
   p_shape, p_dtype = tuple(jnp.shape(positions)), jnp.result_type(positions)
   if p_shape != shape[:2] or not jnp.issubdtype(p_dtype, jnp.integer):
     raise ValueError(f"jax_ring.flax.Attention: positions must be an int "
                      f"array of x's (B, S) = {shape[:2]}; got {p_dtype} "
                      f"{p_shape}")
+  return positions

@@ -383,6 +383,9 @@ def save_pretrained(model: Decoder, path, *, dtype=None,
   flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   tensors = list(tensor_map(cfg))
   stored = np.dtype(dtype or _value(flat[tensors[0].key]).dtype)
+  if stored.name not in _DTYPES:  # integers would store truncated weights
+    raise ValueError(f"save_pretrained: dtype must be a float dtype, one of "
+                     f"bfloat16, float16, float32 or float64; got {stored.name}")
   hf = hf_config.config_to_save(cfg, extra_config, stored.name)  # errors before I/O
   # Files planned from the shapes, so that each name knows the count.
   files, size = [[]], 0
