@@ -8,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_ring._src import partition
@@ -74,9 +75,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
   """
   q_rank = jnp.ndim(query)
   query, key, value = (_batched(x) for x in (query, key, value))
-  if q_rank == 3 and segment_ids is not None:  # (T,) ids of one row
-    segment_ids = jax.tree.map(
-        lambda x: x[None] if jnp.ndim(x) == 1 else x, segment_ids)
+  segment_ids = _batched_ids(segment_ids) if q_rank == 3 else segment_ids
   tm, config = base.prepare(
       query, key, value, segment_ids=segment_ids,
       lengths=(query_seq_lengths, key_value_seq_lengths),
@@ -98,8 +97,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
   out, lse = _padding_rows(*_one_device(query, key, value, bias, dense, tm,
                                         config, sinks), tm, sinks,
                            padding_segment_id)
-  out, lse = unbatch(out), unbatch(lse)
-  return (out, lse) if return_residual else out
+  return (unbatch(out), unbatch(lse)) if return_residual else unbatch(out)
 
 
 def _padding_rows(out, lse, tm: TokenMask, sinks, padding_segment_id):
@@ -194,26 +192,37 @@ def _padded(query, key, value, tm: TokenMask, config: AttentionConfig,
 
 def _unused_id(ids):
   """An id that none of the int arrays ``ids`` holds: above their largest,
-  else below their smallest, else (both ends of the dtype taken) the
-  first gap in their sorted values, which fewer tokens than the dtype
-  has values always leave."""
-  dtype = ids[0].dtype
-  info = jnp.iinfo(dtype)
+  else below their smallest, else (both ends of the dtype taken) one that
+  a search by counts finds: a range holding fewer ids than values has a
+  half that does too, down to one value that no id holds (the whole
+  range holds fewer tokens than values). Reductions only, so that arrays
+  sharded along the sequence on Explicit axes serve as they are."""
+  dtype = jnp.dtype(ids[0].dtype)
+  info, bits = jnp.iinfo(dtype), 8 * dtype.itemsize
   top = functools.reduce(jnp.maximum, [jnp.max(x) for x in ids])
   low = functools.reduce(jnp.minimum, [jnp.min(x) for x in ids])
+  unsigned = jnp.dtype(f"uint{bits}")
+  flip = (lambda u: u ^ unsigned.type(1 << (bits - 1))) if info.min else (
+      lambda u: u)  # order-preserving, signed <-> unsigned
 
-  def gap():
-    values = jnp.sort(jnp.concatenate([x.reshape(-1) for x in ids]))
-    # A gap: a step of more than one. ``values[1:] - 1`` cannot wrap
-    # where the step is positive (it is then above the dtype's minimum).
-    up = values[1:] > values[:-1]
-    at = jnp.argmax(up & (jnp.where(up, values[1:] - 1, values[1:]) >
-                          values[:-1]))
-    return (values[at] + 1).astype(dtype)
+  def search():
+    keys = [flip(jax.lax.bitcast_convert_type(x, unsigned)) for x in ids]
+
+    def halve(_, bounds):
+      lo, hi = bounds
+      mid = lo + (hi - lo) // 2
+      held = sum(jnp.sum((u >= lo) & (u <= mid), dtype=jnp.int32)
+                 for u in keys)
+      free = held.astype(unsigned) < mid - lo + 1
+      return jnp.where(free, lo, mid + 1), jnp.where(free, mid, hi)
+
+    lo, _ = jax.lax.fori_loop(0, bits, halve, (
+        unsigned.type(0), unsigned.type(np.iinfo(unsigned).max)))
+    return jax.lax.bitcast_convert_type(flip(lo), dtype)
 
   return jnp.where(top < info.max, top + 1, jnp.where(
       low > info.min, low - 1, jax.lax.cond(
-          (top == info.max) & (low == info.min), gap,
+          (top == info.max) & (low == info.min), search,
           lambda: jnp.asarray(0, dtype)))).astype(dtype)
 
 
@@ -373,6 +382,12 @@ def _on_auto_axes(placed, permutations, config, cp, explicit, query, key,
 def _out_shape(query, value):
   """``(B, T, N, Hv)``: the output takes the value's head dim."""
   return query.shape[:3] + value.shape[3:]
+
+
+def _batched_ids(segment_ids):
+  """Segment ids of an unbatched call: ``(T,)`` (or a pair) -> ``(1, T)``."""
+  return jax.tree.map(lambda x: x[None] if jnp.ndim(x) == 1 else x,
+                      segment_ids)
 
 
 def _batched(x):

@@ -7,11 +7,10 @@ residual (the local q, k, v and the global out and lse), so each pass picks
 its own strategy. Per device, for one layer:
 
 * compute: ``F = 2 B S^2 N (H + Hv) / cp`` FLOPs forward (Hv the value
-  head dim) (halved when causal,
-  scaled by the window's share of keys), ``2.5 F`` backward, at a
-  throughput that depends on the length ``L`` of each kernel call
-  (``FWD_*``, ``BWD_*``: T = S / cp for the ring and all-gather, S for
-  Ulysses' one call);
+  head dim; halved when causal, scaled by the window's share of keys),
+  ``2.5 F`` backward, at a throughput that depends on the length ``L`` of
+  each kernel call (``FWD_*``, ``BWD_*``: T = S / cp for the ring and
+  all-gather, S for Ulysses' one call);
 * communication: the bytes each strategy moves, over ``P2P_GBS`` for a
   neighbour permute and ``COLLECTIVE_GBS`` for all-gather and all-to-all;
 * overlap: the ring's time is its own step's compute, then cp - 1 steps
@@ -51,11 +50,9 @@ from jax_ring._src.core.config import ContextParallel
 from jax_ring._src.strategies import documents, layout
 from jax_ring._src.strategies.ring import reach
 
-
 # The model's constants: kernel throughput (TFLOP/s as a function of the
-# call length L), link bandwidths (GB/s) and the per-step overhead of the
-# ring (microseconds). How they were fit: docs/decisions.md, "The automatic
-# path".
+# call length L), link bandwidths (GB/s) and the ring's per-step overhead
+# (microseconds); how they were fit: docs/decisions.md, "The automatic path".
 FWD_TFLOPS, FWD_L_HALF, FWD_L_SLOW = 610.0, 750.0, 1.5e6
 BWD_TFLOPS, BWD_L_HALF = 540.0, 1250.0
 P2P_GBS = 100.0
@@ -338,8 +335,7 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
     defaults_["cudnn_packed"] = _one_run_each(np.asarray(segment_ids))
     defaults_["work"] = _work(np.asarray(segment_ids), is_causal)
   if 0 in (b, run_t, run_s):
-    return Choice("none", "none", {}, "no tokens: the call "
-                  "returns an empty output and runs no kernel", defaults_)
+    return Choice("none", "none", {}, "no tokens: nothing runs", defaults_)
   if cpc.is_hybrid:
     return Choice("hybrid", "hybrid", {}, f"a pair of axes {cpc.axis!r} "
                   f"(sizes {tuple(sizes.values())}): Ulysses inside a ring",
@@ -476,11 +472,9 @@ def _balance(segment_ids, query_shape, cpc, sizes, run_t, is_causal):
     return {}, "no tokens"
   ids = _padded(ids, run_t, is_causal)
   ring = validate.ring_size(cpc, sizes)
-  layouts = ("dual_chunk", None) if cpc.strategy == "all_gather" else (
-      "dual_chunk", "striped", None)
-  # The layouts the padded rows divide into (the call pads to its own).
-  layouts = [x for x in layouts if ids.shape[1] % (
-      2 * ring if x == "dual_chunk" else ring) == 0]
+  layouts = [x for x in ("dual_chunk", "striped", None) if not (  # those
+      x == "striped" and cpc.strategy == "all_gather") and ids.shape[1] % (
+      2 * ring if x == "dual_chunk" else ring) == 0]  # the rows divide into
   found = {name or "contiguous": round(layout.work_balance(
       ids, ring, name, is_causal), 3) for name in layouts}
   kind = "causal" if is_causal else "full"

@@ -28,19 +28,15 @@ FSDP (ZeRO-3), as MaxText shards weights over its data and context axes:
 ``param_rules=fsdp_rules(rules, ("data", "context"))`` maps the weights'
 ``embed`` dimension onto those axes, so each device keeps 1/(data x
 context) of every weight, and of its optimizer state; XLA all-gathers a
-layer's weights where they are used and reduce-scatters their gradients.
-Context parallelism alone replicates the weights on every device of the
-context axis, and for a 1B model with Adam that is 11.7 GB per device.
+layer's weights where they are used and reduce-scatters their gradients
+(context parallelism alone replicates them on every context device).
 
-Why positions are an input, not ``arange(S)``: under load balancing the
-array's token order is not the sequence order, so each token's position
-must travel with it. (With packed documents they restart at 0 per
-document, MaxText's convention; RoPE attention depends only on position
-differences, so inside a document this changes nothing.) The masks need no
-positions: ``dot_product_attention`` knows the layout from its
-``ContextParallel`` and applies causality and windows in true sequence
-order, and packing through ``segment_ids`` (which travel in the same
-layout).
+Positions are an input, not ``arange(S)``: under load balancing the
+token order is not the sequence order, so each token's position travels
+with it (restarting at 0 per packed document, as MaxText's do: RoPE sees
+only differences within a document). The masks need none:
+``dot_product_attention`` knows the layout from its ``ContextParallel``,
+and packing comes through ``segment_ids`` (in the same layout).
 """
 
 from __future__ import annotations
@@ -174,10 +170,9 @@ class AttentionLayerConfig:
 
   def __post_init__(self):
     for name in ("embed_dim", "num_heads", "num_kv_heads", "head_dim",
-                 "sliding_window"):
-      value = getattr(self, name)
-      if isinstance(value, np.integer):  # NumPy ints, as elsewhere
-        object.__setattr__(self, name, int(value))
+                 "sliding_window"):  # NumPy ints, as elsewhere
+      if isinstance(getattr(self, name), np.integer):
+        object.__setattr__(self, name, int(getattr(self, name)))
     for name in ("embed_dim", "num_heads", "num_kv_heads", "head_dim"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:

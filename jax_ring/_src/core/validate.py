@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ring._src.core import mesh as mesh_lib
 from jax_ring._src.core.config import (IMPLEMENTATIONS, INPUTS, KV_SENDS,
                                        LOAD_BALANCES,
                                        STRATEGY_NAMES, ContextParallel)
@@ -349,12 +350,13 @@ def cp_given(cp, kv_heads: int) -> None:
   kv_chunk_heads(cp.kv_chunk_heads, kv_heads)
 
 
-def cp_size(value) -> int:
-  """A device count: a positive Python or NumPy int (not a bool)."""
-  if not _is_int(value) or value < 1:
-    raise ValueError(f"cp_size must be a positive int (the devices the "
-                     f"layout spreads a sequence over); got {value!r}")
-  return int(value)
+def positive_int(name: str, value, none_ok: bool = False):
+  """``value``: a positive Python or NumPy int (not a bool), as an int; or
+  None where ``none_ok``."""
+  if (value is None and none_ok) or (_is_int(value) and value >= 1):
+    return value if value is None else int(value)
+  raise ValueError(f"{name} must be {'None or ' * none_ok}a positive int; "
+                   f"got {value!r}")
 
 
 def cp_fields(cp) -> None:
@@ -377,10 +379,7 @@ def cp_fields(cp) -> None:
     raise ValueError(f"context_parallel.axis must be one axis name for "
                      f"strategy {cp.strategy!r}; got {cp.axis!r}")
   ring_choices(cp.load_balance, cp.loop, cp.kv_sends)
-  if cp.kv_chunk_heads is not None and (
-      not _is_int(cp.kv_chunk_heads) or cp.kv_chunk_heads < 1):
-    raise ValueError(f"context_parallel.kv_chunk_heads must be None or a "
-                     f"positive int; got {cp.kv_chunk_heads!r}")
+  positive_int("context_parallel.kv_chunk_heads", cp.kv_chunk_heads, True)
   if cp.inputs not in INPUTS:
     raise ValueError(f"context_parallel.inputs must be one of {INPUTS}; got "
                      f"{cp.inputs!r}")
@@ -454,41 +453,12 @@ def cp_shapes(cp, sizes, q_shape, k_shape, local_heads,
                  cp.kv_sends, name="key")
 
 
-def mesh_in_scope(x):
-  """The mesh that a call on ``x`` runs on, as far as tracing can see it:
-  the one of ``jax.set_mesh``, else the one ``x``'s sharding names (arrays
-  placed with a ``NamedSharding`` carry it in their type), else the mesh
-  of a ``with mesh:`` block (the older context manager that MaxText and
-  many Flax codebases use with ``jax.jit(in_shardings=...)``)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sharding, "mesh", mesh)
-    if mesh.empty and not isinstance(x, jax.core.Tracer):
-      mesh = getattr(getattr(x, "sharding", None), "mesh", mesh)
-  if mesh.empty:
-    mesh = _legacy_mesh() or mesh
-  return mesh
-
-
-def _legacy_mesh():
-  """The concrete mesh of an enclosing ``with mesh:`` block, or None. jax
-  keeps it only in a private thread-local (the block is deprecated in
-  favour of ``jax.set_mesh``), so a jax without it reads as no block."""
-  try:
-    from jax._src import mesh as mesh_lib
-    physical = mesh_lib.thread_resources.env.physical_mesh
-  except (ImportError, AttributeError):
-    return None
-  return None if physical.empty else physical
-
-
 def mesh_axes(cp, query):
   """The mesh in scope, on which the context-parallel axis (or both axes of
   a hybrid pair) exist. Without this check a wrong name fails inside XLA's
   partitioner, and a call with no mesh at all runs on one device, silently
   without context parallelism."""
-  mesh = mesh_in_scope(query)
+  mesh = mesh_lib.in_scope(query)
   axis, names = cp.axis, cp.axes
   if mesh.empty:
     raise ValueError(

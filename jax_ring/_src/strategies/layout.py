@@ -88,7 +88,7 @@ def explicit_axes(mesh) -> tuple[str, ...]:
 
 
 def _reorder(x, cp_size, seq_axis, layout, inverse):
-  cp_size = validate.cp_size(cp_size)
+  cp_size = validate.positive_int("cp_size", cp_size)
   x = jnp.asarray(x)
   sharding = getattr(jax.typeof(x), "sharding", None)
   explicit = explicit_axes(sharding.mesh) if sharding is not None else ()
