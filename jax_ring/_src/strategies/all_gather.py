@@ -311,6 +311,7 @@ def all_gather_attention(query, key, value, *, axis_name: str,
     ``(B, T, N, H)`` in the input dtype: this device's rows of the output.
   """
   validate.one_axis_name("all_gather_attention", axis_name)
+  validate.kv_chunk_heads(kv_chunk_heads, jnp.shape(key)[-2])
   cpc = ContextParallel(axis=axis_name, strategy="all_gather",
                         load_balance=load_balance,
                         kv_chunk_heads=kv_chunk_heads)
