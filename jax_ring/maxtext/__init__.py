@@ -18,7 +18,7 @@ window, the soft cap, sinks, GQA/MQA, packed segment ids (0 included, as
 MaxText's ``dot_product`` attends), the mesh axis the sequence is sharded
 over, and the order MaxText's input pipeline left the batch in
 (``context_parallel_load_balance``, ``context_parallel_reorder_strategy``).
-The table is in ``jax_ring.maxtext._read``. Decode, paged and ragged
+The table is in ``jax_ring.maxtext._read``. Decode, prefill, paged and ragged
 attention, chunked prefill, bidirectional, indexer and compressed masks,
 chunked, block-diffusion and absorbed-MLA attention, quantized KV caches
 and ``record_max_logits`` run MaxText's own code, each reason logged once
