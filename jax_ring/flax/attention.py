@@ -54,6 +54,7 @@ from jax_ring._src.api import dot_product_attention
 from jax_ring._src.decode import decode_attention
 from jax_ring._src.core.config import ContextParallel
 from jax_ring._src.strategies import layout
+from jax_ring.flax.lora import dense
 
 
 BATCH, LENGTH, HEADS, KV_HEADS, HEAD_DIM, EMBED = (
@@ -414,8 +415,7 @@ class Attention(nnx.Module):
     return self.output(self.attend(*self.project(x, positions),
                                    segment_ids))
 
-  # The three stages of __call__, apart so that a model can rematerialise
-  # the projections without the attention (see jax_ring.models.Decoder).
+  # __call__'s stages, apart so that a model can remat the projections alone.
 
   def project(self, x, positions):
     """``x (B, S, E)`` -> q ``(B, S, N, H)``, k, v ``(B, S, K, H)``, with
@@ -425,9 +425,9 @@ class Attention(nnx.Module):
     positions = _check_inputs(x, positions, cfg.embed_dim)
     dt = cfg.dtype
     x = constrain(x.astype(dt), (BATCH, LENGTH, EMBED), cfg.rules)
-    q = jnp.einsum("bse,enh->bsnh", x, self.wq[...].astype(dt))
-    k = jnp.einsum("bse,ekh->bskh", x, self.wk[...].astype(dt))
-    v = jnp.einsum("bse,ekh->bskh", x, self.wv[...].astype(dt))
+    q = dense(self, "wq", "bse,enh->bsnh", x, dt)
+    k = dense(self, "wk", "bse,ekh->bskh", x, dt)
+    v = dense(self, "wv", "bse,ekh->bskh", x, dt)
     if cfg.qkv_bias:
       q, k, v = (y + b[...].astype(dt)
                  for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
@@ -473,7 +473,7 @@ class Attention(nnx.Module):
   def output(self, out):
     """``(B, S, N, H)`` -> ``(B, S, E)``: the output projection."""
     cfg = self.config
-    y = jnp.einsum("bsnh,nhe->bse", out, self.wo[...].astype(cfg.dtype))
+    y = dense(self, "wo", "bsnh,nhe->bse", out, cfg.dtype)
     return constrain(y, (BATCH, LENGTH, EMBED), cfg.rules)
 
 

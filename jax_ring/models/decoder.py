@@ -49,6 +49,7 @@ from flax import nnx
 
 from jax_ring.flax.attention import (EMBED, Attention, constrain, rms_norm,
                                      sharded_param)
+from jax_ring.flax.lora import dense
 from jax_ring.models.config import DecoderConfig
 
 
@@ -91,9 +92,10 @@ class GatedMLP(nnx.Module):
   def __call__(self, x):
     dt, rules = self.cfg.dtype, self.cfg.rules
     act = ACTIVATIONS[self.cfg.hidden_act]
-    h = act(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
+    h = (act(dense(self, "w_gate", "bse,em->bsm", x, dt))
+         * dense(self, "w_up", "bse,em->bsm", x, dt))
     h = constrain(h, ("batch", "length", MLP), rules)
-    return constrain(h @ self.w_down[...].astype(dt),
+    return constrain(dense(self, "w_down", "bsm,me->bse", h, dt),
                      ("batch", "length", EMBED), rules)
 
 
@@ -235,11 +237,20 @@ def _scan_blocks(blocks: list, period: int, step, x):
                                 *(state for _, state in split)))
 
   def body(x, group):
+    rng_states = []
     for graph, state in zip(graphs, group):
-      x = step(nnx.merge(graph, state), x)
-    return x, None
+      block = nnx.merge(graph, state)
+      x = step(block, x)
+      rng_states.append(nnx.state(block, nnx.RngState))
+    return x, rng_states
 
-  x, _ = jax.lax.scan(body, x, stacked)
+  # A block's random streams (LoRA dropout) count their draws: the counts
+  # come back out of the scan, so that the next call draws afresh, as the
+  # unscanned blocks do.
+  x, rng_states = jax.lax.scan(body, x, stacked)
+  for j, states in enumerate(rng_states):
+    for g in range(groups):
+      nnx.update(blocks[g * period + j], jax.tree.map(lambda s: s[g], states))
   return x, blocks[groups * period:]
 
 

@@ -47,6 +47,7 @@ from jax_ring._src.strategies.layout import reorder_for_load_balance
 from jax_ring.flax.attention import (BATCH, HEAD_DIM, KV_HEADS, LENGTH,
                                      constrain, split_devices)
 from jax_ring.flax.data import reorder_size
+from jax_ring.flax.lora import LoRA
 from jax_ring.models.config import DecoderConfig
 from jax_ring.models.decoder import Decoder
 from jax_ring.models.sampling import Sampling, check_count, is_int
@@ -54,11 +55,11 @@ from jax_ring.models.sampling import Sampling, check_count, is_int
 
 # Each device's slots are a multiple of this: XLA's GPU matrix products may
 # pad a reduced length that is not, copying the whole cache at every layer
-# and step (measured: docs/performance.md, "One GPU: decoding").
+# and step (docs/decisions.md, "Decoding").
 SLOT_ALIGN = 1024
 # generate's decode steps a call: the host's cost of a call (its arguments
-# and launches) is paid once for them (measured: docs/performance.md, "One
-# GPU: decoding").
+# and launches) is paid once for them (measured: docs/performance.md,
+# "Decoding").
 TOKENS_PER_CALL = 8
 
 
@@ -297,6 +298,10 @@ class Generator:
       raise ValueError(
           f"Generator: decode_implementation must be None, 'xla' or one of "
           f"{sorted(registry.DECODE_KERNELS)}; got {decode_implementation!r}")
+    if any(isinstance(m, LoRA) and m.dropout_active()
+           for _, m in nnx.iter_graph(model)):
+      raise ValueError("Generator: the model's LoRA dropout is active (it "
+                       "is in training mode): call model.eval() first")
     self.cfg = model.cfg
     self.decode_implementation = decode_implementation
     graphdef, state = nnx.split(model)

@@ -330,7 +330,7 @@ def _value(var):
   return var.get_value() if hasattr(var, "get_value") else var.value
 
 
-def _host(x) -> np.ndarray:
+def gather_to_host(x) -> np.ndarray:
   """The whole array on this host (gathered across processes)."""
   if jax.process_count() > 1 and not x.is_fully_addressable:
     from jax.experimental import multihost_utils
@@ -338,7 +338,7 @@ def _host(x) -> np.ndarray:
   return np.asarray(jax.device_get(x))
 
 
-def _new_file_mode() -> int:
+def new_file_mode() -> int:
   """The mode ``open(path, "w")`` gives a new file: 0o666 less the umask
   (read from /proc where Linux shows it, since setting it to read it is
   not thread-safe)."""
@@ -380,6 +380,11 @@ def save_pretrained(model: Decoder, path, *, dtype=None,
   from safetensors.numpy import save_file
   path = pathlib.Path(path)
   cfg = model.cfg
+  if jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
+    raise ValueError("save_pretrained: the model holds LoRA adapters, which a "
+                     "plain checkpoint cannot: merge_lora(model) folds them "
+                     "into the weights first, or save_adapter(model, path) "
+                     "writes them in PEFT's format")
   flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
   tensors = list(tensor_map(cfg))
   stored = np.dtype(dtype or _value(flat[tensors[0].key]).dtype)
@@ -400,14 +405,14 @@ def save_pretrained(model: Decoder, path, *, dtype=None,
   writer = jax.process_index() == 0
   if writer:
     path.mkdir(parents=True, exist_ok=True)
-  mode = _new_file_mode()
+  mode = new_file_mode()
   weight_map, total = {}, 0
   for i, group in enumerate(files):
     name = ("model.safetensors" if len(files) == 1 else
             f"model-{i + 1:05d}-of-{len(files):05d}.safetensors")
     arrays = {}
     for t in group:
-      x = _host(_value(flat[t.key]))
+      x = gather_to_host(_value(flat[t.key]))
       arrays[t.name] = np.ascontiguousarray(t.to_hf(x).astype(dtype or
                                                               x.dtype))
       total += arrays[t.name].nbytes

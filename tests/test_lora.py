@@ -1,0 +1,269 @@
+"""LoRA (jax_ring.models.add_lora, save_adapter, load_adapter, merge_lora)
+against PEFT itself, on tiny transformers checkpoints (float32, CPU):
+PEFT loads our adapters and gives our logits; adapters PEFT trained load
+into ours with PEFT's logits; our merge equals PEFT's ``merge_and_unload``;
+context-parallel on packed rows with FSDP, the adapters' gradients equal
+torch's through PEFT."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import jax_ring
+from jax_ring import flax as jrf, models
+from jax_ring.models import lora
+from helpers import relative_error
+from hf_models import (CONFIGS, V, assert_logits_close, hf_logits,
+                         mesh_2x4, packed_batch, torch_loss_and_grads)
+
+peft = pytest.importorskip("peft")
+FAMILIES = ("llama3", "qwen3", "gemma3")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+  """name -> a directory holding a random transformers checkpoint."""
+  out = {}
+  for i, name in enumerate(FAMILIES):
+    torch.manual_seed(10 + i)
+    config = CONFIGS[name]()
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+      for p in model.parameters():
+        p.normal_(0.0, 0.2)
+    out[name] = tmp_path_factory.mktemp(name)
+    model.save_pretrained(out[name])
+  return out
+
+
+def hf_model(path):
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      path, attn_implementation="eager")
+  return model.eval()
+
+
+def randomize(model, seed):
+  """Every adapter's A and B random (B starts at zero)."""
+  for n, (_, adapter) in enumerate(sorted(lora.adapters(model).items())):
+    for j, var in enumerate((adapter.a, adapter.b)):
+      key = jax.random.key(seed * 1000 + 2 * n + j)
+      x = 0.3 * jax.random.normal(key, var.shape, var.dtype)
+      var.set_value(jax.device_put(x, var.get_value().sharding))
+
+
+def tokens_of(seed, shape=(2, 23)):
+  return np.random.default_rng(seed).integers(1, V, shape)
+
+
+def our_logits(model, tokens):
+  positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+  return np.asarray(model(jnp.asarray(tokens), jnp.asarray(positions)))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_peft_reads_our_adapter_and_our_merge_equals_its_own(
+    name, checkpoints, tmp_path):
+  """Every linear module adapted (rank 4, alpha 6), the adapters random:
+  PEFT loads what save_adapter wrote and its logits equal ours; then
+  merge_lora + save_pretrained write exactly PEFT's merge_and_unload
+  weights, which transformers' forward turns into the same logits."""
+  path = checkpoints[name]
+  ours = models.load_pretrained(path, implementation="xla")
+  models.add_lora(ours, rank=4, alpha=6, rngs=nnx.Rngs(0), base_dtype=None)
+  randomize(ours, 1)
+  tokens = tokens_of(2)
+  want = our_logits(ours, tokens)
+  models.save_adapter(ours, tmp_path / "adapter")
+  config = json.loads((tmp_path / "adapter" / "adapter_config.json")
+                      .read_text())
+  assert (config["r"], config["lora_alpha"]) == (4, 6.0)
+  theirs = peft.PeftModel.from_pretrained(hf_model(path),
+                                          tmp_path / "adapter").eval()
+  assert_logits_close(hf_logits(theirs, tokens), want, name)
+
+  merged = theirs.merge_and_unload().state_dict()
+  models.merge_lora(ours)
+  assert not lora.adapters(ours)
+  assert_logits_close(our_logits(ours, tokens), want, "merged")
+  models.save_pretrained(ours, tmp_path / "merged")
+  from safetensors.numpy import load_file
+  saved = load_file(tmp_path / "merged" / "model.safetensors")
+  for key, x in saved.items():
+    assert relative_error(x, merged[key].numpy()) <= 1e-6, key
+
+
+# (family, PEFT's LoraConfig fields): a list of modules with rsLoRA, a
+# regular expression over one layer, a list over one layer, "all-linear".
+PEFT_CASES = [
+    ("llama3", dict(target_modules=["q_proj", "v_proj", "down_proj"],
+                    use_rslora=True)),
+    ("gemma3", dict(target_modules=r".*layers\.1\.(self_attn\.[ko]_proj|mlp"
+                    r"\.up_proj)")),
+    ("llama3", dict(target_modules=["k_proj", "gate_proj"],
+                    layers_to_transform=[0])),
+    ("qwen3", dict(target_modules="all-linear")),
+]
+
+
+@pytest.mark.parametrize("name, fields", PEFT_CASES,
+                         ids=["rslora", "regex", "layers", "all_linear"])
+def test_an_adapter_peft_trained_loads_into_ours(name, fields, checkpoints,
+                                                 tmp_path):
+  """PEFT adds adapters (rank 8, alpha 16), trains them three Adam steps
+  and saves them; load_adapter puts them on our base model (which has
+  none) and its logits equal PEFT's. Adapters on some layers only need
+  a model whose layers are not stacked (``scan_layers=False``)."""
+  path = checkpoints[name]
+  torch.manual_seed(0)
+  theirs = peft.get_peft_model(hf_model(path), peft.LoraConfig(
+      r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM", **fields))
+  theirs.train()
+  opt = torch.optim.Adam([p for p in theirs.parameters() if p.requires_grad],
+                         lr=3e-2)
+  x = torch.tensor(tokens_of(5, (2, 17)))
+  for _ in range(3):
+    opt.zero_grad()
+    theirs(x, labels=x).loss.backward()
+    opt.step()
+  theirs.eval()
+  theirs.save_pretrained(tmp_path / "adapter")
+  ours = models.load_pretrained(path, implementation="xla")
+  if "layers_to_transform" in fields:  # layers a scanned model stacks
+    with pytest.raises(ValueError, match="scan_layers=False"):
+      models.load_adapter(ours, tmp_path / "adapter")
+    ours = models.load_pretrained(path, implementation="xla",
+                                  scan_layers=False)
+  models.load_adapter(ours, tmp_path / "adapter")
+  assert lora.adapters(ours)
+  tokens = tokens_of(6)
+  assert_logits_close(our_logits(ours, tokens), hf_logits(theirs, tokens),
+                      name)
+
+
+LORA_GRAD_CASES = ["ring", pytest.param("all_gather", marks=pytest.mark.slow),
+                   pytest.param("ulysses", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("strategy", LORA_GRAD_CASES)
+def test_adapter_gradients_under_context_parallelism_equal_peft(
+    strategy, checkpoints, tmp_path):
+  """Qwen3 on data=2 x context=4, FSDP weights, packed documents: the
+  loss and the gradients with respect to the adapters alone (nnx.LoRAParam;
+  nothing else gets one) equal torch's through PEFT, run per document.
+  Each adapter is sharded like its weight's dims."""
+  path = checkpoints["qwen3"]
+  mesh = mesh_2x4()
+  cpc = jax_ring.ContextParallel(axis="context", strategy=strategy,
+                                 inputs="load_balanced")
+  rules = models.model_rules()
+  ours = models.load_pretrained(
+      path, mesh=mesh, implementation="xla", context_parallel=cpc,
+      rules=rules, param_rules=jrf.fsdp_rules(rules, ("data", "context")))
+  with jax.set_mesh(mesh):
+    models.add_lora(ours, rank=4, alpha=8, rngs=nnx.Rngs(0), base_dtype=None)
+    randomize(ours, 3)
+  adapter = ours.layers[0].attn.wq_lora
+  w_spec = tuple(ours.layers[0].attn.wq.sharding.spec)
+  assert w_spec[0] == ("data", "context")  # FSDP
+  assert tuple(adapter.a.sharding.spec) == (w_spec[0], None)
+  models.save_adapter(ours, tmp_path / "adapter")
+  theirs = peft.PeftModel.from_pretrained(
+      hf_model(path), tmp_path / "adapter", is_trainable=True)
+
+  tokens, ids, docs = packed_batch(7)
+  batch = jrf.prepare_lm_batch(tokens, ids, mesh=mesh,
+                               spec=P("data", "context"), context_parallel=cpc)
+  with jax.set_mesh(mesh):
+    loss, grads = nnx.jit(nnx.value_and_grad(
+        lambda m: models.lm_loss(m, batch),
+        argnums=nnx.DiffState(0, nnx.LoRAParam)))(ours)
+  want_loss, want = torch_loss_and_grads(theirs, tokens, docs)
+  np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
+  flat = dict(nnx.to_flat_state(grads))
+  assert all(key[-2].endswith("_lora") for key in flat), list(flat)[:3]
+  checked = 0
+  for (i, module), adapter in lora.adapters(ours).items():
+    owner = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj",
+                                            "o_proj")) else "mlp"
+    base = f"base_model.model.model.layers.{i}.{owner}.{module}"
+    parent, name = lora.MODULES[module]
+    prefix = ("layers", i, parent, f"{name}_lora")
+    r = adapter.rank
+    got_a = np.asarray(flat[prefix + ("a",)].get_value()).reshape(-1, r).T
+    got_b = np.asarray(flat[prefix + ("b",)].get_value()).reshape(r, -1).T
+    assert relative_error(got_a, want[f"{base}.lora_A.default.weight"]) <= 2e-5
+    assert relative_error(got_b, want[f"{base}.lora_B.default.weight"]) <= 2e-5
+    checked += 1
+  assert checked == 2 * 7
+
+
+def test_dropout_draws_afresh_each_call_scanned_or_not(checkpoints):
+  """LoRA dropout 0.5: a scanned model and an unrolled one with the same
+  adapters (and streams) give the same logits, and a second call draws
+  new masks in both; after ``eval()`` the logits are the dropout-free
+  ones, and a Generator refuses the model until then."""
+  path = checkpoints["llama3"]
+  logits = []
+  for scan in (False, True):
+    model = models.load_pretrained(path, implementation="xla",
+                                   scan_layers=scan)
+    models.add_lora(model, rank=2, alpha=4, dropout=0.5, targets=["v_proj"],
+                    base_dtype=None, rngs=nnx.Rngs(params=0, dropout=1))
+    randomize(model, 4)
+    tokens = tokens_of(8, (1, 11))
+    step = nnx.jit(lambda m, t: m(t, jnp.arange(t.shape[1])[None]))
+    with pytest.raises(ValueError, match="model.eval"):
+      models.Generator(model)
+    logits.append([np.asarray(step(model, jnp.asarray(tokens)))
+                   for _ in range(2)])
+    model.eval()
+    logits[-1].append(np.asarray(step(model, jnp.asarray(tokens))))
+    for adapter in lora.adapters(model).values():
+      adapter.dropout = None
+    logits[-1].append(np.asarray(step(model, jnp.asarray(tokens))))
+  (a1, a2, a_eval, a_plain), (b1, b2, b_eval, _) = logits
+  np.testing.assert_allclose(b1, a1, atol=1e-5)
+  np.testing.assert_allclose(b2, a2, atol=1e-5)
+  assert np.abs(a1 - a2).max() > 1e-3
+  np.testing.assert_allclose(a_eval, a_plain, atol=1e-6)
+  np.testing.assert_allclose(b_eval, a_plain, atol=1e-5)
+
+
+def test_lora_errors_name_what_is_wrong(checkpoints, tmp_path):
+  path = checkpoints["llama3"]
+  model = models.load_pretrained(path, implementation="xla")
+  with pytest.raises(ValueError, match="targets"):
+    models.add_lora(model, rank=2, alpha=4, targets=["qkv"],
+                    rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="rank"):
+    models.add_lora(model, rank=0, alpha=4, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="no adapters"):
+    models.save_adapter(model, tmp_path / "a")
+  models.add_lora(model, rank=2, alpha=4, targets=["q_proj"],
+                  rngs=nnx.Rngs(0))
+  assert model.layers[0].attn.wq[...].dtype == jnp.bfloat16  # the base
+  assert model.layers[0].attn.wq_lora.a[...].dtype == jnp.float32
+  with pytest.raises(ValueError, match="already has an adapter"):
+    models.add_lora(model, rank=2, alpha=4, targets=["q_proj"],
+                    rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="merge_lora"):
+    models.save_pretrained(model, tmp_path / "plain")
+  assert not (tmp_path / "plain").exists()
+  models.save_adapter(model, tmp_path / "a")
+  config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+  (tmp_path / "a" / "adapter_config.json").write_text(
+      json.dumps(config | dict(use_dora=True)))
+  with pytest.raises(ValueError, match="use_dora"):
+    models.load_adapter(model, tmp_path / "a")
+  (tmp_path / "a" / "adapter_config.json").write_text(
+      json.dumps(config | dict(r=3)))
+  with pytest.raises(ValueError, match=r"lora_A.weight must be \(3, 48\)"):
+    models.load_adapter(model, tmp_path / "a")
