@@ -25,13 +25,15 @@ Each row records:
   dispatch_s      how long each step call took to return, the compiling
                   one aside (about a step's time where the host does not
                   run ahead of the device);
-  mfu             model FLOPs / (step time x C x peak): per token 6 P (P: the
-                  parameters in matrix products; a tied table counts once,
-                  as the output layer) plus, per layer, 12 Hq D times the
-                  keys a query sees on average in the rows trained on (its
-                  own document's earlier tokens, within W on a sliding
-                  layer); peak ``--peak-tflops``, the H100/H200 SXM
-                  datasheet's dense bf16 989 TFLOP/s;
+  mfu             the work's FLOPs / (step time x C x peak): per token 6 P
+                  (P: the parameters in matrix products; a tied table
+                  counts once, as the output layer) plus, per layer, 12 Hq
+                  D times the keys a query sees on average in the rows
+                  trained on (its own document's earlier tokens, within W
+                  on a sliding layer); with ``--example-args="--lora R"``
+                  4 P (the frozen weights get no gradient) plus 6 times the
+                  adapters' parameters; peak ``--peak-tflops``, the
+                  H100/H200 SXM datasheet's dense bf16 989 TFLOP/s;
   peak_gb         the allocator's ``peak_bytes_in_use`` on the first GPU.
 
 Writes benchmarks/results/finetune_models_<count>x<gpu>.json.
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import shlex
 import subprocess
@@ -54,19 +57,35 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 
-MODELS = ["llama3.2-1b", "gemma3-1b", "qwen3-1.7b"]
+MODELS = ["llama3.2-1b", "gemma3-1b", "qwen3-1.7b", "llama3.1-8b"]
+DEFAULT_MODELS = MODELS[:3]
 
 
-def flops_per_token(cfg, doc_lengths, tokens: int) -> float:
-  """6 P plus the attention's FLOPs, per token of ``tokens`` row tokens
-  whose documents have ``doc_lengths`` (a query sees its own document's
-  earlier keys, within the window on a sliding layer)."""
+def lora_params(cfg, rank: int) -> int:
+  """The parameters of rank-``rank`` adapters on every linear layer:
+  ``r (in + out)`` for each of q, k, v, o, gate, up and down."""
+  e, m = cfg.hidden_size, cfg.intermediate_size
+  q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  per_layer = (e + q) * 2 + (e + kv) * 2 + (e + m) * 3
+  return rank * per_layer * cfg.num_layers
+
+
+def flops_per_token(cfg, doc_lengths, tokens: int, lora: int | None = None
+                    ) -> float:
+  """The work of a training step, per token of ``tokens`` row tokens whose
+  documents have ``doc_lengths``: 6 P (forward, input and weight
+  gradients) plus the attention's 12 Hq D per key a query sees (its own
+  document's earlier keys, within the window on a sliding layer). With
+  LoRA of rank ``lora``: the frozen base has no weight gradients, 4 P,
+  and the adapters 6 P_lora."""
   from common import causal_keys
   lookup = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
   keys = sum(causal_keys(doc_lengths, cfg.attention(layer).sliding_window)
              for layer in range(cfg.num_layers))
-  return (6 * (cfg.num_params() - lookup) +
-          12 * cfg.num_heads * cfg.head_dim * keys / tokens)
+  base = cfg.num_params() - lookup
+  matmuls = (6 * base if lora is None else
+             4 * base + 6 * lora_params(cfg, lora))
+  return matmuls + 12 * cfg.num_heads * cfg.head_dim * keys / tokens
 
 
 def long_records(path: str, words: int, count: int) -> str:
@@ -84,8 +103,11 @@ def long_records(path: str, words: int, count: int) -> str:
 
 
 def one(model: str, seq: int, steps: int, peak_tflops: float,
-        doc_words: int, context: int = 1, extra: str = "") -> dict:
-  """Run the example once, in this process; the result row."""
+        doc_words: int, context: int = 1, extra: str = "",
+        base: str | None = None) -> dict:
+  """Run the example once, in this process; the result row. ``base``: a
+  checkpoint of ``model``'s shapes made before (``--make-base``), read
+  instead of making the demo's (the data must then be ``doc_words``')."""
   import finetune
   import jax
   from jax_ring import models
@@ -93,8 +115,9 @@ def one(model: str, seq: int, steps: int, peak_tflops: float,
     data = ["--data", long_records(f"{run}.jsonl", doc_words,
                                    (steps + 2) * seq // doc_words)
             ] if doc_words else ["--examples", str(max(2000, steps * seq // 12))]
+    which = ["--model", base] if base else ["--demo-model", model]
     args = finetune.parse_args([
-        "--demo-model", model, "--seq", str(seq), "--context", str(context),
+        *which, "--seq", str(seq), "--context", str(context),
         "--batch", "1", "--steps", str(steps), "--vocab-chunk", "8192",
         "--lr", "1e-4", "--run-dir", run, "--quiet", *data,
         *shlex.split(extra)])
@@ -117,11 +140,12 @@ def one(model: str, seq: int, steps: int, peak_tflops: float,
   rows = [result["data"].row(i)[1] for i in range(steps)]  # segment ids
   segments = np.concatenate(rows)
   lengths = row_documents(rows)
-  per_token = flops_per_token(cfg, lengths, segments.size)
+  lora = getattr(args, "lora", None)
+  per_token = flops_per_token(cfg, lengths, segments.size, lora)
   tokens_per_s = result["tokens_per_s"]
   stats = jax.devices()[0].memory_stats() or {}
   return dict(model=model, seq=seq, context=context, steps=steps,
-              params=cfg.num_params(),
+              params=cfg.num_params(), lora_rank=lora,
               tokens_per_s=tokens_per_s,
               step_intervals_s=result["step_intervals_s"],
               dispatch_s=dispatch[1:],
@@ -137,7 +161,8 @@ def one(model: str, seq: int, steps: int, peak_tflops: float,
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--models", nargs="+", choices=MODELS, default=MODELS)
+  p.add_argument("--models", nargs="+", choices=MODELS,
+                 default=DEFAULT_MODELS)
   p.add_argument("--seq", type=int, default=32768)
   p.add_argument("--steps", type=int, default=8,
                  help="steps; the first compiles, the rest are timed")
@@ -150,12 +175,30 @@ def main():
   p.add_argument("--example-args", default="",
                  help="more flags for examples/finetune.py, e.g. "
                  "--example-args='--remat attention'")
+  p.add_argument("--base", default=None, metavar="DIR",
+                 help="read this checkpoint of the (one) model's shapes, "
+                 "made by --make-base, instead of making the demo's in every "
+                 "run (an 8B model's takes minutes)")
+  p.add_argument("--make-base", default=None, metavar="DIR",
+                 help="write the demo's checkpoint of --models' (one) "
+                 "model to DIR, then stop")
   p.add_argument("--mode", default="default")
   p.add_argument("--one", default=None, help=argparse.SUPPRESS)
   a = p.parse_args()
+  # The model's weights leave less than jax's default 75% of the GPU to the
+  # step (an 8B model's bf16 base is 16 GB), as in lm_training.py.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+  if not a.one and (a.base or a.make_base) and len(a.models) != 1:
+    p.error("--base and --make-base take one model (--models M)")
+  if a.make_base:
+    import finetune
+    args = finetune.parse_args(["--demo-model", a.models[0], "--run-dir",
+                                a.make_base, "--quiet"])
+    print(finetune.make_demo(pathlib.Path(a.make_base), args)[0])
+    return
   if a.one:  # the child: run, then add its row to the results file
     record([one(a.one, a.seq, a.steps, a.peak_tflops, a.doc_words,
-                a.context, a.example_args)
+                a.context, a.example_args, a.base)
             | dict(doc_words=a.doc_words)], a)
     return
   failed = []
@@ -164,7 +207,8 @@ def main():
         [sys.executable, __file__, "--one", model, "--seq", str(a.seq),
          "--steps", str(a.steps), "--peak-tflops", str(a.peak_tflops),
          "--doc-words", str(a.doc_words), "--mode", a.mode,
-         "--context", str(a.context), "--example-args=" + a.example_args])
+         "--context", str(a.context), "--example-args=" + a.example_args,
+         *(["--base", a.base] if a.base else [])])
     if done.returncode:
       failed.append(model)
   if failed:

@@ -18,6 +18,9 @@ them. Nothing is ever downloaded.
                                          # continue from the last checkpoint
   python examples/finetune.py --model /path/to/Llama-3.2-1B --data my.jsonl \\
       --seq 65536 --context 2            # GPUs: bfloat16 (cuDNN), remat
+  python examples/finetune.py --lora 16 --model /path/to/Llama-3.1-8B \\
+      --data my.jsonl --seq 65536        # LoRA (rank 16, every linear layer)
+                                         # on one GPU: writes adapter/ too
   python examples/finetune.py --model /path/to/gemma-3-1b-it --data my.jsonl \\
       --seq 32768 --context 2 --vocab-chunk 32768
                                          # 32k-token rows over 2 GPUs; the
@@ -80,6 +83,12 @@ a directory that holds any of these (``--resume`` continues that run,
 ``--overwrite`` deletes them first; see ``run_dir.py``). A NaN or infinite
 loss or weight stops training with an error naming the step: final/ is
 written only from a finished run's finite weights.
+
+With ``--lora RANK`` the base weights stay frozen in the checkpoint's
+dtype (bfloat16 on GPUs) and only adapters train (float32, Adam state for
+them alone); adapter/ holds them in PEFT's format
+(``peft.PeftModel.from_pretrained(base, "adapter")`` loads it), and final/
+is the base with the adapters merged in.
 """
 
 from __future__ import annotations
@@ -100,10 +109,12 @@ from sft_data import Encoder, SFTData, pack, pieces, read_records
 
 # The defaults of the demo (no --model) and of a real checkpoint.
 # 600 steps: the tiny model then reverses a prompt's words (150 did not).
-DEMO = dict(seq=512, batch_per_data=2, steps=600, lr=3e-3, examples=2000)
+DEMO = dict(seq=512, batch_per_data=2, steps=600, lr=3e-3, lora_lr=1e-2,
+            examples=2000)
 # The demo's sample prompt, greedy before and after training.
 DEMO_PROMPT = "Reverse the words: owl sun lamp\n"
-MODEL = dict(seq=4096, batch_per_data=1, steps=None, lr=2e-5)  # steps: 1 epoch
+# steps: one epoch
+MODEL = dict(seq=4096, batch_per_data=1, steps=None, lr=2e-5, lora_lr=2e-4)
 # Files next to the weights that travel to final/ unchanged.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "generation_config.json")
@@ -123,6 +134,16 @@ DEMO_MODELS = {
             rope_type="llama3", factor=32.0, low_freq_factor=1.0,
             high_freq_factor=4.0, original_max_position_embeddings=8192),
         max_position_embeddings=131072, tie_word_embeddings=True,
+        attention_bias=False, mlp_bias=False, attention_dropout=0.0),
+    "llama3.1-8b": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"],
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, hidden_act="silu", rms_norm_eps=1e-5,
+        rope_theta=500_000.0, rope_scaling=dict(
+            rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+            high_freq_factor=4.0, original_max_position_embeddings=8192),
+        max_position_embeddings=131072, tie_word_embeddings=False,
         attention_bias=False, mlp_bias=False, attention_dropout=0.0),
     "qwen3-1.7b": dict(
         model_type="qwen3", architectures=["Qwen3ForCausalLM"],
@@ -159,8 +180,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "model, made in --run-dir")
   p.add_argument("--demo-model", default="tiny-llama",
                  choices=list(DEMO_MODELS), help="the demo's random model "
-                 "(without --model): a tiny Llama, or the shapes of "
-                 "Qwen3-1.7B or Gemma-3-1B (default: %(default)s)")
+                 "(without --model): a tiny Llama, or the shapes of a "
+                 "released checkpoint (default: %(default)s)")
   p.add_argument("--data", default=None, help="JSON lines of examples; "
                  "default: a toy dataset made in --run-dir")
   p.add_argument("--context", type=run_dir.POSITIVE, default=None,
@@ -202,6 +223,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="run the blocks as one lax.scan, so the step compiles "
                  "one group of layers (DecoderConfig.scan_layers; "
                  "--no-scan-layers: unrolled)")
+  p.add_argument("--lora", type=run_dir.POSITIVE, default=None,
+                 metavar="RANK", help="train LoRA adapters of this rank on "
+                 "every linear layer instead of every weight: the base stays "
+                 "frozen (bfloat16 on GPUs), gradients and Adam state are the "
+                 "adapters' alone; writes adapter/ (PEFT's format) and final/ "
+                 "(the adapters merged in)")
+  p.add_argument("--lora-alpha", type=run_dir.POSITIVE_FLOAT, default=None,
+                 help="LoRA's alpha (the adapters' scale is alpha / RANK; "
+                 "default 2 x RANK)")
+  p.add_argument("--lora-dropout", type=float, default=0.0,
+                 help="dropout on the adapters' inputs (default 0)")
   run_dir.add_flags(p, "finetune")
   train_lm.add_process_flags(p)
   p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -213,7 +245,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   if args.model and args.demo_model != "tiny-llama":
     p.error("--demo-model makes the demo's model; --model names yours: "
             "pass one of them")
+  if args.lora is None and (args.lora_alpha is not None
+                            or args.lora_dropout):
+    p.error("--lora-alpha and --lora-dropout need --lora RANK")
+  if not 0.0 <= args.lora_dropout < 1.0:
+    p.error(f"--lora-dropout must be in [0, 1); got {args.lora_dropout}")
   defaults = MODEL if args.model else DEMO
+  if args.lora and args.lr is None:
+    args.lr = defaults["lora_lr"]
   for name in ("seq", "lr"):
     if getattr(args, name) is None:
       setattr(args, name, defaults[name])
@@ -299,8 +338,9 @@ def make_demo(run: pathlib.Path, args) -> tuple[pathlib.Path, str]:
         vocab_size=tok.get_vocab_size(), hidden_size=64,
         intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=16)
-  else:  # the released vocabulary holds the demo tokenizer's ids
-    cfg = models.config_from_hf(shapes)
+  else:  # the released vocabulary holds the demo tokenizer's ids; made
+    # in bfloat16, the dtype it is saved in
+    cfg = models.config_from_hf(shapes, param_dtype=jnp.bfloat16)
   models.save_pretrained(models.Decoder(cfg, rngs=nnx.Rngs(args.seed)), base,
                          dtype=None if shapes is None else jnp.bfloat16)
   if jax.process_index() == 0:
@@ -343,6 +383,7 @@ def build(args, model_dir, shape: dict[str, int]):
   """The mesh, the model loaded onto it, its train state and jitted step."""
   import jax
   import jax.numpy as jnp
+  from flax import nnx
 
   import jax_ring
   from jax_ring import flax as jrf
@@ -357,19 +398,31 @@ def build(args, model_dir, shape: dict[str, int]):
          if shape["context"] > 1 else None)
   rules = models.model_rules(data="data", context="context")
   fsdp = tuple(a for a in shape if shape[a] > 1)
+  # Full fine-tuning keeps float32 master weights; LoRA's frozen base stays
+  # in the checkpoint's dtype, cast to bfloat16 on GPUs (add_lora).
   model = models.load_pretrained(
       model_dir, mesh=mesh,
       dtype=jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32")),
-      param_dtype=jnp.float32, implementation=args.implementation,
+      param_dtype=None if args.lora else jnp.float32,
+      implementation=args.implementation,
       context_parallel=cpc, rules=rules,
       param_rules=jrf.fsdp_rules(rules, fsdp) if fsdp else None,
       remat={"none": False, "block": True, "attention": "attention"}[
           args.remat or ("attention" if gpu else "none")],
       scan_layers=args.scan_layers)
+  trainable = None
+  if args.lora:
+    with jax.set_mesh(mesh):
+      models.add_lora(
+          model, rank=args.lora, alpha=args.lora_alpha or 2.0 * args.lora,
+          dropout=args.lora_dropout, base_dtype=jnp.bfloat16 if gpu else None,
+          rngs=nnx.Rngs(params=args.seed, dropout=args.seed + 1))
+    trainable = nnx.LoRAParam
   tx = train_lm.make_optimizer(args.lr, args.warmup, args.steps)
   state, train_step, graphdef = train_lm.make_train_step(
       model, tx, functools.partial(models.lm_loss,
-                                   vocab_chunk=args.vocab_chunk), mesh)
+                                   vocab_chunk=args.vocab_chunk), mesh,
+      trainable=trainable)
   return dict(mesh=mesh, cfg=model.cfg, state=state, train_step=train_step,
               graphdef=graphdef)
 
@@ -384,7 +437,7 @@ def _sha256(path) -> str:
 
 def outputs(args) -> tuple[str, ...]:
   """What a run writes in its run directory (see run_dir.py)."""
-  return train_lm.OUTPUTS + ("final",) + (
+  return train_lm.OUTPUTS + ("final",) + (("adapter",) if args.lora else ()) + (
       () if args.model else ("base_model",) + (
           () if args.data else ("demo.jsonl",)))
 
@@ -392,11 +445,11 @@ def outputs(args) -> tuple[str, ...]:
 def train(args) -> dict:
   """Fine-tune (or resume); returns train_lm.train_loop's result plus the
   data, the model directory, final/ (None if stopped early) and the
-  model's graphdef (``nnx.merge(graphdef, state["params"])``)."""
+  model's graphdef (``train_lm.model_of(graphdef, state)``)."""
   import jax
-  from flax import nnx
 
   from jax_ring import flax as jrf
+  from jax_ring import models
 
   run = run_dir.prepare(args, "finetune", outputs(args),
                         inputs=(args.model, args.data))
@@ -442,18 +495,20 @@ def train(args) -> dict:
                 warmup=args.warmup, seed=args.seed, dtype=str(cfg.dtype),
                 # the demo's own flags (a resumed demo keeps its files)
                 demo_model=None if args.model else args.demo_model,
+                lora=args.lora and dict(rank=args.lora, alpha=args.lora_alpha,
+                                        dropout=args.lora_dropout),
                 examples=None if args.model or args.data else args.examples)
   # Every process samples (the programs span them all); one prints.
   show = prompt is not None and not args.quiet
   if show:  # the weights before the loop, which donates them
-    before = sample(nnx.merge(built["graphdef"], built["state"]["params"]),
+    before = sample(train_lm.model_of(built["graphdef"], built["state"]),
                     mesh, encoder, prompt)
   result = train_lm.train_loop(
       args, mesh=mesh, state=built["state"], train_step=built["train_step"],
       record=record, batch_at=batch_at,
       tokens_per_step=batch * args.seq, banner=banner)
   if show:
-    after = sample(nnx.merge(built["graphdef"], result["state"]["params"]),
+    after = sample(train_lm.model_of(built["graphdef"], result["state"]),
                    mesh, encoder, prompt)
     if jax.process_index() == 0:
       print(f"sample (greedy): {prompt!r}\n  before training: {before!r}"
@@ -461,8 +516,16 @@ def train(args) -> dict:
   final = None
   if len(result["losses"]) == args.steps:  # not when stopped early
     final = run / "final"
-    save_final(nnx.merge(built["graphdef"], result["state"]["params"]),
-               model_dir, final, args.save_dtype)
+    model = train_lm.model_of(built["graphdef"], result["state"])
+    if args.lora:
+      adapter = run / "adapter"
+      if jax.process_index() == 0 and adapter.exists():
+        shutil.rmtree(adapter)
+      run_dir.sync("adapter cleared")
+      models.save_adapter(model, adapter,
+                          base_model_name_or_path=str(model_dir))
+      models.merge_lora(model)
+    save_final(model, model_dir, final, args.save_dtype)
   return dict(result, data=data, model_dir=model_dir, final=final,
               graphdef=built["graphdef"])
 
@@ -474,6 +537,7 @@ def sample(model, mesh, encoder, prompt: str, max_new_tokens: int = 24
   import jax
 
   from jax_ring.models import generation
+  model.eval()  # LoRA dropout off (on this copy of the model)
   ids = encoder.prefix + encoder.tok.encode(prompt,
                                             add_special_tokens=False).ids
   with jax.set_mesh(mesh):
@@ -541,6 +605,8 @@ def main(argv=None):
       print(f"  final/        not written: stopped after step {done} of "
             f"{args.steps} (--resume continues)")
     else:
+      if args.lora:
+        print(f"  adapter/      the LoRA adapters, PEFT's format: {run}/adapter")
       print(f"  final/        the fine-tuned model, Hugging Face safetensors "
             f"with the tokenizer: {result['final']}")
 

@@ -321,7 +321,7 @@ def build(args, devices=None):
               train_step=train_step, graphdef=graphdef)
 
 
-def make_train_step(model, tx, loss_fn, mesh):
+def make_train_step(model, tx, loss_fn, mesh, trainable=None):
   """The train state of ``model`` and its jitted step.
 
   Args:
@@ -329,19 +329,25 @@ def make_train_step(model, tx, loss_fn, mesh):
     tx: the optax optimizer.
     loss_fn: ``(model, batch) -> scalar loss``.
     mesh: the device mesh.
+    trainable: an nnx filter of what trains (default ``nnx.Param``;
+      ``nnx.LoRAParam`` for LoRA): gradients and optimizer state exist for
+      it alone; the rest of the model (frozen weights, dropout streams)
+      rides along in ``state["rest"]``.
 
   Returns:
     ``(state, train_step, graphdef)``: ``state`` is ``{"params",
-    "opt_state"}``; ``train_step(state, batch) -> (state, loss)``;
-    ``nnx.merge(graphdef, state["params"])`` is the model again.
+    "opt_state"}`` (and ``"rest"`` where the model holds more);
+    ``train_step(state, batch) -> (state, loss)``;
+    ``model_of(graphdef, state)`` is the model again.
   """
   import jax
   import optax
   from flax import nnx
 
+  trainable = nnx.Param if trainable is None else trainable
   replicated = jax.NamedSharding(mesh, jax.P())
   with jax.set_mesh(mesh):
-    graphdef, params = nnx.split(model)
+    graphdef, params, rest = nnx.split(model, trainable, ...)
     # Eagerly, each moment is made where its parameter is (zeros_like keeps
     # the sharding: split under FSDP); under jit it would come out
     # replicated. The rest (the step count) is replicated over the mesh.
@@ -349,23 +355,37 @@ def make_train_step(model, tx, loss_fn, mesh):
         lambda x: x if isinstance(x.sharding, jax.NamedSharding) else
         jax.device_put(x, replicated), tx.init(params))
   state = {"params": params, "opt_state": opt_state}
+  if jax.tree.leaves(rest):
+    state["rest"] = rest
   # The step keeps every array where it found it: the restored state of a
   # resumed run has the same shardings, so the same program runs.
   state_sh = jax.tree.map(lambda x: x.sharding, state)
 
   def step(state, batch):
     def loss_of(params):
-      return loss_fn(nnx.merge(graphdef, params), batch)
+      model = model_of(graphdef, dict(state, params=params))
+      # What the call changed outside the trainable arrays (the dropout
+      # streams' counts) comes out, so that the next step draws afresh.
+      return loss_fn(model, batch), nnx.split(model, trainable, ...)[2]
 
-    loss, grads = jax.value_and_grad(loss_of)(state["params"])
+    (loss, rest), grads = jax.value_and_grad(loss_of, has_aux=True)(
+        state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    return {"params": params, "opt_state": opt_state}, loss
+    new = {"params": params, "opt_state": opt_state}
+    return (new | {"rest": rest} if "rest" in state else new), loss
 
   gpu = jax.default_backend() == "gpu"
   train_step = jax.jit(step, out_shardings=(state_sh, replicated),
                        donate_argnums=(0,) if gpu else ())
   return state, train_step, graphdef
+
+
+def model_of(graphdef, state):
+  """The model of a train state (``make_train_step``'s)."""
+  from flax import nnx
+  return nnx.merge(graphdef, state["params"],
+                   *([state["rest"]] if "rest" in state else []))
 
 
 # --------------------------------------------------------------------------

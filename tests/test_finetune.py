@@ -375,3 +375,28 @@ def test_fine_tunes_a_transformers_checkpoint_and_saves_it_back(family,
   got = jax.jit(lambda m, x: m(x, jnp.arange(x.shape[1])[None]))(
       ours, jnp.asarray(ids[None]))
   assert relative_error(got, want) <= TOLERANCE
+
+
+@pytest.mark.xdist_group("peft")  # with tests/test_lora.py: see there
+def test_lora_run_writes_an_adapter_peft_merges_into_final(tmp_path):
+  """``--lora 4``: only the adapters train (the state's params are
+  ``nnx.LoRAParam`` alone, and the loss falls); adapter/ is PEFT's format,
+  and PEFT's ``merge_and_unload`` of it over base_model/ equals final/,
+  so the base stayed frozen and final/ is the adapters merged in."""
+  peft = pytest.importorskip("peft")
+  needs_devices()
+  result = run(tmp_path, "--lora", "4", "--steps", "3", "--checkpoint-every",
+               "3")
+  assert result["losses"][-1] < result["losses"][0]
+  trained = nnx.State(result["state"]["params"])
+  assert all(isinstance(v, nnx.LoRAParam) for v in jax.tree.leaves(
+      trained, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  base = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path / "base_model")
+  merged = peft.PeftModel.from_pretrained(
+      base, tmp_path / "adapter").merge_and_unload().state_dict()
+  from safetensors.numpy import load_file
+  final = load_file(result["final"] / "model.safetensors")
+  assert final.keys() == merged.keys()
+  for key, x in final.items():
+    assert relative_error(x, merged[key].numpy()) <= 1e-6, key

@@ -23,8 +23,15 @@ from helpers import relative_error
 from hf_models import (CONFIGS, V, assert_logits_close, hf_logits,
                          mesh_2x4, packed_batch, torch_loss_and_grads)
 
-peft = pytest.importorskip("peft")
 FAMILIES = ("llama3", "qwen3", "gemma3")
+# peft imports much of torch and transformers (about 11 s): in one pytest
+# worker only (CI runs ``--dist loadgroup``), and only when these tests run.
+pytestmark = pytest.mark.xdist_group("peft")
+
+
+@pytest.fixture(scope="module")
+def peft():
+  return pytest.importorskip("peft")
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +77,7 @@ def our_logits(model, tokens):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_peft_reads_our_adapter_and_our_merge_equals_its_own(
-    name, checkpoints, tmp_path):
+    name, checkpoints, tmp_path, peft):
   """Every linear module adapted (rank 4, alpha 6), the adapters random:
   PEFT loads what save_adapter wrote and its logits equal ours; then
   merge_lora + save_pretrained write exactly PEFT's merge_and_unload
@@ -116,7 +123,7 @@ PEFT_CASES = [
 @pytest.mark.parametrize("name, fields", PEFT_CASES,
                          ids=["rslora", "regex", "layers", "all_linear"])
 def test_an_adapter_peft_trained_loads_into_ours(name, fields, checkpoints,
-                                                 tmp_path):
+                                                 tmp_path, peft):
   """PEFT adds adapters (rank 8, alpha 16), trains them three Adam steps
   and saves them; load_adapter puts them on our base model (which has
   none) and its logits equal PEFT's. Adapters on some layers only need
@@ -154,7 +161,7 @@ LORA_GRAD_CASES = ["ring", pytest.param("all_gather", marks=pytest.mark.slow),
 
 @pytest.mark.parametrize("strategy", LORA_GRAD_CASES)
 def test_adapter_gradients_under_context_parallelism_equal_peft(
-    strategy, checkpoints, tmp_path):
+    strategy, checkpoints, tmp_path, peft):
   """Qwen3 on data=2 x context=4, FSDP weights, packed documents: the
   loss and the gradients with respect to the adapters alone (nnx.LoRAParam;
   nothing else gets one) equal torch's through PEFT, run per document.
