@@ -324,15 +324,14 @@ MANY = {
 }
 
 
-# The default run: SMALLEST = 4 (classes, menus and loops) for every row
-# but the few documents' (a subset of same_causal's classes) and 32, the
-# library's, for same_causal, as one handler a pass; as the calls' loop
-# (kept where a pass's stats would be too large), the library's classes
-# and the two-array rows. The rest under -m slow.
-_DEFAULT_RUN = {(True, 32, "same_causal")} | {
-    (True, 4, name) for name in MANY if name != "same_causal_few"} | {
-        (False, 32, "same_causal"), (False, 4, "different_full"),
-        (False, 4, "striped_next")}
+# The default run: SMALLEST = 4 (classes, menus and loops), as one handler
+# a pass, for the one-array rows (causal, window, offset, an id in two
+# runs); as the calls' loop (kept where a pass's stats would be too large),
+# the two-array row. The rest (the library's classes, the other path of
+# each row) under -m slow.
+_DEFAULT_RUN = {(True, 4, name) for name in (
+    "same_causal", "same_window", "striped_next", "not_contiguous")} | {
+        (False, 4, "different_full")}
 
 
 @pytest.mark.parametrize("name, smallest, one_handler", [
@@ -448,10 +447,11 @@ def _replayed_passes(monkeypatch):
   cudnn_blocks_on_the_cpu(monkeypatch)
 
 
-@pytest.mark.parametrize("load_balance", [
-    None, pytest.param("dual_chunk", marks=pytest.mark.slow),
-    pytest.param("striped", marks=pytest.mark.slow)],
-    ids=["contiguous", "dual_chunk", "striped"])
+# The slowest test to compile here (about 50 s): -m slow and the GPU lane,
+# whose ring runs the real handlers in shard_map.
+@pytest.mark.slow
+@pytest.mark.parametrize("load_balance", [None, "dual_chunk", "striped"],
+                         ids=["contiguous", "dual_chunk", "striped"])
 def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
   """The ring's packed blocks on cuDNN's ragged semantics (replayed in jnp)
   inside shard_map, on 2 simulated devices, rows of many documents in

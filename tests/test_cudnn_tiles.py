@@ -132,8 +132,7 @@ def test_tiles_serve_one_id_array_within_their_logit_bound():
   assert not tiles.serves(rows(32768, 16), rows(32768, 8), two, causal)
 
 
-@pytest.mark.slow  # the default run traces the tiles in shard_map:
-# test_cudnn_band.py::test_packed_calls_inside_shard_map
+@pytest.mark.slow  # as test_cudnn_band.py::test_packed_calls_inside_shard_map
 def test_tiles_inside_shard_map(small_tiles, monkeypatch):
   """The ring's diagonal blocks of short documents on 2 simulated devices
   (contiguous shards; the handler NaN on a block of one id array, the
@@ -167,7 +166,8 @@ def test_tiles_inside_shard_map(small_tiles, monkeypatch):
 
 
 @pytest.mark.parametrize("most, t, kw", [
-    (16, 61, dict(is_causal=True)),
+    pytest.param(16, 61, dict(is_causal=True),
+                 marks=pytest.mark.slow),  # long_causal_window's too
     (9, 61, dict(window=(2, 6))),
     (40, 97, dict(is_causal=True, window=(9, 0))),
     (70, 97, {}),

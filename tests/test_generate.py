@@ -180,8 +180,8 @@ def test_the_pallas_decode_kernel_gives_the_same_tokens(name, checkpoints):
   assert got == want
 
 
-@pytest.mark.parametrize("data, context, rows", [(2, 4, 2), (1, 2, 1),
-                                                  (1, 4, 1)],
+@pytest.mark.parametrize("data, context, rows", [
+    (2, 4, 2), (1, 2, 1), pytest.param(1, 4, 1, marks=pytest.mark.slow)],
                          ids=["dp2_cp4_b2", "dp1_cp2_b1", "dp1_cp4_b1"])
 def test_a_step_over_the_context_axis_moves_only_the_merge(data, context,
                                                            rows):
@@ -208,8 +208,9 @@ def test_a_step_over_the_context_axis_moves_only_the_merge(data, context,
                               "collective-permute": 0, "all-to-all": 0}
 
 
-@pytest.mark.parametrize("layout", ["striped", "contiguous", "hybrid",
-                                    "context_of_one"])
+@pytest.mark.parametrize("layout", [
+    "striped", pytest.param("contiguous", marks=pytest.mark.slow), "hybrid",
+    "context_of_one"])
 def test_other_layouts_give_the_same_tokens(layout, checkpoints):
   """The prompt in the striped layout, contiguous, over a pair of axes
   (Ulysses inside a ring, data=2 x ring=2 x ulysses=2), or on a context

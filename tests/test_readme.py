@@ -2,7 +2,8 @@
 (jax's default flags, 8 simulated CPU devices from their own first line),
 and give what they say: the context-parallel calls equal the one-device
 call, the model's logits are finite and of the batch's shape, generation
-gives token ids of the vocabulary."""
+gives token ids of the vocabulary, LoRA adds its adapters and writes
+PEFT's files."""
 
 import pathlib
 import re
@@ -33,6 +34,13 @@ HARNESS = textwrap.dedent('''
     new = ns["new_tokens"]
     assert len(new) == 2 and all(1 <= len(r) <= 8 for r in new), new
     assert all(0 <= t < 256 for r in new for t in r), new
+    exec(blocks[5], ns)
+    from flax import nnx
+    adapters = jax.tree.leaves(nnx.state(ns["model"], nnx.LoRAParam))
+    assert len(adapters) == 2 * 7 * 2  # a, b of 7 modules in 2 layers
+    assert jax.tree.leaves(ns["optimizer"].opt_state)
+    with open("tiny-llama-lora/adapter_config.json") as f:
+      assert json.load(f)["r"] == 8
     print("snippets:", len(blocks))
 ''')
 
@@ -47,12 +55,12 @@ def api_snippets():
 def test_readme_snippets_run_as_written(tmp_path):
   import json
   blocks = api_snippets()
-  assert len(blocks) == 5, len(blocks)
+  assert len(blocks) == 6, len(blocks)
   done = subprocess.run(
       [sys.executable, "-c", HARNESS], input=json.dumps(blocks), text=True,
       capture_output=True, cwd=tmp_path, timeout=240)
   assert done.returncode == 0, done.stderr[-3000:]
-  assert "snippets: 5" in done.stdout
+  assert "snippets: 6" in done.stdout
 
 
 def test_every_python_block_of_the_docs_is_one_that_runs():

@@ -30,12 +30,11 @@ KV_LENGTHS = np.array([S - 3, 29], np.int32)
 
 def _default_lane(cp, causal, load_balance, loop):
   """The default run's share of the full matrix: every layout x mask at cp
-  = 4 (causal in both loop forms), and every layout causal and unrolled at
-  cp = 2 and 8 (rank-
-  coded shards make a misplaced shard show at any cp). The rest runs with
-  ``-m slow``."""
+  = 4 (causal in both loop forms), and the dual-chunk ring causal and
+  unrolled at cp = 2 and 8 (rank-coded shards make a misplaced shard show
+  at any cp). The rest runs with ``-m slow``."""
   return (cp == 4 and (causal or loop == "unrolled")) or (
-      causal and loop == "unrolled")
+      causal and loop == "unrolled" and load_balance == "dual_chunk")
 
 
 @pytest.mark.parametrize(
@@ -69,9 +68,9 @@ _SLOW = pytest.mark.slow
      pytest.param(2, "dual_chunk", False, (3, 11), "unrolled", marks=_SLOW),
      pytest.param(4, "dual_chunk", False, (3, 11), "scan", marks=_SLOW),
      (4, "dual_chunk", True, None, "unrolled"),
-     (4, None, True, None, "scan"),
+     pytest.param(4, None, True, None, "scan", marks=_SLOW),
      pytest.param(8, "dual_chunk", True, (4, 0), "unrolled", marks=_SLOW),
-     (4, "striped", True, (5, 0), "unrolled"),
+     pytest.param(4, "striped", True, (5, 0), "unrolled", marks=_SLOW),
      (4, "striped", False, (3, 7), "scan"),
      pytest.param(8, "striped", True, (13, 0), "scan", marks=_SLOW),
      pytest.param(4, "striped", True, None, "unrolled", marks=_SLOW),
@@ -618,13 +617,16 @@ CROSS_FEW = _docs((10, 3, 10, 3, 10, 3, 9))
 # that spans the row, and an id in two runs (shards 0 and 3); exact
 # whichever steps run. At cp = 2 (shards of 24) step 1 is the last, and
 # without a causal mask it runs on whole shards.
+# Half of them in the default run, the rest under -m slow.
 @pytest.mark.parametrize("ids, causal, cp", [
-    (_docs((6,) * 8), True, 4), (_docs((5, 11, 9, 7, 4, 12)), True, 4),
-    (CROSS_ONE, True, 4), (CROSS_FEW, True, 4), (CROSS_FEW, False, 4),
-    (_docs((S,)), True, 4), (_docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 7]), True,
-                             4),
+    (_docs((6,) * 8), True, 4),
+    pytest.param(_docs((5, 11, 9, 7, 4, 12)), True, 4, marks=_SLOW),
+    (CROSS_ONE, True, 4), pytest.param(CROSS_FEW, True, 4, marks=_SLOW),
+    (CROSS_FEW, False, 4), (_docs((S,)), True, 4),
+    pytest.param(_docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 7]), True, 4,
+                 marks=_SLOW),
     (_docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 7]), False, 4),
-    (CROSS_FEW, True, 2), (CROSS_FEW, False, 2)],
+    (CROSS_FEW, True, 2), pytest.param(CROSS_FEW, False, 2, marks=_SLOW)],
     ids=["inside", "cross", "cross_one", "cross_few", "cross_few_full", "one",
          "an_id_twice", "an_id_twice_full", "cross_few_cp2",
          "cross_few_full_cp2"])

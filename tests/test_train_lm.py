@@ -152,6 +152,9 @@ def test_fsdp_splits_the_optimizer_moments_as_their_weights():
                       x.sharding.spec == P() for x in rest)
 
 
+# The loop and its checkpoints are train_lm's for both examples: the
+# default run resumes them in test_finetune.py.
+@pytest.mark.slow
 def test_resume_continues_the_uninterrupted_trajectory(tmp_path):
   make_mesh()
 
