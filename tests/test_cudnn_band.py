@@ -479,6 +479,7 @@ def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
                               kv_segment_ids=ids))
 
 
+@pytest.mark.slow  # on GPUs: test_cudnn.py::test_ring_prepares_the_own_packed_pass
 def test_ring_prepares_the_own_pass_of_two_id_arrays(monkeypatch):
   """The ring on contiguous shards (2 simulated devices), its packed
   blocks on cuDNN's semantics replayed in jnp, the ids given as a (query,

@@ -233,8 +233,11 @@ def test_one_device_matches_transformers(name, layer_idx):
   check(out, grads, want, want_grads)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("strategy", ["ring", "auto"])
+# Each model under one strategy in the default run, both with -m slow.
+@pytest.mark.parametrize("name, strategy", [
+    pytest.param(name, strategy, marks=() if (name == "gpt_oss") == (
+        strategy == "ring") else pytest.mark.slow)
+    for strategy in ("ring", "auto") for name in MODELS])
 def test_context_parallel_under_jit_matches_transformers(name, strategy):
   """data=2 x cp=4, the hidden states and the rope's cos/sin in the
   dual-chunk layout; weights replicated. gpt-oss: its sliding layer."""

@@ -74,7 +74,7 @@ _SLOW = pytest.mark.slow
      (4, "striped", False, (3, 7), "scan"),
      pytest.param(8, "striped", True, (13, 0), "scan", marks=_SLOW),
      pytest.param(4, "striped", True, None, "unrolled", marks=_SLOW),
-     (4, "striped", False, None, "scan")],
+     pytest.param(4, "striped", False, None, "scan", marks=_SLOW)],
     ids=["n2_dual_causal_w5", "n4_dual_causal_w5", "n4_dual_causal_w13_scan", "n2_contig_w7",
          "n4_contig_full_w9_4", "n2_dual_full_w3_11",
          "n4_dual_full_w3_11_scan",
@@ -465,7 +465,8 @@ def test_ring_packed_segments_cross_shard_boundaries(load_balance, kv_sends,
 @pytest.mark.parametrize(
     "segments, dp, loop, window_and_padding, load_balance, ring_options", [
         (False, 2, "scan", False, "dual_chunk", {}),
-        (True, 2, "unrolled", False, "dual_chunk", {}),
+        pytest.param(True, 2, "unrolled", False, "dual_chunk", {},
+                     marks=_SLOW),  # as default_sends, below
         pytest.param(True, 2, "scan", True, "dual_chunk", {}, marks=_SLOW),
         (True, 2, "unrolled", True, "striped", {}),
         (True, 2, "unrolled", False, "dual_chunk", dict(kv_sends=None)),
