@@ -19,7 +19,9 @@ LAYERS = {
     "core": set(),
     "backends": {"core"},
     "strategies": {"core"},
-    "top": {"core", "strategies"},  # api, partition, auto
+    # api and the paths it calls (one_device, cp_dispatch, padding),
+    # partition, auto, decode
+    "top": {"core", "strategies"},
     "root": {"core", "backends", "strategies", "top"},  # jax_ring/__init__
     "flax": {"core", "strategies", "top", "root"},
     "models": {"core", "strategies", "top", "root", "flax"},
@@ -62,6 +64,10 @@ def is_module(dotted: str) -> bool:
           path.with_suffix(".pyi").exists())
 
 
+def is_package(dotted: str) -> bool:
+  return ROOT.joinpath(*dotted.split(".")).is_dir()
+
+
 def imports(tree: ast.AST, module: str):
   """(imported module, names) of every import statement, relative ones
   resolved against ``module``; ``from pkg import sub`` imports ``pkg.sub``
@@ -72,8 +78,10 @@ def imports(tree: ast.AST, module: str):
         yield a.name, ()
     elif isinstance(node, ast.ImportFrom):
       base = node.module or ""
-      if node.level:
-        base = ".".join(module.split(".")[:-node.level] + [base]).rstrip(".")
+      if node.level:  # a package's ``from . import`` is from itself
+        parts = module.split(".")
+        parts = parts[:len(parts) - node.level + is_package(module)]
+        base = ".".join(parts + [base]).rstrip(".")
       names = tuple(a.name for a in node.names)
       subs = [n for n in names if is_module(f"{base}.{n}")]
       for n in subs:
@@ -100,6 +108,59 @@ def test_imports_run_down_the_layers(path):
     assert other in LAYERS[own], (
         f"{module} ({own}) imports {target} ({other}); {own} may import "
         f"{sorted(LAYERS[own])}")
+
+
+def import_graph() -> dict[str, set[str]]:
+  """Each ``jax_ring`` module -> the ``jax_ring`` modules it imports, at
+  module level or inside a function alike. ``from pkg import name``, where
+  ``pkg/__init__.py`` re-exports ``name``, imports ``pkg`` (:func:`imports`):
+  the package's ``__init__`` is a module like any other. Importing
+  ``pkg.sub`` also runs ``pkg/__init__`` first, but that is no edge here:
+  Python runs a package's ``__init__`` before its submodules whoever
+  imports them, so a package re-exporting its own submodules would
+  otherwise close a cycle with each of them, none importing another."""
+  graph = {}
+  for path in library_files():
+    module = module_name(path)
+    graph[module] = {target for target, _ in imports(parsed(path), module)
+                     if layer(target) is not None and is_module(target) and
+                     target != module}
+  return graph
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """The modules of one cycle of ``graph``, the first repeated at the end,
+  or None."""
+  done, path = set(), []
+
+  def visit(node):
+    if node in path:
+      return path[path.index(node):] + [node]
+    if node in done:
+      return None
+    path.append(node)
+    for target in sorted(graph.get(node, ())):
+      found = visit(target)
+      if found:
+        return found
+    path.pop()
+    done.add(node)
+    return None
+
+  return next(filter(None, map(visit, sorted(graph))), None)
+
+
+def test_the_cycle_finder_finds_one():
+  assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
+      "a", "b", "c", "a"]
+  assert cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_modules_import_each_other():
+  found = cycle(import_graph())
+  assert found is None, (
+      f"an import cycle: {' -> '.join(found)}; move what one module needs "
+      f"from the other to where it belongs")
 
 
 def test_the_implementation_imports_no_add_on_dependency():

@@ -10,8 +10,9 @@ diagonal offsets) are *not* here: they travel as operands in
 
 Above the block: :class:`ContextParallel`, how a call splits the sequence
 across devices; :class:`ShardPlan`, the static facts of one call on local
-shards; the closed choices (``Literal`` types); ``GATHER_KV_MAX_BYTES``;
-and ``NVTE_FUSED_RING_ATTENTION_USE_SCAN``, the one environment variable
+shards; the closed choices (``Literal`` types) and :func:`ring_choices`,
+which checks the ring's; ``GATHER_KV_MAX_BYTES``; and
+``NVTE_FUSED_RING_ATTENTION_USE_SCAN``, the one environment variable
 jax_ring reads, only in :meth:`ContextParallel.with_environment`.
 """
 
@@ -20,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from typing import Literal, get_args
+
+from jax_ring._src.core import ints
 
 
 Implementation = Literal["xla", "cudnn"]
@@ -104,6 +107,19 @@ Inputs = Literal["natural", "load_balanced"]
 INPUTS: tuple[str, ...] = get_args(Inputs)
 KV_SENDS: tuple[str, ...] = get_args(KvSends)
 
+def ring_choices(load_balance, loop, kv_sends=None) -> None:
+  """The ring's three choices, each None or one of its kind: checked by
+  ``ContextParallel`` when made and by the ring's call validators."""
+  if load_balance is not None and load_balance not in LOAD_BALANCES:
+    raise ValueError(f"load_balance must be None, 'dual_chunk' or 'striped'; "
+                     f"got {load_balance!r}")
+  if loop not in (None, "scan", "unrolled"):
+    raise ValueError(f"loop must be None, 'scan' or 'unrolled'; got {loop!r}")
+  if kv_sends is not None and kv_sends not in KV_SENDS:
+    raise ValueError(f"kv_sends must be None or one of {KV_SENDS}; got "
+                     f"{kv_sends!r}")
+
+
 # The most K/V bytes (all devices' stacked K/V, as one device holds them
 # after a gather) that the ring gathers rather than passes around: 128k
 # tokens of 32 kv heads x 128 at bf16. The gather is the default below it;
@@ -175,8 +191,7 @@ class ContextParallel:
   inputs: Inputs = "natural"
 
   def __post_init__(self):
-    from jax_ring._src.core import validate  # validate imports this module
-    validate.cp_fields(self)
+    _check_fields(self)
 
   @property
   def permutes(self) -> bool:
@@ -227,6 +242,33 @@ class ContextParallel:
                        f"TransformerEngine reads it (0: the unrolled ring, "
                        f"non-zero: the scan); got {text!r}") from None
     return dataclasses.replace(self, loop="scan" if scan else "unrolled")
+
+
+def _check_fields(cp: ContextParallel) -> None:
+  """When a ``ContextParallel`` is made: each field a valid choice."""
+  if cp.strategy not in STRATEGY_NAMES:
+    raise ValueError(f"context_parallel.strategy must be one of "
+                     f"{STRATEGY_NAMES}; got {cp.strategy!r}")
+  pair = (isinstance(cp.axis, tuple) and len(cp.axis) == 2 and
+          all(isinstance(a, str) for a in cp.axis) and cp.axis[0] != cp.axis[1])
+  if cp.strategy in ("hybrid", "auto") and cp.is_hybrid:
+    if not pair:
+      raise ValueError(f"context_parallel.axis must be one axis name or a "
+                       f"pair (ulysses_axis, ring_axis) of distinct axis "
+                       f"names; got {cp.axis!r}")
+  elif cp.strategy == "hybrid":
+    raise ValueError(f"context_parallel.axis must be a pair (ulysses_axis, "
+                     f"ring_axis) of distinct axis names for strategy "
+                     f"'hybrid'; got {cp.axis!r}")
+  elif not isinstance(cp.axis, str):
+    raise ValueError(f"context_parallel.axis must be one axis name for "
+                     f"strategy {cp.strategy!r}; got {cp.axis!r}")
+  ring_choices(cp.load_balance, cp.loop, cp.kv_sends)
+  ints.positive_int("context_parallel.kv_chunk_heads", cp.kv_chunk_heads,
+                    True)
+  if cp.inputs not in INPUTS:
+    raise ValueError(f"context_parallel.inputs must be one of {INPUTS}; got "
+                     f"{cp.inputs!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,10 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ring._src.core import config, ints
 from jax_ring._src.core import mesh as mesh_lib
-from jax_ring._src.core.config import (IMPLEMENTATIONS, INPUTS, KV_SENDS,
-                                       LOAD_BALANCES,
-                                       STRATEGY_NAMES, ContextParallel)
+from jax_ring._src.core.config import IMPLEMENTATIONS, ContextParallel
 
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
@@ -71,10 +70,10 @@ def window(local_window_size, q_len: int | None, kv_len: int | None):
   if local_window_size is None:
     return None
   pair = local_window_size
-  if _is_int(pair):
+  if ints.is_int(pair):
     pair = (pair, pair)
   ok = (isinstance(pair, (tuple, list)) and len(pair) == 2 and
-        all(_is_int(w) and w >= 0 for w in pair))
+        all(ints.is_int(w) and w >= 0 for w in pair))
   if not ok:
     raise ValueError(
         "local_window_size must be a non-negative int or a (left, right) pair "
@@ -85,10 +84,6 @@ def window(local_window_size, q_len: int | None, kv_len: int | None):
   if all(int(w) >= m for w, m in zip(pair, most)):
     return None
   return tuple(min(int(w), m) for w, m in zip(pair, most))
-
-
-def _is_int(x) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _number(name, x) -> float | None:
@@ -192,7 +187,7 @@ def padding_segment_id(value, segment_ids) -> None:
   """``padding_segment_id``: None, or an int id given with segment ids."""
   if value is None:
     return
-  if not _is_int(value):
+  if not ints.is_int(value):
     raise ValueError(f"padding_segment_id must be None or an int segment "
                      f"id; got {value!r}")
   if segment_ids is None:
@@ -240,22 +235,11 @@ def kv_chunk_heads(kv_chunk_heads, kv_heads: int) -> None:
   """``kv_chunk_heads``: None, or a positive int dividing the kv heads."""
   if kv_chunk_heads is None:
     return
-  if (not _is_int(kv_chunk_heads) or kv_chunk_heads < 1 or
+  if (not ints.is_int(kv_chunk_heads) or kv_chunk_heads < 1 or
       kv_heads % kv_chunk_heads):
     raise ValueError(
         f"kv_chunk_heads must be None or a positive int dividing the "
         f"key/value heads ({kv_heads}); got {kv_chunk_heads!r}")
-
-
-def ring_choices(load_balance, loop, kv_sends=None) -> None:
-  if load_balance is not None and load_balance not in LOAD_BALANCES:
-    raise ValueError(f"load_balance must be None, 'dual_chunk' or 'striped'; "
-                     f"got {load_balance!r}")
-  if loop not in (None, "scan", "unrolled"):
-    raise ValueError(f"loop must be None, 'scan' or 'unrolled'; got {loop!r}")
-  if kv_sends is not None and kv_sends not in KV_SENDS:
-    raise ValueError(f"kv_sends must be None or one of {KV_SENDS}; got "
-                     f"{kv_sends!r}")
 
 
 def strategy_layout(strategy: str, load_balance) -> None:
@@ -283,7 +267,7 @@ def ring_options(load_balance, loop, local_len, cp_size,
   ``name`` sequence) on cp_size devices. ``"striped"`` needs only S %
   cp_size == 0, which local shards already are; ``"dual_chunk"`` also
   needs an even local length."""
-  ring_choices(load_balance, loop, kv_sends)
+  config.ring_choices(load_balance, loop, kv_sends)
   if load_balance == "dual_chunk" and local_len % 2:
     raise ValueError(
         f"load_balance='dual_chunk' needs the global sequence length "
@@ -341,48 +325,13 @@ def padded_lengths(cp, sizes, t: int, s: int) -> tuple[int, int]:
 
 
 def cp_given(cp, kv_heads: int) -> None:
-  """At a call: ``cp`` is a ``ContextParallel`` (whose fields were checked
-  when it was made, :func:`cp_fields`) and its ``kv_chunk_heads`` divides
-  the call's kv heads."""
+  """At a call: ``cp`` is a ``ContextParallel`` (whose fields it checked
+  when it was made) and its ``kv_chunk_heads`` divides the call's kv
+  heads."""
   if not isinstance(cp, ContextParallel):
     raise ValueError(f"context_parallel must be a jax_ring.ContextParallel; "
                      f"got {cp!r}")
   kv_chunk_heads(cp.kv_chunk_heads, kv_heads)
-
-
-def positive_int(name: str, value, none_ok: bool = False):
-  """``value``: a positive Python or NumPy int (not a bool), as an int; or
-  None where ``none_ok``."""
-  if (value is None and none_ok) or (_is_int(value) and value >= 1):
-    return value if value is None else int(value)
-  raise ValueError(f"{name} must be {'None or ' * none_ok}a positive int; "
-                   f"got {value!r}")
-
-
-def cp_fields(cp) -> None:
-  """When a ``ContextParallel`` is made: each field a valid choice."""
-  if cp.strategy not in STRATEGY_NAMES:
-    raise ValueError(f"context_parallel.strategy must be one of "
-                     f"{STRATEGY_NAMES}; got {cp.strategy!r}")
-  pair = (isinstance(cp.axis, tuple) and len(cp.axis) == 2 and
-          all(isinstance(a, str) for a in cp.axis) and cp.axis[0] != cp.axis[1])
-  if cp.strategy in ("hybrid", "auto") and cp.is_hybrid:
-    if not pair:
-      raise ValueError(f"context_parallel.axis must be one axis name or a "
-                       f"pair (ulysses_axis, ring_axis) of distinct axis "
-                       f"names; got {cp.axis!r}")
-  elif cp.strategy == "hybrid":
-    raise ValueError(f"context_parallel.axis must be a pair (ulysses_axis, "
-                     f"ring_axis) of distinct axis names for strategy "
-                     f"'hybrid'; got {cp.axis!r}")
-  elif not isinstance(cp.axis, str):
-    raise ValueError(f"context_parallel.axis must be one axis name for "
-                     f"strategy {cp.strategy!r}; got {cp.axis!r}")
-  ring_choices(cp.load_balance, cp.loop, cp.kv_sends)
-  positive_int("context_parallel.kv_chunk_heads", cp.kv_chunk_heads, True)
-  if cp.inputs not in INPUTS:
-    raise ValueError(f"context_parallel.inputs must be one of {INPUTS}; got "
-                     f"{cp.inputs!r}")
 
 
 def explain_args(query_shape, key_shape, cp_size, dtype_bytes, cp,
@@ -393,7 +342,7 @@ def explain_args(query_shape, key_shape, cp_size, dtype_bytes, cp,
   shapes = (query_shape, key_shape, value_shape)
   shapes_ok = all(
       isinstance(x, (tuple, list)) and len(x) == 4 and
-      all(_is_int(d) and d >= 0 for d in x) for x in shapes)
+      all(ints.is_int(d) and d >= 0 for d in x) for x in shapes)
   if not shapes_ok:
     raise ValueError(f"query_shape, key_shape and value_shape must be (B, T, "
                      f"N, H), (B, S, K, H) and (B, S, K, Hv) tuples of "
@@ -407,7 +356,7 @@ def explain_args(query_shape, key_shape, cp_size, dtype_bytes, cp,
   cp_given(cp, key_shape[2])
   axes = cp.axes
   sizes = cp_size if isinstance(cp_size, (tuple, list)) else (cp_size,)
-  if len(sizes) != len(axes) or not all(_is_int(c) and c > 0 for c in sizes):
+  if len(sizes) != len(axes) or not all(ints.is_int(c) and c > 0 for c in sizes):
     want = ("a pair of positive ints (ulysses, ring) for the axes "
             f"{cp.axis!r}" if len(axes) == 2 else "a positive int")
     raise ValueError(f"cp_size must be {want}; got {cp_size!r}")

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ring._src.core import ints
 # The closed choice lives with the other static options, in config.
-from jax_ring._src.core import validate
 from jax_ring._src.core.config import LOAD_BALANCES, LoadBalance, ShardPlan
 
 
@@ -88,7 +88,7 @@ def explicit_axes(mesh) -> tuple[str, ...]:
 
 
 def _reorder(x, cp_size, seq_axis, layout, inverse):
-  cp_size = validate.positive_int("cp_size", cp_size)
+  cp_size = ints.positive_int("cp_size", cp_size)
   x = jnp.asarray(x)
   sharding = getattr(jax.typeof(x), "sharding", None)
   explicit = explicit_axes(sharding.mesh) if sharding is not None else ()
