@@ -515,3 +515,37 @@ def test_vocab_chunked_loss_equals_the_whole_one(name, chunk, checkpoints):
                   strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
                                atol=1e-6)
+
+
+def test_natural_order_batches_are_laid_out_once(checkpoints):
+  """The default ``ContextParallel()`` (natural-order inputs) on a model:
+  the logits equal those of the same model fed the batch already laid
+  out (``inputs="load_balanced"``), and the program permutes only at the
+  model's ends (activations, positions and ids in; hidden states out), not
+  around every layer's attention: its collective permutes exceed the
+  laid-out program's by the same few whatever the layers."""
+  mesh = mesh_2x4()
+  tokens, ids, _ = packed_batch(3)
+  got, permutes = {}, {}
+  for inputs in ("natural", "load_balanced"):
+    cpc = jax_ring.ContextParallel(axis="context", strategy="ring",
+                                   inputs=inputs)
+    model = models.load_pretrained(checkpoints["llama3"][0], mesh=mesh,
+                                   implementation="xla", context_parallel=cpc,
+                                   rules=models.model_rules())
+    batch = jrf.prepare_lm_batch(tokens, ids, mesh=mesh,
+                                 spec=P("data", "context"),
+                                 context_parallel=cpc)
+    f = jax.jit(lambda m, b: m(b.inputs, b.positions, b.segment_ids))
+    with jax.set_mesh(mesh):
+      logits = f(model, batch)
+      hlo = f.lower(model, batch).compile().as_text()
+    if inputs == "load_balanced":
+      logits = jax_ring.reorder_from_load_balance(logits, 4)
+    got[inputs] = np.asarray(logits)
+    permutes[inputs] = len(re.findall(r"collective-permute(?:-start)?\(",
+                                      hlo))
+  np.testing.assert_allclose(got["natural"], got["load_balanced"], atol=1e-5)
+  # Two moves an array for the dual-chunk swap: x, positions and ids in,
+  # the hidden states out (each layer's own would add ten).
+  assert permutes["natural"] - permutes["load_balanced"] <= 8, permutes

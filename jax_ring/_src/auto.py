@@ -119,7 +119,7 @@ def defaults(*, batch, seq, kv_heads, head_dim, dtype_bytes, load_balance,
   }
 
 
-# How natural inputs move into each layout (cp_dispatch._permutations).
+# How natural inputs move into each layout (cp_dispatch.permutations).
 _MOVES = {"dual_chunk": "each chunk sent once, by two ppermutes an array; "
                         "gathered whole over a pair of axes",
           "striped": "one all-to-all an array"}

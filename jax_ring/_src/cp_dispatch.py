@@ -82,7 +82,7 @@ def _jitted(query, key, value, tm: TokenMask, sinks, config: AttentionConfig,
       sinks = on(sinks, None)
     return q, k, v, tm, sinks
 
-  to, back = _permutations(cp, mesh)
+  to, back = permutations(cp, mesh)
 
   def call(q, k, v, tm, sinks):
     out = partition.attention(*placed(to(q), to(k), to(v), _tokens(to, tm),
@@ -107,7 +107,7 @@ def _jitted(query, key, value, tm: TokenMask, sinks, config: AttentionConfig,
   return jax.jit(run)(query, key, value, tm, sinks)
 
 
-def _permutations(cp: ContextParallel, mesh):
+def permutations(cp: ContextParallel, mesh):
   """(into ``cp``'s load-balance layout over the ring axis of ``mesh``,
   back to natural order), along axis 1 of any array: natural-order inputs
   (``ContextParallel.inputs``) are permuted inside the call's program, its

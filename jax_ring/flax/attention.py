@@ -442,9 +442,9 @@ class Attention(nnx.Module):
     v = constrain(v, (BATCH, LENGTH, KV_HEADS, HEAD_DIM), cfg.rules)
     return q, k, v
 
-  def attend(self, q, k, v, segment_ids=None):
-    """``jax_ring.dot_product_attention`` with the layer's options:
-    ``(B, S, N, H)``."""
+  def attend(self, q, k, v, segment_ids=None, context_parallel=None):
+    """``jax_ring.dot_product_attention`` with the layer's options, ``(B, S,
+    N, H)``; ``context_parallel`` (if given) in place of the config's."""
     cfg = self.config
     return dot_product_attention(
         q, k, v, is_causal=cfg.is_causal, segment_ids=segment_ids,
@@ -452,7 +452,7 @@ class Attention(nnx.Module):
         local_window_size=cfg.local_window_size,
         implementation=cfg.implementation,
         sinks=self.sinks[...].astype(jnp.float32) if cfg.sinks else None,
-        context_parallel=cfg.context_parallel)
+        context_parallel=context_parallel or cfg.context_parallel)
 
   def decode(self, q, k, v, query_positions, key_positions,
              kv_layout="bskh", implementation=None):

@@ -41,12 +41,14 @@ Reading and writing Hugging Face checkpoints is in ``hf_checkpoint.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_ring._src import cp_dispatch
 from jax_ring.flax.attention import (EMBED, Attention, constrain, rms_norm,
                                      sharded_param)
 from jax_ring.flax.lora import dense
@@ -114,8 +116,9 @@ class Block(nnx.Module):
       self.mlp_post_norm = RMSNorm(cfg, rngs=rngs)
     self.sandwich = cfg.sandwich_norm
 
-  def __call__(self, x, positions, segment_ids):
-    out = self.attn.attend(*self.project(x, positions), segment_ids)
+  def __call__(self, x, positions, segment_ids, context_parallel=None):
+    out = self.attn.attend(*self.project(x, positions), segment_ids,
+                           context_parallel)
     return self.finish(x, out)
 
   def project(self, x, positions):
@@ -174,18 +177,30 @@ class Decoder(nnx.Module):
     return x
 
   def hidden_states(self, inputs, positions, segment_ids=None):
-    """``(B, S, E)`` after the final norm, in ``cfg.dtype``."""
+    """``(B, S, E)`` after the final norm, in ``cfg.dtype``, in the token
+    order of ``inputs``.
+
+    Natural-order inputs to a context-parallel model whose
+    ``ContextParallel`` has a load-balance layout (``inputs="natural"``,
+    the default) are laid out once here, the activations, positions and
+    segment ids together, and every layer's attention takes them as laid
+    out; the final hidden states go back to natural order. Each layer then
+    permutes nothing (its attention alone would permute q, k, v and ids
+    and its output back, in the forward and again in the backward)."""
     cfg = self.cfg
     x = constrain(self.embed_tokens(inputs), ("batch", "length", EMBED),
                   cfg.rules)
+    into, back, cp = _carried_layout(cfg.context_parallel, x.shape[1])
+    x, positions = into(x), into(positions)
+    segment_ids = _map_ids(into, segment_ids)
     step = lambda block, x: _run_block(cfg.remat, block, x, positions,
-                                       segment_ids)
+                                       segment_ids, cp)
     blocks = list(self.layers)
     if cfg.scan_layers:
       x, blocks = _scan_blocks(blocks, cfg.layer_period(), step, x)
     for block in blocks:
       x = step(block, x)
-    return self.final_norm(x)
+    return back(self.final_norm(x))
 
   def output_weights(self):
     """``(E, V)``: ``unembed``, or ``embed`` transposed when tied."""
@@ -207,16 +222,45 @@ class Decoder(nnx.Module):
     return soft_cap(logits, cfg.final_logits_soft_cap)
 
 
-def _run_block(remat, block: Block, x, positions, segment_ids):
+def _carried_layout(cp, length: int):
+  """``(into, back, cp')``: for natural-order inputs of a ``cp`` that
+  permutes them (``cp.permutes``) on the mesh in scope, the permutations
+  into its layout and back along axis 1 (the attention's own) and ``cp``
+  with ``inputs="load_balanced"``; else identities and None, the layers
+  using their own config: also where ``length`` is not a multiple of two
+  chunks a device (the attention pads such a length before it permutes)."""
+  same = lambda x: x
+  mesh = jax.sharding.get_abstract_mesh()
+  if cp is None or not cp.permutes or mesh.empty or any(
+      a not in mesh.axis_names for a in cp.axes):
+    return same, same, None  # the attention permutes (or names the error)
+  if length % (2 * math.prod(mesh.shape[a] for a in cp.axes)):
+    return same, same, None
+  into, back = cp_dispatch.permutations(cp, mesh)
+  return into, back, dataclasses.replace(cp, inputs="load_balanced")
+
+
+def _map_ids(f, segment_ids):
+  """``f`` on segment ids: None, one array, or a (query, key) pair."""
+  if segment_ids is None:
+    return None
+  if isinstance(segment_ids, (tuple, list)):
+    return type(segment_ids)(f(s) for s in segment_ids)
+  return f(segment_ids)
+
+
+def _run_block(remat, block: Block, x, positions, segment_ids, cp=None):
   """One block on ``x (B, S, E)``, recomputing in the backward what
-  ``remat`` (``DecoderConfig.remat``) says."""
+  ``remat`` (``DecoderConfig.remat``) says; ``cp``: the attention's
+  ``ContextParallel`` in place of the layer's own, or None."""
   if remat == "attention":
     q, k, v = nnx.remat(lambda b, *a: b.project(*a))(block, x, positions)
-    out = block.attn.attend(q, k, v, segment_ids)
+    out = block.attn.attend(q, k, v, segment_ids, cp)
     return nnx.remat(lambda b, *a: b.finish(*a))(block, x, out)
   if remat:
-    return nnx.remat(lambda b, *a: b(*a))(block, x, positions, segment_ids)
-  return block(x, positions, segment_ids)
+    return nnx.remat(lambda b, *a: b(*a, context_parallel=cp))(
+        block, x, positions, segment_ids)
+  return block(x, positions, segment_ids, cp)
 
 
 def _scan_blocks(blocks: list, period: int, step, x):
