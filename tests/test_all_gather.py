@@ -136,7 +136,8 @@ def test_kernel_calls_are_static_and_see_only_visible_kv(causal, window):
     assert got == sorted(want), (kind, got)
 
 
-@pytest.mark.parametrize("hv", [H, H // 2], ids=["hv_h", "hv_half"])
+@pytest.mark.parametrize("hv", [
+    pytest.param(H, marks=pytest.mark.slow), H // 2], ids=["hv_h", "hv_half"])
 def test_kv_chunk_heads_is_bitwise_no_chunking(hv):
   """Head groups are independent in the kernel (no cross-head reduction), so
   one group at a time gives the very same bits, outputs and grads; with a

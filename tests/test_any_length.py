@@ -54,8 +54,9 @@ def test_every_strategy_at_a_length_no_layout_divides(strategy, options,
   _check(cpc, _mesh(shape, names), docs=17)
 
 
-@pytest.mark.parametrize("docs, t", [(1, 45), (45, 45), (200, 203)],
-                         ids=["one", "every-token", "200"])
+@pytest.mark.parametrize("docs, t", [
+    (1, 45), pytest.param(45, 45, marks=pytest.mark.slow), (200, 203)],
+    ids=["one", "every-token", "200"])
 def test_documents_a_row_at_odd_lengths(docs, t):
   _check(jax_ring.ContextParallel(), _mesh((8,), ("cp",)), t=t, s=t,
          docs=docs, seed=1)
@@ -111,7 +112,8 @@ def test_auto_with_lengths_that_pad_alike_stays_ulysses():
   _check(cpc, _mesh((4,), ("cp",)), t=5, s=7, docs=None, seed=7)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal", [
+    False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "causal"])
 def test_packed_rows_sharded_on_explicit_axes(causal):
   """Arrays and segment ids placed along the sequence (12 tokens: 4
   devices divide it, dual-chunk's 8 do not), eagerly on Explicit axes."""

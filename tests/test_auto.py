@@ -317,8 +317,9 @@ def test_auto_may_run_different_strategies_per_pass(monkeypatch):
 # shards, documents crossing boundaries by one row (step 1 on the last row
 # of each shard), and one document over the whole row (past every tail).
 @pytest.mark.parametrize("lengths, beyond, hv", [
-    ((6,) * 8, False, None), ((11, 2, 10, 1, 1, 10, 1, 1, 11), False, None),
-    ((S,), True, None), ((S,), True, 24)],
+    pytest.param((6,) * 8, False, None, marks=pytest.mark.slow),
+    ((11, 2, 10, 1, 1, 10, 1, 1, 11), False, None),
+    pytest.param((S,), True, None, marks=pytest.mark.slow), ((S,), True, 24)],
     ids=["inside", "crossing", "one_document", "one_document_hv24"])
 def test_auto_runs_the_ring_first_on_packed_contiguous_rows(
     lengths, beyond, hv, monkeypatch):

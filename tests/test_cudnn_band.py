@@ -330,7 +330,7 @@ MANY = {
 # the two-array row. The rest (the library's classes, the other path of
 # each row) under -m slow.
 _DEFAULT_RUN = {(True, 4, name) for name in (
-    "same_causal", "same_window", "striped_next", "not_contiguous")} | {
+    "same_causal", "striped_next", "not_contiguous")} | {
         (False, 4, "different_full")}
 
 

@@ -255,7 +255,8 @@ def test_padding_segment_id_on_one_device(pad):
     ref.assert_close(x, g2[name], jnp.float32, "d" + name)
 
 
-@pytest.mark.parametrize("entry", ["jit", "shard_map"])
+@pytest.mark.parametrize("entry", [
+    "jit", pytest.param("shard_map", marks=pytest.mark.slow)])
 def test_padding_segment_id_across_devices(entry):
   """The same convention under context parallelism (natural inputs) and
   inside shard_map (the ring, dual-chunk shards)."""

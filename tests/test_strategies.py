@@ -76,7 +76,10 @@ def test_forward_lse_in_the_shards_layout(name):
   ref.assert_close(lse, to(r_lse), q.dtype, "lse")
 
 
-@pytest.mark.parametrize("name", list(COVERED))
+# One strategy in the default run, both with -m slow.
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=() if i == 0 else pytest.mark.slow)
+    for i, n in enumerate(COVERED)])
 def test_2d_mesh_data_by_cp_packed(name):
   """Batch on a data axis, sequence on cp: values vary over both axes."""
   if len(jax.devices()) < 8:
