@@ -25,7 +25,11 @@ Each row records:
   dispatch_s      how long each step call took to return, the compiling
                   one aside (about a step's time where the host does not
                   run ahead of the device);
-  mfu             the work's FLOPs / (step time x C x peak): per token 6 P
+  model_mfu       model FLOPs / (step time x C x peak), the usual convention:
+                  per token 6 P + 6 L S Hq D, each row one causal sequence
+                  of S tokens, every weight trained (the figure other
+                  frameworks report; more work than packed or LoRA rows do);
+  work_mfu        the work's FLOPs / (step time x C x peak): per token 6 P
                   (P: the parameters in matrix products; a tied table
                   counts once, as the output layer) plus, per layer, 12 Hq
                   D times the keys a query sees on average in the rows
@@ -88,6 +92,14 @@ def flops_per_token(cfg, doc_lengths, tokens: int, lora: int | None = None
   return matmuls + 12 * cfg.num_heads * cfg.head_dim * keys / tokens
 
 
+def model_flops_per_token(cfg, seq: int) -> float:
+  """The usual convention: 6 P + 6 L S Hq D a token (every weight trained,
+  each row one causal sequence of ``seq`` tokens, windows ignored)."""
+  lookup = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+  return (6 * (cfg.num_params() - lookup)
+          + 6 * cfg.num_layers * seq * cfg.num_heads * cfg.head_dim)
+
+
 def long_records(path: str, words: int, count: int) -> str:
   """``count`` prompt/response records of ``words`` demo words each (a few
   thousand tokens: a 32k row then packs about ten documents)."""
@@ -142,6 +154,7 @@ def one(model: str, seq: int, steps: int, peak_tflops: float,
   lengths = row_documents(rows)
   lora = getattr(args, "lora", None)
   per_token = flops_per_token(cfg, lengths, segments.size, lora)
+  model_per_token = model_flops_per_token(cfg, seq)
   tokens_per_s = result["tokens_per_s"]
   stats = jax.devices()[0].memory_stats() or {}
   return dict(model=model, seq=seq, context=context, steps=steps,
@@ -153,7 +166,10 @@ def one(model: str, seq: int, steps: int, peak_tflops: float,
               mean_document=float(lengths.mean()),
               fill=float((segments > 0).mean()),
               step_s=seq / tokens_per_s,
-              mfu=tokens_per_s * per_token / (context * peak_tflops * 1e12),
+              model_mfu=tokens_per_s * model_per_token / (
+                  context * peak_tflops * 1e12),
+              work_mfu=tokens_per_s * per_token / (
+                  context * peak_tflops * 1e12),
               flops_per_token=per_token,
               peak_gb=stats.get("peak_bytes_in_use", 0) / 1e9,
               final_loss=float(result["losses"][-1]))
@@ -227,8 +243,8 @@ def record(rows, a):
     rows = sorted([r for r in old if r["model"] not in ran] + rows,
                   key=lambda r: MODELS.index(r["model"]))
   write("finetune_models", rows,
-        ["model", "seq", "context", "params", "tokens_per_s", "step_s", "mfu",
-         "peak_gb", "final_loss"],
+        ["model", "seq", "context", "params", "tokens_per_s", "step_s",
+         "model_mfu", "work_mfu", "peak_gb", "final_loss"],
         extra=dict(command=f"finetune.py --demo-model M --seq S --context "
                    f"{a.context} --batch 1 --steps N --vocab-chunk 8192 "
                    f"{a.example_args}".strip(),
