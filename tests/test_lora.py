@@ -252,6 +252,8 @@ def test_lora_errors_name_what_is_wrong(checkpoints, tmp_path):
                     rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="rank"):
     models.add_lora(model, rank=0, alpha=4, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match="alpha must be a number"):
+    models.add_lora(model, rank=2, alpha="16", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="no adapters"):
     models.save_adapter(model, tmp_path / "a")
   models.add_lora(model, rank=2, alpha=4, targets=["q_proj"],

@@ -142,6 +142,10 @@ def add_lora(model: Decoder, *, rank: int, alpha: float,
   if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or (
       rank < 1):
     raise ValueError(f"add_lora: rank must be a positive int; got {rank!r}")
+  for name, value in (("alpha", alpha), ("dropout", dropout)):
+    if isinstance(value, bool) or not isinstance(value, (int, float,
+                                                         np.number)):
+      raise TypeError(f"add_lora: {name} must be a number; got {value!r}")
   if not 0.0 <= float(dropout) < 1.0:
     raise ValueError(f"add_lora: dropout must be in [0, 1); got {dropout!r}")
   targets = _check_targets(targets)
