@@ -38,7 +38,14 @@ Each row records:
                   4 P (the frozen weights get no gradient) plus 6 times the
                   adapters' parameters; peak ``--peak-tflops``, the
                   H100/H200 SXM datasheet's dense bf16 989 TFLOP/s;
-  peak_gb         the allocator's ``peak_bytes_in_use`` on the first GPU.
+  peak_gb         the allocator's ``peak_bytes_in_use`` on the first GPU;
+  profile         with ``--profile N``: where N steps' time goes (the third
+                  to the (N + 2)-th, traced by ``jax.profiler``, the host
+                  waiting for the steps before; their intervals count the
+                  trace's cost, the median little): per step, the matrix
+                  products', attention's and other kernels' time, idle
+                  time, and the top kernels
+                  (``lm_training.profile``'s families).
 
 Writes benchmarks/results/finetune_models_<count>x<gpu>.json.
 """
@@ -116,7 +123,7 @@ def long_records(path: str, words: int, count: int) -> str:
 
 def one(model: str, seq: int, steps: int, peak_tflops: float,
         doc_words: int, context: int = 1, extra: str = "",
-        base: str | None = None) -> dict:
+        base: str | None = None, profile: int = 0) -> dict:
   """Run the example once, in this process; the result row. ``base``: a
   checkpoint of ``model``'s shapes made before (``--make-base``), read
   instead of making the demo's (the data must then be ``doc_words``')."""
@@ -135,9 +142,14 @@ def one(model: str, seq: int, steps: int, peak_tflops: float,
         *shlex.split(extra)])
     dispatch = []  # seconds each train_step call took to return
     loop = finetune.train_lm.train_loop
+    trace_dir = f"{run}.trace"
 
     def timed_loop(args, *, train_step, **kw):
       def step(*a):
+        if profile and len(dispatch) in (2, 2 + profile):
+          jax.block_until_ready(a)  # the steps before, done
+          (jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+           if len(dispatch) == 2 else jax.profiler.stop_trace())
         t0 = time.perf_counter()
         out = train_step(*a)
         dispatch.append(time.perf_counter() - t0)
@@ -149,6 +161,7 @@ def one(model: str, seq: int, steps: int, peak_tflops: float,
     cfg = models.config_from_hf(json.loads(
         (result["model_dir"] / "config.json").read_text()))
   from common import row_documents
+  summary = kernel_summary(trace_dir, profile) if profile else None
   rows = [result["data"].row(i)[1] for i in range(steps)]  # segment ids
   segments = np.concatenate(rows)
   lengths = row_documents(rows)
@@ -172,7 +185,27 @@ def one(model: str, seq: int, steps: int, peak_tflops: float,
                   context * peak_tflops * 1e12),
               flops_per_token=per_token,
               peak_gb=stats.get("peak_bytes_in_use", 0) / 1e9,
-              final_loss=float(result["losses"][-1]))
+              final_loss=float(result["losses"][-1]),
+              **({"profile": summary} if profile else {}))
+
+
+def kernel_summary(trace_dir: str, steps: int) -> dict:
+  """Per step, from the trace in ``trace_dir`` of ``steps`` steps: the
+  kernel families' time (``lm_training.step_kind``), idle time and the
+  top kernels of the first GPU."""
+  import glob
+
+  from lm_training import step_kind
+  from profile_ring import gpu_events, summarise
+  import shutil
+  path = glob.glob(f"{trace_dir}/**/*trace.json.gz", recursive=True)[0]
+  mean, detail, _ = summarise(gpu_events(path), steps, step_kind,
+                              ("attn", "matmul", "comm", "other"))
+  shutil.rmtree(trace_dir)
+  mean["top_kernels"] = [
+      dict(ms=round(t, 3), per_step=n, kind=step_kind(name), name=name[:100])
+      for t, n, name in detail[:40]]
+  return mean
 
 
 def main():
@@ -193,17 +226,24 @@ def main():
                  "--example-args='--remat attention'")
   p.add_argument("--base", default=None, metavar="DIR",
                  help="read this checkpoint of the (one) model's shapes, "
-                 "made by --make-base, instead of making the demo's in every "
-                 "run (an 8B model's takes minutes)")
+                 "made by --make-base (its DIR/base_model), instead of "
+                 "making the demo's in every run (an 8B model's takes "
+                 "minutes)")
   p.add_argument("--make-base", default=None, metavar="DIR",
                  help="write the demo's checkpoint of --models' (one) "
-                 "model to DIR, then stop")
+                 "model under DIR (DIR/base_model, printed), then stop")
+  p.add_argument("--profile", type=int, default=0, metavar="N",
+                 help="trace N steps (from the third) and record where "
+                 "their time goes")
   p.add_argument("--mode", default="default")
   p.add_argument("--one", default=None, help=argparse.SUPPRESS)
   a = p.parse_args()
   # The model's weights leave less than jax's default 75% of the GPU to the
   # step (an 8B model's bf16 base is 16 GB), as in lm_training.py.
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+  if a.profile and a.steps < a.profile + 3:
+    p.error(f"--profile {a.profile} traces steps 3 to {a.profile + 2}: "
+            f"--steps must be at least {a.profile + 3}; got {a.steps}")
   if not a.one and (a.base or a.make_base) and len(a.models) != 1:
     p.error("--base and --make-base take one model (--models M)")
   if a.make_base:
@@ -214,7 +254,7 @@ def main():
     return
   if a.one:  # the child: run, then add its row to the results file
     record([one(a.one, a.seq, a.steps, a.peak_tflops, a.doc_words,
-                a.context, a.example_args, a.base)
+                a.context, a.example_args, a.base, a.profile)
             | dict(doc_words=a.doc_words)], a)
     return
   failed = []
@@ -224,6 +264,7 @@ def main():
          "--steps", str(a.steps), "--peak-tflops", str(a.peak_tflops),
          "--doc-words", str(a.doc_words), "--mode", a.mode,
          "--context", str(a.context), "--example-args=" + a.example_args,
+         "--profile", str(a.profile),
          *(["--base", a.base] if a.base else [])])
     if done.returncode:
       failed.append(model)

@@ -197,6 +197,8 @@ def _leaf_sums(x):
   in one (variadic) reduction, which compiles faster than three."""
   import jax
   import jax.numpy as jnp
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # dropout's key
+    x = jax.random.key_data(x)
   if x.dtype == jnp.bool_:
     words = x.astype(jnp.uint32)
   elif x.dtype.itemsize >= 4:  # 8-byte values gain a trailing axis of 2

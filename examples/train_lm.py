@@ -249,7 +249,6 @@ def build(args, devices=None):
   ``devices`` (default: all of them)."""
   import jax
   import jax.numpy as jnp
-  import optax
   from flax import nnx
 
   import jax_ring
@@ -363,7 +362,11 @@ def make_train_step(model, tx, loss_fn, mesh, trainable=None):
 
   def step(state, batch):
     def loss_of(params):
-      model = model_of(graphdef, dict(state, params=params))
+      # The rest's variables made afresh in this trace (a copy of the
+      # tree): the call may then update them, as nnx refuses to write a
+      # variable of an outer trace.
+      model = model_of(graphdef, jax.tree.map(
+          lambda x: x, dict(state, params=params)))
       # What the call changed outside the trainable arrays (the dropout
       # streams' counts) comes out, so that the next step draws afresh.
       return loss_fn(model, batch), nnx.split(model, trainable, ...)[2]

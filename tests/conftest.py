@@ -15,6 +15,7 @@ included: ``test_compile_default_flags.py`` guards the compile they once
 stalled (see ``jax_ring/_src/__init__.py``).
 """
 
+import collections
 import hashlib
 import importlib.util
 import os
@@ -67,6 +68,24 @@ def lane_shard(option: str | None, ids: list[str]) -> set[int]:
   order = sorted(range(len(ids)),
                  key=lambda j: hashlib.sha1(ids[j].encode()).hexdigest())
   return set(order[i - 1::n])
+
+
+_SAMPLED = collections.Counter()
+
+
+def pytest_itemcollected(item):  # as collected, before -m deselects
+  """``@pytest.mark.sample(k)`` on a parametrized test: its first ``k``
+  cases (in its parametrize order, those not marked slow or gpu) run in
+  the default run, the others are marked slow (``-m slow`` runs them). For
+  matrices whose cases repeat one path with another option: the first
+  cases are the distinct ones."""
+  mark = item.get_closest_marker("sample")
+  if mark is None or any(item.get_closest_marker(m) for m in ("slow", "gpu")):
+    return
+  function = (item.path, item.originalname)
+  _SAMPLED[function] += 1
+  if _SAMPLED[function] > mark.args[0]:
+    item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected

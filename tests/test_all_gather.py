@@ -68,6 +68,7 @@ KV_LENGTHS = np.array([45, 29], np.int32)
     (4, "dual_chunk", False, None)],
                          ids=["dual_full_w5_3", "contig_full_w2_13",
                               "dual_full_pad_only"])
+@pytest.mark.sample(2)
 def test_all_gather_windows_and_padding(cp, load_balance, causal, window):
   """Windows in global positions (kv sliced to each chunk's range) with
   padding lengths; without causal mask or window, the one call with no

@@ -57,6 +57,7 @@ def test_every_strategy_at_a_length_no_layout_divides(strategy, options,
 @pytest.mark.parametrize("docs, t", [
     (1, 45), pytest.param(45, 45, marks=pytest.mark.slow), (200, 203)],
     ids=["one", "every-token", "200"])
+@pytest.mark.sample(1)
 def test_documents_a_row_at_odd_lengths(docs, t):
   _check(jax_ring.ContextParallel(), _mesh((8,), ("cp",)), t=t, s=t,
          docs=docs, seed=1)
@@ -98,6 +99,7 @@ def test_ulysses_query_and_key_lengths_padded_apart_on_explicit_axes():
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.sample(1)
 def test_a_pair_of_segment_ids_under_jit(causal):
   _check(jax_ring.ContextParallel(), _mesh((4,), ("cp",)), t=13, s=13,
          docs=3, seed=6, pair=True, is_causal=causal)

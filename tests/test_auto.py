@@ -321,6 +321,7 @@ def test_auto_may_run_different_strategies_per_pass(monkeypatch):
     ((11, 2, 10, 1, 1, 10, 1, 1, 11), False, None),
     pytest.param((S,), True, None, marks=pytest.mark.slow), ((S,), True, 24)],
     ids=["inside", "crossing", "one_document", "one_document_hv24"])
+@pytest.mark.sample(1)
 def test_auto_runs_the_ring_first_on_packed_contiguous_rows(
     lengths, beyond, hv, monkeypatch):
   """Packed rows on contiguous shards, where the model picks Ulysses (as it

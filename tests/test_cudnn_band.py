@@ -338,6 +338,7 @@ _DEFAULT_RUN = {(True, 4, name) for name in (
     pytest.param(name, smallest, one_handler, marks=() if (
         one_handler, smallest, name) in _DEFAULT_RUN else pytest.mark.slow)
     for one_handler in (False, True) for smallest in (4, 32) for name in MANY])
+@pytest.mark.sample(2)
 def test_packed_calls_match_the_reference(name, smallest, one_handler,
                                           monkeypatch):
   """The packed forward and backward on cuDNN's ragged semantics (replayed in

@@ -58,6 +58,7 @@ def small_tiles(monkeypatch):
     (8, {}),
     (5, dict(window=(2, 6))),
 ], ids=["causal", "causal_window_size4", "full", "window_ahead"])
+@pytest.mark.sample(2)
 def test_short_documents_take_band_tiles(most, kw, small_tiles):
   """Rows of 61 tokens whose documents hold at most ``most`` tokens run as
   tiles of the first size holding them (the last tile part padding), GQA
@@ -174,6 +175,7 @@ def test_tiles_inside_shard_map(small_tiles, monkeypatch):
     (None, 61, dict(is_causal=True)),
 ], ids=["causal", "window_ahead", "long_causal_window", "long_full",
         "any_layout_causal"])
+@pytest.mark.sample(2)
 def test_pallas_tiles_interpreted(most, t, kw):
   """The tiles' Pallas kernels (interpreted on the CPU) in tiles of 16 on
   rows of 61 and 97 tokens (a padded last tile), documents shorter and
@@ -221,6 +223,7 @@ def _ring_ids(name):
 
 @pytest.mark.parametrize("name", ["earlier_shard", "striped",
                                   "window_any_layout"])
+@pytest.mark.sample(2)
 def test_pallas_tiles_take_a_ring_steps_block(name):
   """The Pallas tiles on a block of two id arrays (61 queries, 45 keys:
   both padded in tiles of 16) at offsets, as a ring step holds them

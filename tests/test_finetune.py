@@ -329,10 +329,11 @@ FAMILIES = {
 }
 
 
-# Gemma 3 under -m slow: its layers' equality with transformers is
-# test_models.py's; here the round trip of the example's checkpoint.
-@pytest.mark.parametrize("family", [
-    "qwen3", pytest.param("gemma3", marks=pytest.mark.slow)])
+# Under -m slow: the layers' equality with transformers is test_models.py's,
+# the example's round trip of its checkpoint the default run's (over the
+# demo's checkpoint, which transformers reads); here a transformers-made one.
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_fine_tunes_a_transformers_checkpoint_and_saves_it_back(family,
                                                                 tmp_path):
   """A tiny random Qwen3 or Gemma 3 made by transformers, with the demo's
@@ -382,11 +383,13 @@ def test_lora_run_writes_an_adapter_peft_merges_into_final(tmp_path):
   """``--lora 4``: only the adapters train (the state's params are
   ``nnx.LoRAParam`` alone, and the loss falls); adapter/ is PEFT's format,
   and PEFT's ``merge_and_unload`` of it over base_model/ equals final/,
-  so the base stayed frozen and final/ is the adapters merged in."""
+  so the base stayed frozen and final/ is the adapters merged in. With
+  dropout: the step advances the dropout streams, and the checkpoint holds
+  their key."""
   peft = pytest.importorskip("peft")
   needs_devices()
-  result = run(tmp_path, "--lora", "4", "--steps", "3", "--checkpoint-every",
-               "3")
+  result = run(tmp_path, "--lora", "4", "--lora-dropout", "0.1", "--steps",
+               "3", "--checkpoint-every", "3")
   assert result["losses"][-1] < result["losses"][0]
   trained = nnx.State(result["state"]["params"])
   assert all(isinstance(v, nnx.LoRAParam) for v in jax.tree.leaves(

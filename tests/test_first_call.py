@@ -64,6 +64,7 @@ def _check(cpc, mesh, spec, *, eager=False, packed=True, layout_in=None):
 @pytest.mark.parametrize("strategy, layout", [
     ("ring", "dual_chunk"), ("auto", "dual_chunk"), ("ring", "striped"),
     ("ulysses", "dual_chunk"), ("all_gather", "dual_chunk")])
+@pytest.mark.sample(3)
 def test_natural_inputs_are_exact_by_default(strategy, layout):
   """The first call a user makes: natural order, the default options but
   the strategy and layout, on 4 devices."""

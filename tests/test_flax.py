@@ -84,6 +84,7 @@ def layer64(layer, x, pos, ids):
     (dict(logits_soft_cap=2.0), True),
 ], ids=["gqa_causal", "gqa_shuffled_positions", "gqa_packed", "mqa_packed",
         "mha", "window_packed", "window_bidirectional", "soft_cap_packed"])
+@pytest.mark.sample(4)
 def test_layer_matches_float64_reference(kw, segments):
   shuffled = kw.pop("shuffled_positions", False)
   layer = jrf.Attention(layer_config(**kw), rngs=nnx.Rngs(0))

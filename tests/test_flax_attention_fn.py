@@ -99,6 +99,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.sample(4)
 def test_adapter_equals_flax_attention_with_the_same_weights(case):
   module, options, call_kw, mask_kind, shape = CASES[case]
   x, dy = inputs(1, shape)

@@ -169,6 +169,7 @@ def test_a_one_row_step_projects_two_rows():
 
 
 @pytest.mark.parametrize("name", ["mistral", "gemma2"])  # head dims of 16
+@pytest.mark.sample(1)
 def test_the_pallas_decode_kernel_gives_the_same_tokens(name, checkpoints):
   """``Generator(decode_implementation="pallas")`` on one device
   (interpreted off GPUs), a window, soft caps: transformers' greedy
@@ -183,6 +184,7 @@ def test_the_pallas_decode_kernel_gives_the_same_tokens(name, checkpoints):
 @pytest.mark.parametrize("data, context, rows", [
     (2, 4, 2), (1, 2, 1), pytest.param(1, 4, 1, marks=pytest.mark.slow)],
                          ids=["dp2_cp4_b2", "dp1_cp2_b1", "dp1_cp4_b1"])
+@pytest.mark.sample(1)
 def test_a_step_over_the_context_axis_moves_only_the_merge(data, context,
                                                            rows):
   """The cache split over 2 or 4 devices: a decode step's only collectives
@@ -211,6 +213,7 @@ def test_a_step_over_the_context_axis_moves_only_the_merge(data, context,
 @pytest.mark.parametrize("layout", [
     "striped", pytest.param("contiguous", marks=pytest.mark.slow), "hybrid",
     "context_of_one"])
+@pytest.mark.sample(2)
 def test_other_layouts_give_the_same_tokens(layout, checkpoints):
   """The prompt in the striped layout, contiguous, over a pair of axes
   (Ulysses inside a ring, data=2 x ring=2 x ulysses=2), or on a context
@@ -241,6 +244,10 @@ def test_other_layouts_give_the_same_tokens(layout, checkpoints):
     assert gen.generate(model, PROMPTS, max_new_tokens=NEW) == want
 
 
+# Under -m slow: the split cache's tokens are transformers' in
+# test_greedy_tokens_equal_transformers, its attention the reference's in
+# test_decode.py.
+@pytest.mark.slow
 def test_prefill_and_decode_logits_equal_the_full_forward(checkpoints):
   """With the cache split over 4 devices: the logits after the prompt and
   after each decoded token equal the full forward's at those positions."""
@@ -277,6 +284,7 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy(checkpoints):
 @pytest.mark.parametrize("kw", [dict(top_p=0.5), dict(top_p=0.9),
                                 dict(top_k=3), dict(top_k=2, top_p=0.8)],
                          ids=str)
+@pytest.mark.sample(2)
 def test_filtered_tokens_are_transformers_warpers(kw):
   """The tokens the draw is made from are those transformers' TopK and
   TopP warpers keep (temperature 0.7), on random logits; on a row of ties
@@ -443,6 +451,8 @@ def test_bad_prompts_steps_and_caches_are_named(checkpoints):
     gen.Generator(other, decode_implementation="triton")
 
 
+# Under -m slow: the Generator it drives is tested above.
+@pytest.mark.slow
 def test_the_example_streams_what_generate_returns(tmp_path, capsys):
   """examples/generate.py on a checkpoint laid out as examples/finetune.py
   writes one (weights, tokenizer.json, EOS in config.json), with the cache

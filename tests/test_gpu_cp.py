@@ -549,6 +549,7 @@ def test_cases_of_one_problem_share_its_reference(tmp_path, monkeypatch):
     pytest.param(CpCase("all_gather", "packed", "dual_chunk", "shard_map", 4,
                         CPU_SHAPES[0]), marks=pytest.mark.slow),
 ], ids=str)
+@pytest.mark.sample(2)
 def test_harness_on_cpu(case):
   """The lane's own code (inputs, layouts, both entry points, the spy, the
   FFI count) on simulated CPU devices with the pure-JAX blocks."""

@@ -71,6 +71,7 @@ def test_hybrid_matches_reference(ur, causal, load_balance, kv_heads):
 @pytest.mark.parametrize("ur, load_balance, pair", [
     ((2, 4), "dual_chunk", False), ((4, 2), None, True)],
                          ids=["u2_r4_dual_chunk", "u4_r2_contiguous_pair"])
+@pytest.mark.sample(1)
 def test_hybrid_packed_segments_cross_shard_boundaries(monkeypatch, ur,
                                                        load_balance, pair):
   """5 (or 4) documents of random lengths, crossing sub-shard and ring-shard
@@ -103,6 +104,7 @@ def test_hybrid_packed_segments_cross_shard_boundaries(monkeypatch, ur,
     ((4, 2), False, (5, 3), None, 3.0)],
                          ids=["u2_r2_causal_window_7_dual_chunk",
                               "u4_r2_window_5_3_contiguous_soft_cap"])
+@pytest.mark.sample(1)
 def test_hybrid_window_padding_and_soft_cap(ur, causal, window, load_balance,
                                             soft_cap):
   """A window and per-row padding lengths in global positions (the second

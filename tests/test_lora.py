@@ -244,6 +244,35 @@ def test_dropout_draws_afresh_each_call_scanned_or_not(checkpoints):
   np.testing.assert_allclose(b_eval, a_plain, atol=1e-5)
 
 
+def test_remat_of_unrolled_blocks_reads_frozen_weights_of_an_outer_trace(
+    checkpoints):
+  """A train step's pattern: the adapters differentiated, the frozen rest
+  passed into the jitted step and merged inside the gradient's trace.
+  Unrolled blocks under each remat mode give the adapters the same
+  gradients (the remat writes nothing back to the frozen weights)."""
+  tokens = jnp.asarray(tokens_of(9, (1, 11)))
+  positions = jnp.arange(11)[None]
+  grads = {}
+  for remat in (False, True, "attention"):
+    model = models.load_pretrained(checkpoints["llama3"], implementation="xla",
+                                   scan_layers=False, remat=remat)
+    models.add_lora(model, rank=2, alpha=4, base_dtype=None,
+                    rngs=nnx.Rngs(params=0))
+    randomize(model, 5)
+    graph, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+
+    @jax.jit
+    def grad(adapters, rest):
+      loss = lambda a: jnp.mean(
+          nnx.merge(graph, a, rest)(tokens, positions) ** 2)
+      return jax.grad(loss)(adapters)
+
+    grads[remat] = jax.tree.leaves(grad(adapters, rest))
+  for remat in (True, "attention"):
+    for got, want in zip(grads[remat], grads[False], strict=True):
+      assert relative_error(np.asarray(got), np.asarray(want)) <= 1e-5
+
+
 def test_lora_errors_name_what_is_wrong(checkpoints, tmp_path):
   path = checkpoints["llama3"]
   model = models.load_pretrained(path, implementation="xla")

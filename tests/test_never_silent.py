@@ -73,6 +73,7 @@ def test_automatic_path_eager_and_jit_on_auto_and_explicit_axes(kind):
 @pytest.mark.parametrize("strategy, kind", [
     ("ring", AxisType.Auto), ("auto", AxisType.Auto),
     pytest.param("ring", AxisType.Explicit, marks=pytest.mark.slow)])
+@pytest.mark.sample(1)
 def test_eager_autodiff_uses_the_layout(strategy, kind):
   """jax.grad, jax.vjp and jax.checkpoint with no jax.jit around them
   (dual-chunk, causal, packed): the forward and every gradient are the

@@ -29,12 +29,16 @@ KV_LENGTHS = np.array([S - 3, 29], np.int32)
 
 
 def _default_lane(cp, causal, load_balance, loop):
-  """The default run's share of the full matrix: every layout x mask at cp
-  = 4 (causal in both loop forms), and the dual-chunk ring causal and
-  unrolled at cp = 2 and 8 (rank-coded shards make a misplaced shard show
-  at any cp). The rest runs with ``-m slow``."""
-  return (cp == 4 and (causal or loop == "unrolled")) or (
-      causal and loop == "unrolled" and load_balance == "dual_chunk")
+  """The default run's share of the full matrix: at cp = 4 every layout
+  causal (the dual-chunk in both loop forms, the others scanned) and the
+  dual-chunk unmasked, unrolled; the dual-chunk ring causal and unrolled at
+  cp = 2 and 8 (rank-coded shards make a misplaced shard show at any cp).
+  The rest runs with ``-m slow``."""
+  dual = load_balance == "dual_chunk"
+  if cp == 4:
+    return (causal and (dual or loop == "scan")) or (
+        not causal and dual and loop == "unrolled")
+  return causal and loop == "unrolled" and dual
 
 
 @pytest.mark.parametrize(
@@ -53,14 +57,15 @@ def test_ring_matches_reference(cp, causal, load_balance, loop):
 
 # A window's chunk pairs compile one static band per chunk distance, so the
 # larger rings and the dual-chunk scans (the slowest programs to compile
-# here) run with ``-m slow``; the default run keeps a causal window and a
-# padding case per layout and a two-sided window.
+# here) run with ``-m slow``; the default run keeps a causal window
+# (contiguous), padding (dual-chunk) and a two-sided window (striped); the
+# dual-chunk ring's causal window is test_flax.py's ring_packed_window_cap.
 _SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
     "cp, load_balance, causal, window, loop",
-    [(2, "dual_chunk", True, (5, 0), "unrolled"),
+    [pytest.param(2, "dual_chunk", True, (5, 0), "unrolled", marks=_SLOW),
      pytest.param(4, "dual_chunk", True, (5, 0), "unrolled", marks=_SLOW),
      pytest.param(4, "dual_chunk", True, (13, 0), "scan", marks=_SLOW),
      (2, None, True, (7, 0), "scan"),
@@ -100,6 +105,7 @@ def test_ring_windows_and_padding(cp, load_balance, causal, window, loop):
 @pytest.mark.parametrize("kv_heads, load_balance",
                          [(1, "dual_chunk"), (4, "dual_chunk"),
                           (1, "striped")])
+@pytest.mark.sample(2)
 def test_ring_gqa_mqa_and_soft_cap(kv_heads, load_balance):
   q, k, v, do = rank_coded_qkv(11, 4, kv_heads, load_balance)
   got = run_ring(q, k, v, do, 4, is_causal=True, load_balance=load_balance,
@@ -108,6 +114,7 @@ def test_ring_gqa_mqa_and_soft_cap(kv_heads, load_balance):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.sample(1)
 def test_ring_16_bit(dtype):
   q, k, v, do = (x.astype(dtype) for x in rank_coded_qkv(12, 4))
   got = run_ring(q, k, v, do, 4, is_causal=True, load_balance="dual_chunk")
@@ -171,6 +178,7 @@ def unrolled_ring_collectives(path, seed, kv_sends):
 
 @pytest.mark.parametrize("path", ["shard_map", "automatic",
                                   "automatic_large_kv"])
+@pytest.mark.sample(2)
 def test_backward_sends_no_kv_a_second_time(path, monkeypatch):
   """Forward+backward, cp = 4, unrolled: 3 stacked-KV permutes forward and
   4 dK/dV permutes backward. Under shard_map the backward's K/V sends are
@@ -199,6 +207,7 @@ def test_backward_sends_no_kv_a_second_time(path, monkeypatch):
                                      KV_LENGTHS))),
 ], ids=["n2", "n4", "n4_scan", "n4_contiguous", "n8_striped",
         "n4_window_scan", "n8_padding"])
+@pytest.mark.sample(3)
 def test_gathered_kv_sends_match_reference(cp, causal, load_balance, extra):
   """kv_sends="gather": each step's K/V from one all-gather, dK/dV parts
   straight back to their owners (unrolled) or along the ring (scan). GQA
@@ -216,6 +225,7 @@ def test_gathered_kv_sends_match_reference(cp, causal, load_balance, extra):
 
 
 @pytest.mark.parametrize("path", ["shard_map", "automatic"])
+@pytest.mark.sample(2)
 def test_gathered_kv_sends_collectives(path):
   """cp = 4, unrolled, kv_sends="gather". Forward: one all-gather, no
   permute. Forward+backward: 3 dK/dV parts sent back, with no final
@@ -477,6 +487,7 @@ def test_ring_packed_segments_cross_shard_boundaries(load_balance, kv_sends,
          "dp2_cp4_unrolled_striped_packed_window_pad",
          "dp2_cp4_unrolled_packed_default_sends",
          "dp2_cp4_unrolled_packed_window_pad_default_sends"])
+@pytest.mark.sample(2)
 def test_automatic_path_under_jit_matches_reference(segments, dp, loop,
                                                     window_and_padding,
                                                     load_balance,
@@ -631,6 +642,7 @@ CROSS_FEW = _docs((10, 3, 10, 3, 10, 3, 9))
     ids=["inside", "cross", "cross_one", "cross_few", "cross_few_full", "one",
          "an_id_twice", "an_id_twice_full", "cross_few_cp2",
          "cross_few_full_cp2"])
+@pytest.mark.sample(3)
 def test_ring_skips_steps_no_document_reaches(ids, causal, cp):
   _check_packed_ring(ids, causal, cp)
 
@@ -812,6 +824,7 @@ def test_ring_reach_equals_a_set_intersection(load_balance, causal):
 
 
 @pytest.mark.parametrize("entry", ["shard_map", "jit"])
+@pytest.mark.sample(1)
 def test_data_parallel_rows_that_reach_different_steps(entry):
   """On a data x cp mesh each data shard's rows may reach different ring
   steps (here: documents inside the shards, and one over the whole row):
@@ -901,6 +914,7 @@ def _outside_branches(jaxpr, name, inside=False):
 
 
 @pytest.mark.parametrize("two", [False, True], ids=["one_ids", "two_ids"])
+@pytest.mark.sample(1)
 def test_ring_hands_the_own_block_what_its_backend_prepares(probe_backend,
                                                             two):
   """Packed rows on the ring's reached loop: the own block's backend

@@ -60,6 +60,7 @@ def _attend(q, k, v, ids, sinks):
 @pytest.mark.parametrize("kind, eager", [
     (jax.sharding.AxisType.Auto, False),
     (jax.sharding.AxisType.Explicit, True)], ids=["auto-jit", "explicit"])
+@pytest.mark.sample(1)
 def test_vmap_folds_the_mapped_axis_into_the_batch(kind, eager):
   """vmap over axis 1 of q, k, v, dout and the segment ids (sinks shared),
   out on axis 1, differentiated through: output and every gradient equal

@@ -26,6 +26,7 @@ run = functools.partial(run_shard_map, uly.ulysses_attention)
 # twice, 3 per device). K = 2 (repeated) and K = cp are in the grid above.
 @pytest.mark.parametrize("n, kv_heads", [(8, 8), (8, 1), (12, 6)],
                          ids=["k8", "mqa", "n12_k6"])
+@pytest.mark.sample(2)
 def test_ulysses_kv_heads_and_soft_cap(n, kv_heads):
   q, k, v, do = coded_qkv(20 + kv_heads, 4, kv_heads, n)
   got = run(q, k, v, do, 4, is_causal=True, load_balance="dual_chunk",
@@ -38,6 +39,7 @@ def test_ulysses_kv_heads_and_soft_cap(n, kv_heads):
     ("striped", False)],
                          ids=["contiguous", "dual_chunk", "dual_chunk_pair",
                               "striped"])
+@pytest.mark.sample(3)
 def test_ulysses_packed_segments_cross_shard_boundaries(load_balance, pair):
   cp = 4
   q, k, v, do = coded_qkv(30, cp, 2)

@@ -254,13 +254,29 @@ def _run_block(remat, block: Block, x, positions, segment_ids, cp=None):
   ``remat`` (``DecoderConfig.remat``) says; ``cp``: the attention's
   ``ContextParallel`` in place of the layer's own, or None."""
   if remat == "attention":
-    q, k, v = nnx.remat(lambda b, *a: b.project(*a))(block, x, positions)
+    q, k, v = _remat(lambda b, *a: b.project(*a), block, x, positions)
     out = block.attn.attend(q, k, v, segment_ids, cp)
-    return nnx.remat(lambda b, *a: b.finish(*a))(block, x, out)
+    return _remat(lambda b, *a: b.finish(*a), block, x, out)
   if remat:
-    return nnx.remat(lambda b, *a: b(*a, context_parallel=cp))(
-        block, x, positions, segment_ids)
+    return _remat(lambda b, *a: b(*a, context_parallel=cp), block, x,
+                  positions, segment_ids)
   return block(x, positions, segment_ids, cp)
+
+
+def _remat(fn, block: Block, *args):
+  """``fn(block, *args)`` under ``jax.checkpoint``. Only the block's random
+  streams' counts (LoRA dropout) come back out: its weights are read, never
+  written (``nnx.remat`` would write them all back, which fails for weights
+  of an outer trace, such as frozen ones beside trained adapters)."""
+  graph, state = nnx.split(block)
+
+  def pure(state, *args):
+    inner = nnx.merge(graph, state)
+    return fn(inner, *args), nnx.state(inner, nnx.RngState)
+
+  out, rng_state = jax.checkpoint(pure)(state, *args)
+  nnx.update(block, rng_state)
+  return out
 
 
 def _scan_blocks(blocks: list, period: int, step, x):
