@@ -41,7 +41,9 @@ export JAX_RING_REF_CACHE=${JAX_RING_REF_CACHE:-$PWD/.lane_cache/reference}
 part=${LANE_SHARD:+_part${LANE_SHARD/\//of}}
 export JAX_RING_TEST_RECORD="$OUT/gpu_cases$part.jsonl"
 rm -f "$JAX_RING_TEST_RECORD"
-command="python -m pytest ${TESTS:-tests} -m gpu -n $workers"
+# Case by case over the workers (--dist load), not a file a worker as the
+# CPU run's default: the lane's cases are mostly in one file.
+command="python -m pytest ${TESTS:-tests} -m gpu -n $workers --dist load"
 command+="${LANE_SHARD:+ --lane-shard $LANE_SHARD}"
 start=$(date +%s)
 # Interrupted (SIGINT) after LANE_SECONDS, pytest still writes its report,

@@ -378,7 +378,6 @@ def test_fine_tunes_a_transformers_checkpoint_and_saves_it_back(family,
   assert relative_error(got, want) <= TOLERANCE
 
 
-@pytest.mark.xdist_group("peft")  # with tests/test_lora.py: see there
 def test_lora_run_writes_an_adapter_peft_merges_into_final(tmp_path):
   """``--lora 4``: only the adapters train (the state's params are
   ``nnx.LoRAParam`` alone, and the loss falls); adapter/ is PEFT's format,

@@ -24,9 +24,6 @@ from hf_models import (CONFIGS, V, assert_logits_close, hf_logits,
                          mesh_2x4, packed_batch, torch_loss_and_grads)
 
 FAMILIES = ("llama3", "qwen3", "gemma3")
-# peft imports much of torch and transformers (about 11 s): in one pytest
-# worker only (CI runs ``--dist loadgroup``), and only when these tests run.
-pytestmark = pytest.mark.xdist_group("peft")
 
 
 @pytest.fixture(scope="module")
