@@ -37,11 +37,16 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 jax.config.update("jax_num_cpu_devices", 8)
 
 
-# The slowest modules first: with two workers, the long example runs then
-# overlap the many short tests instead of finishing the run alone.
-SLOWEST_MODULES = ("test_train_lm.py", "test_finetune.py",
-                   "test_multiprocess.py", "test_readme.py",
-                   "test_compile_default_flags.py", "test_models.py")
+# The files with the most work first, in this order (``--dist loadfile``
+# hands whole files to the workers as they free up): the run then ends on
+# short files rather than on one long file alone.
+SLOWEST_MODULES = ("test_ring.py", "test_generate.py", "test_finetune.py",
+                   "test_models.py", "test_cudnn_band.py",
+                   "test_cudnn_tiles.py", "test_lora.py",
+                   "test_never_silent.py", "test_first_call.py",
+                   "test_any_length.py", "test_multiprocess.py",
+                   "test_readme.py", "test_train_lm.py",
+                   "test_compile_default_flags.py")
 
 
 def pytest_addoption(parser):
@@ -90,7 +95,8 @@ def pytest_itemcollected(item):  # as collected, before -m deselects
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(config, items):
-  items.sort(key=lambda item: item.path.name not in SLOWEST_MODULES)
+  rank = {name: i for i, name in enumerate(SLOWEST_MODULES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
   keep = lane_shard(config.getoption("--lane-shard"),
                     [item.nodeid for item in items])
   if len(keep) < len(items):
