@@ -28,6 +28,8 @@ FAMILIES = ("llama3", "qwen3", "gemma3")
 
 @pytest.fixture(scope="module")
 def peft():
+  """peft, imported when a test asks (it imports much of torch and
+  transformers, about 11 s): in the one worker running this file."""
   return pytest.importorskip("peft")
 
 
