@@ -383,8 +383,8 @@ def test_lora_run_writes_an_adapter_peft_merges_into_final(tmp_path):
   ``nnx.LoRAParam`` alone, and the loss falls); adapter/ is PEFT's format,
   and PEFT's ``merge_and_unload`` of it over base_model/ equals final/,
   so the base stayed frozen and final/ is the adapters merged in. With
-  dropout: the step advances the dropout streams, and the checkpoint holds
-  their key."""
+  dropout, so that the step carries the dropout streams in its state and
+  the checkpoint writes them (both failed once)."""
   peft = pytest.importorskip("peft")
   needs_devices()
   result = run(tmp_path, "--lora", "4", "--lora-dropout", "0.1", "--steps",
