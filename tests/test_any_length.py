@@ -37,9 +37,11 @@ def _check(cpc, mesh, *, t=S, s=S, docs=5, seed=0, **kw):
 
 @pytest.mark.parametrize("strategy, options, shape", [
     ("ring", {}, (8,)),
-    ("ring", dict(load_balance="striped", loop="scan"), (8,)),
+    pytest.param("ring", dict(load_balance="striped", loop="scan"), (8,),
+                 marks=pytest.mark.slow),
     # The padding to a length the layout divides is the API's, before any
-    # strategy: the default run keeps three, -m slow runs them all.
+    # strategy: the default run keeps three, -m slow runs them all (the
+    # striped ring scanned: tests/test_ring.py).
     pytest.param("all_gather", {}, (8,), marks=pytest.mark.slow),
     ("ulysses", {}, (8,)),
     pytest.param("hybrid", {}, (2, 4), marks=pytest.mark.slow),
@@ -54,10 +56,13 @@ def test_every_strategy_at_a_length_no_layout_divides(strategy, options,
   _check(cpc, _mesh(shape, names), docs=17)
 
 
+# -m slow: auto picks Ulysses for these rows, whose odd length with packed
+# documents on 8 devices is test_every_strategy_at_a_length_no_layout_divides'
+# ulysses (and auto's, contiguous).
 @pytest.mark.parametrize("docs, t", [
     (1, 45), pytest.param(45, 45, marks=pytest.mark.slow), (200, 203)],
     ids=["one", "every-token", "200"])
-@pytest.mark.sample(1)
+@pytest.mark.slow
 def test_documents_a_row_at_odd_lengths(docs, t):
   _check(jax_ring.ContextParallel(), _mesh((8,), ("cp",)), t=t, s=t,
          docs=docs, seed=1)
@@ -65,8 +70,10 @@ def test_documents_a_row_at_odd_lengths(docs, t):
 
 def test_windows_sinks_and_key_lengths_at_an_odd_length():
   """A two-sided window (the padded keys would be inside it), sinks and
-  the caller's own key lengths, on 4 devices, no causal mask."""
-  _check(jax_ring.ContextParallel(), _mesh((4,), ("cp",)), docs=None,
+  the caller's own key lengths, on 2 devices (auto: the all-gather forward,
+  whose window calls grow with the devices, and Ulysses' backward), no
+  causal mask."""
+  _check(jax_ring.ContextParallel(), _mesh((2,), ("cp",)), docs=None,
          seed=2, is_causal=False, local_window_size=(6, 5),
          key_value_seq_lengths=jnp.asarray([41, 45], jnp.int32),
          sinks=jnp.asarray(np.linspace(-1, 1, N), jnp.float32))
@@ -105,6 +112,10 @@ def test_a_pair_of_segment_ids_under_jit(causal):
          docs=3, seed=6, pair=True, is_causal=causal)
 
 
+# -m slow: Ulysses on query and key lengths padded apart is
+# test_ulysses_query_and_key_lengths_padded_apart_on_explicit_axes'; what
+# explain says, test_explain_reports_the_padding.
+@pytest.mark.slow
 def test_auto_with_lengths_that_pad_alike_stays_ulysses():
   """T = 5 and S = 7 both run as 8 on 4 devices: auto is still Ulysses,
   as explain says for T != S."""
@@ -134,3 +145,8 @@ def test_explain_reports_the_padding():
   assert "padding" not in jax_ring.explain((1, 1008, 32, 128),
                                            (1, 1008, 8, 128),
                                            cp_size=4).defaults
+  # T = 5 and S = 7 both run as 8 on 4 devices: auto stays Ulysses (as
+  # test_auto_with_lengths_that_pad_alike_stays_ulysses runs, -m slow).
+  assert jax_ring.explain((B, 5, N, H), (B, 7, K, H), cp_size=4,
+                          context_parallel=jax_ring.ContextParallel(
+                              strategy="auto")).forward == "ulysses"

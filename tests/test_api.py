@@ -34,7 +34,12 @@ SHARED = {
 }
 
 
-@pytest.mark.parametrize("name", list(SHARED))
+# With -m slow only: "causal" (window_causal is causal too, and
+# test_dtypes_and_head_dims checks causal calls against the reference) and
+# "scale" (test_logits_soft_cap and test_several_default_tiles pass scale).
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.slow) if n in ("causal", "scale")
+    else n for n in SHARED])
 def test_matches_jax_nn_xla(name):
   kw = SHARED[name]
   q, k, v, do = ref.random_qkv(21, B, T, S, N, K, H)
@@ -112,6 +117,10 @@ def test_several_default_tiles():
                    local_window_size=(300, 0))
 
 
+# Slow: unbatched q, k, v against jax.nn in the default run are
+# test_never_silent.py::test_inputs_jax_nn_accepts[unbatched_bias_4d] (and
+# test_edge_inputs.py::test_unbatched_query_takes_unbatched_segment_ids).
+@pytest.mark.slow
 def test_unbatched_inputs():
   q, k, v, _ = ref.random_qkv(28, 1, T, S, N, K, H)
   out = jax_ring.dot_product_attention(q[0], k[0], v[0], is_causal=True)

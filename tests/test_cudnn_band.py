@@ -5,8 +5,10 @@ after skipping ``row_start`` rows and ``col_start`` keys) are replayed in
 NumPy, so every causal/window/offset combination is covered without a GPU.
 """
 
+import functools
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -107,31 +109,40 @@ def covered_rows(docs, b, t):
 def test_packed_documents_become_ragged_batches_that_reproduce_the_mask():
   """Runs of query ids -> documents; each one's key range is its id's keys;
   a call's virtual batches start at their documents' first elements."""
-  b, t = 3, 40
+  b, t, m = 3, 40, 16
   same = ref.random_segments(5, b, t, 7)
   other = np.stack([same[0], np.roll(same[1], 3), same[2][::-1]])  # unsorted
+
+  # One program for each value of ``same`` (op by op, most of the time).
+  @functools.partial(jax.jit, static_argnums=2)
+  def laid_out(q_ids, kv_ids, same):
+    docs = packed.documents(q_ids, kv_ids, same=same)
+    # Offsets of each virtual batch's first element, in BSHD buffers of 2
+    # heads x 8 (q, k) and 2 heads x 24 (v, out).
+    s = kv_ids.shape[1]
+    call = packed.select(docs, 0, 0, m, t, s)
+    rows = packed.call_rows(call, jnp.zeros((b, t, 2, 8)),
+                            jnp.zeros((b, s, 2, 8)),
+                            jnp.zeros((b, s, 2, 24)))[2:]
+    return (docs, packed.layout(q_ids, kv_ids), (call.q_start,
+                                                  call.kv_start), rows)
+
   for q_ids, kv_ids in ((same, same), (same, np.sort(other, axis=1)),
                         (same[:, :t], same[:, ::2].repeat(2, 1))):
-    docs = packed.documents(jnp.asarray(q_ids), jnp.asarray(kv_ids),
-                            same=q_ids is kv_ids)
-    assert bool(packed.layout(jnp.asarray(q_ids), jnp.asarray(kv_ids)))
+    docs, fits, (q_start, kv_start), (rq, rk, rv, ro) = laid_out(
+        jnp.asarray(q_ids), jnp.asarray(kv_ids), q_ids is kv_ids)
+    assert bool(fits)
     for row in range(b):
       want = q_ids[row][:, None] == kv_ids[row][None, :]
       got = ragged_visibility(docs, row, t, kv_ids.shape[1])
       np.testing.assert_array_equal(got, want)
-    # Offsets of each virtual batch's first element, in BSHD buffers of 2
-    # heads x 8 (q, k) and 2 heads x 24 (v, out).
-    s, m = kv_ids.shape[1], 16
-    call = packed.select(docs, 0, 0, m, t, s)
-    rq, rk, rv, ro = packed.call_rows(call, jnp.zeros((b, t, 2, 8)),
-                                      jnp.zeros((b, s, 2, 8)),
-                                      jnp.zeros((b, s, 2, 24)))[2:]
+    s = kv_ids.shape[1]
     assert rq.shape == (b * m + 1,) and rq[-1] == b * t * 16
     assert ro[-1] == b * t * 48 and rk[-1] == b * s * 16
-    for offsets, per_token, start, rows in ((rq, 16, call.q_start, t),
-                                            (ro, 48, call.q_start, t),
-                                            (rk, 16, call.kv_start, s),
-                                            (rv, 48, call.kv_start, s)):
+    for offsets, per_token, start, rows in ((rq, 16, q_start, t),
+                                            (ro, 48, q_start, t),
+                                            (rk, 16, kv_start, s),
+                                            (rv, 48, kv_start, s)):
       np.testing.assert_array_equal(
           np.asarray(offsets[:-1]).reshape(b, -1),
           (np.arange(b)[:, None] * rows + np.asarray(start)) * per_token)
@@ -145,22 +156,32 @@ def test_striped_ring_blocks_of_packed_documents_become_causal_slots():
   mask."""
   from jax_ring._src.strategies.ring import striped as ring_striped
   from jax_ring._src.core.mask import BlockMask
+  cfg = ref.config(ref.Case(1.0, is_causal=True))
+
+  # One program a pair of offsets (the blocks' ids are of one shape):
+  # 162 blocks op by op took most of this test's time.
+  @functools.partial(jax.jit, static_argnums=(2, 3))
+  def block(q_ids, kv_ids, q_offset, kv_offset):
+    mask = BlockMask(q_offset=q_offset, kv_offset=kv_offset,
+                     q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    shift = packed.diagonal_shift(cfg, mask)
+    return (packed.documents(mask.q_segment_ids, mask.kv_ids(), shift),
+            packed.layout(mask.q_segment_ids, mask.kv_ids(), shift))
+
   checked = 0
   for cp, seed in itertools.product((2, 3, 4, 5), range(3)):
     t = 11
     ids = ref.random_segments(seed, 1, t * cp, 9)  # some shorter than cp
     pos = np.arange(t * cp)
     for r, src in itertools.product(range(cp), range(cp)):
-      cfg = ref.config(ref.Case(1.0, is_causal=True))
       bnd = ring_striped.striped_band(cfg, cp, t, r - src)
       q_ids, kv_ids = ids[:, r::cp], ids[:, src::cp]
-      mask = BlockMask(q_offset=bnd.q_offset, kv_offset=bnd.kv_offset,
-                       q_segment_ids=jnp.asarray(q_ids),
-                       kv_segment_ids=jnp.asarray(kv_ids))
       assert bnd.is_causal and bnd.window is None, bnd  # lo in {0, 1}
-      shift = packed.diagonal_shift(cfg, mask)
-      docs = packed.documents(mask.q_segment_ids, mask.kv_ids(), shift)
-      fits = packed.layout(mask.q_segment_ids, mask.kv_ids(), shift)
+      shift = packed.diagonal_shift(cfg, BlockMask(
+          q_offset=bnd.q_offset, kv_offset=bnd.kv_offset,
+          q_segment_ids=q_ids, kv_segment_ids=kv_ids))
+      docs, fits = block(jnp.asarray(q_ids), jnp.asarray(kv_ids),
+                         bnd.q_offset, bnd.kv_offset)
       assert bool(fits) and shift == bnd.kv_offset - bnd.q_offset
       want = ((q_ids[0][:, None] == kv_ids[0][None, :])
               & (pos[src::cp][None, :] <= pos[r::cp][:, None]))
@@ -197,6 +218,11 @@ def test_packed_layout_counts_the_calls_and_flags_what_does_not_fit(
   import ragged_cudnn
   monkeypatch.setattr(packed, "SMALLEST", 4)
   t = 40
+  # Each function one program a shape and static options (op by op, most
+  # of the time); made after the constants it reads are set.
+  calls_of = jax.jit(lambda ids: packed.calls(
+      packed.documents(ids, ids, same=True), t, t))
+  layout = jax.jit(packed.layout, static_argnums=(2, 3))
   many = np.arange(t, dtype=np.int32)[None] // 2  # 20 documents of 2
   eights = np.arange(t, dtype=np.int32)[None] // 8  # 5 of 8: class 16, 3 a call
   mixed = np.array([[0] * 17 + list(range(1, 24))], np.int32)
@@ -205,8 +231,7 @@ def test_packed_layout_counts_the_calls_and_flags_what_does_not_fit(
   other = np.array([[7] * 5 + [1] * 35], np.int32)  # keys of no query: fine
   for ids, want in ((many, 1), (eights, 2), (ones, 1), (mixed, 2),
                     (np.concatenate([many, eights]), 3)):
-    docs = packed.documents(jnp.asarray(ids), jnp.asarray(ids), same=True)
-    got = int(packed.calls(docs, t, t))
+    got = int(calls_of(jnp.asarray(ids)))
     assert got == want == ragged_cudnn.expected_calls(ids, 4, t), (
         ids, got, want)
   for q_ids, kv_ids, shift, want in (
@@ -214,7 +239,7 @@ def test_packed_layout_counts_the_calls_and_flags_what_does_not_fit(
       (ones, split, None, False), (ones, ones, 0, True),
       (np.array([[0] * 3 + [1] * 37], np.int32), ones, 1, False),
       (np.array([[1] * 37 + [2] * 3], np.int32), ones, 1, True)):
-    fits = packed.layout(jnp.asarray(q_ids), jnp.asarray(kv_ids), shift)
+    fits = layout(jnp.asarray(q_ids), jnp.asarray(kv_ids), shift, False)
     assert bool(fits) == want, (q_ids, kv_ids, shift)
   # One id array: the one-sort check agrees with the general one.
   shuffled = np.array([[3] * 9 + [0] * 11 + [2] * 20], np.int32)
@@ -222,14 +247,15 @@ def test_packed_layout_counts_the_calls_and_flags_what_does_not_fit(
                     (ones, True), (shuffled, True), (split, False),
                     (np.concatenate([many, split]), False)):
     for shift in (None, 2):
-      both = [bool(packed.layout(jnp.asarray(ids), jnp.asarray(ids), shift,
-                                 same=same)) for same in (False, True)]
+      both = [bool(layout(jnp.asarray(ids), jnp.asarray(ids), shift, same))
+              for same in (False, True)]
       assert both == [want, want], (ids, shift, both)
   # Past MAX_BATCHES virtual batches a call, class 0 loops as well: 20
   # documents, menu (1, 4, 8).
   monkeypatch.setattr(packed, "MAX_BATCHES", 8)
-  docs = packed.documents(jnp.asarray(many), jnp.asarray(many), same=True)
-  assert int(packed.calls(docs, t, t)) == 3
+  calls_of = jax.jit(lambda ids: packed.calls(
+      packed.documents(ids, ids, same=True), t, t))  # traced anew
+  assert int(calls_of(jnp.asarray(many))) == 3
 
 
 def _id_rows(seed, count, t):
@@ -255,7 +281,6 @@ def test_the_ids_table_decides_as_the_sort_does_where_it_knows():
   0, 1, 2, ... in any order, padding 0 included), and knows no row whose
   ids spread wider; for two id arrays (and a causal shift) the documents
   it finds equal the sort's wherever the ids fit."""
-  import jax
   from jax_ring._src.backends.cudnn import fits
   t = 24
   q = _id_rows(0, 120, t)
@@ -348,7 +373,6 @@ def test_packed_calls_match_the_reference(name, smallest, one_handler,
   not fit, equal the float64 reference in out, lse and every gradient;
   as the calls' switch and loop, and as one handler a pass (the handler's
   tables replayed class by class)."""
-  import jax
   import ragged_cudnn
   from jax_ring._src.core.mask import BlockMask
   monkeypatch.setattr(ffi, "sdpa", ragged_cudnn.sdpa)
@@ -391,7 +415,6 @@ def test_a_pass_serves_shapes_whose_stats_fit_its_bound():
   every table slice a call reads is 16-byte aligned (every call starts at
   a multiple of its class's ``M_c``), and each class's menu ascends to
   ``M_c``."""
-  import jax
   rows = lambda t, n: jax.ShapeDtypeStruct((1, t, n, 128), jnp.bfloat16)
   assert passes.serves(rows(32768, 16), rows(32768, 8), True)
   assert not passes.serves(rows(65536, 32), rows(65536, 8), True)
@@ -412,9 +435,9 @@ def test_a_pass_serves_shapes_whose_stats_fit_its_bound():
   b, t, n, kh, h = 2, ids.shape[1], 4, 2, 8
   q = jnp.zeros((b, t, n, h), jnp.bfloat16)
   kv = jnp.zeros((b, t, kh, h), jnp.bfloat16)
-  docs = packed.documents(ids, ids, same=True)
   lay = passes.layout(t, t, b, True)
-  tab = passes.tables(docs, lay, q, kv, kv)
+  docs, tab = jax.jit(lambda ids: (lambda docs: (docs, passes.tables(
+      docs, lay, q, kv, kv)))(packed.documents(ids, ids, same=True)))(ids)
   offs, cls, rank = map(np.asarray, (tab.offs, docs.cls, docs.rank))
   for c, (base, m) in enumerate(zip(lay.offs_base(), lay.batches)):
     for j in range(lay.slots[c] // m):
@@ -461,7 +484,6 @@ def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
   results do, and the output and gradients equal the reference's. On
   contiguous shards the second row's document 0 crosses the shards, so
   the ring's reached step runs (``reached.reached_loop``)."""
-  import jax
   import jax_ring
   from jax.sharding import PartitionSpec as P
   from helpers import layout_vjp, mesh
@@ -488,7 +510,6 @@ def test_ring_prepares_the_own_pass_of_two_id_arrays(monkeypatch):
   block's pass gets its tables and branch index computed before the reach
   test's branch (``mask.prepared``, built from the block's two arrays),
   and out and gradients equal the float64 reference's."""
-  import jax
   import jax_ring
   from jax.sharding import PartitionSpec as P
   from helpers import layout_vjp, mesh
@@ -516,7 +537,6 @@ def test_recording_notes_each_traced_call_with_its_graph_key(monkeypatch):
   ``workspace_bytes`` needs to rebuild its graph: a causal block's forward
   and backward, and a packed block (slots); nothing outside the block. The
   call's workspace is one of its results, of the size that graph needs."""
-  import jax
   import jax_ring
   from jax_ring._src.core.mask import BlockMask
 
@@ -556,7 +576,6 @@ def test_a_value_head_dim_unlike_the_keys_reaches_the_calls(monkeypatch):
   """v (B, S, K, Hv) with Hv != H: the forward's out is (B, T, N, Hv), also
   for a block that sees no key, each call records v's shape, and the
   stacked dK/dV backward refuses."""
-  import jax
   import jax_ring
   from jax_ring._src.core.mask import BlockMask
 

@@ -109,11 +109,17 @@ def test_a_longer_document_takes_the_handler(small_tiles):
   q, k, v, do = ref.random_qkv(4, 2, 40, 40, 4, 2, 8)
   cfg = ref.config(ref.Case(0.3, is_causal=True))
   bnd = band(cfg, 0, 0, 40, 40)
-  mask = BlockMask(q_segment_ids=jnp.asarray(ids))
-  out, lse = passes.forward(q, k, v, mask, cfg, bnd)
-  # Finite out and lse, so that only the handler can make dq NaN.
-  dq, _, _ = passes.backward(q, k, v, mask, jnp.ones_like(out),
-                             jnp.zeros_like(lse), do, cfg, bnd)
+
+  @jax.jit  # one program (op by op, most of the time)
+  def run(q, k, v, ids):
+    mask = BlockMask(q_segment_ids=ids)
+    out, lse = passes.forward(q, k, v, mask, cfg, bnd)
+    # Finite out and lse, so that only the handler can make dq NaN.
+    dq, _, _ = passes.backward(q, k, v, mask, jnp.ones_like(out),
+                               jnp.zeros_like(lse), do, cfg, bnd)
+    return out, dq
+
+  out, dq = run(q, k, v, jnp.asarray(ids))
   assert np.isnan(np.asarray(out)).all() and np.isnan(np.asarray(dq)).all()
 
 
@@ -221,28 +227,58 @@ def _ring_ids(name):
   return ids[:, :61], ids[:, 20:65], dict(window=(3, 30), kv_offset=20)
 
 
+def direct_tiles(monkeypatch):
+  """``tiles.DIRECT`` on the CPU: the cudnn backend's blocks take the
+  Pallas tiles of 16 (interpreted) with no switch, every cuDNN handler
+  NaN (so an exact result shows that the tiles ran)."""
+  from jax_ring._src.backends import cudnn
+  for name in ("sdpa", "sdpa_pass"):
+    monkeypatch.setattr(ffi, name, poisoned)
+  for name, value in (("DIRECT", True), ("SIZES", (16,)),
+                      ("KERNEL", "pallas")):
+    monkeypatch.setattr(tiles, name, value)
+  monkeypatch.setattr(tiles_pallas, "INTERPRET", True)
+  monkeypatch.setattr(cudnn, "unsupported", lambda *_: None)  # as on a GPU
+  return cudnn
+
+
 @pytest.mark.parametrize("name", ["earlier_shard", "striped",
                                   "window_any_layout"])
 @pytest.mark.sample(2)
-def test_pallas_tiles_take_a_ring_steps_block(name):
+def test_pallas_tiles_take_a_ring_steps_block(name, monkeypatch):
   """The Pallas tiles on a block of two id arrays (61 queries, 45 keys:
   both padded in tiles of 16) at offsets, as a ring step holds them
-  (``tiles.DIRECT``): a document across the two shards, documents only
+  (``tiles.DIRECT``, through the cudnn backend's forward and backward,
+  every handler NaN): a document across the two shards, documents only
   one side holds, striped offsets, ids in many runs; interpreted on the
   CPU, out, lse and every gradient equal the float64 reference's."""
+  cudnn = direct_tiles(monkeypatch)
   q_ids, kv_ids, kw = _ring_ids(name)
   q_ids, kv_ids = q_ids.astype(np.int32), kv_ids.astype(np.int32)
   q, k, v, do = (x.astype(jnp.bfloat16) for x in ref.random_qkv(
       9, 2, 61, 45, 4, 2, 16, hv=32))
   case = ref.Case(0.3, q_segment_ids=q_ids, kv_segment_ids=kv_ids, **kw)
-  check_interpreted(q, k, v, do, case, one_run=False,
-                    kv_ids=jnp.asarray(kv_ids),
-                    shift=case.kv_offset - case.q_offset)
+  cfg = ref.config(case)
+
+  @jax.jit
+  def run(q, k, v, q_ids, kv_ids):
+    mask = BlockMask(q_offset=case.q_offset, kv_offset=case.kv_offset,
+                     q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    assert tiles.direct(q, k, v, mask, cfg)
+    out, lse = cudnn.forward(q, k, v, None, mask, cfg)
+    return out, lse, cudnn.backward(q, k, v, None, mask, out, lse, do, None,
+                                    cfg)[:3]
+
+  out, lse, grads = run(q, k, v, jnp.asarray(q_ids), jnp.asarray(kv_ids))
+  check((out, grads), q, k, v, do, case, lse)
 
 
-@pytest.mark.parametrize("load_balance", [
-    None, pytest.param("dual_chunk", marks=pytest.mark.slow)],
-    ids=["contiguous", "dual_chunk"])
+# Slow (about 7 s to compile): each block's tiles through the backend are
+# test_pallas_tiles_take_a_ring_steps_block's; on GPUs,
+# test_cudnn.py::test_packed_documents_through_ragged_offsets (tiles_direct).
+@pytest.mark.slow
+@pytest.mark.parametrize("load_balance", [None, "dual_chunk"],
+                         ids=["contiguous", "dual_chunk"])
 def test_direct_tiles_take_every_ring_block(load_balance, monkeypatch):
   """``tiles.DIRECT``: every packed block of the ring on 2 simulated
   devices (the diagonal's one id array; the other steps' two, at their
@@ -252,12 +288,7 @@ def test_direct_tiles_take_every_ring_block(load_balance, monkeypatch):
   import jax_ring
   from jax.sharding import PartitionSpec as P
   from helpers import layout_vjp, mesh
-  for name in ("sdpa", "sdpa_pass"):
-    monkeypatch.setattr(ffi, name, poisoned)
-  for name, value in (("DIRECT", True), ("SIZES", (16,)),
-                      ("KERNEL", "pallas")):
-    monkeypatch.setattr(tiles, name, value)
-  monkeypatch.setattr(tiles_pallas, "INTERPRET", True)
+  direct_tiles(monkeypatch)
   cudnn_blocks_on_the_cpu(monkeypatch)
   cp, t = 2, 88
   ids = short_ids(17, 2, t, 30)
@@ -313,8 +344,10 @@ def test_pallas_tiles_propagate_nan_as_the_xla_form():
       5, 2, 61, 61, 4, 2, 16))
   q, k = q.at[0, 5, 1, 3].set(jnp.nan), k.at[1, 20, 0, 2].set(jnp.nan)
   cfg = ref.config(ref.Case(0.3, is_causal=True))
-  out, lse = tiles_pallas.forward(q, k, v, ids, cfg, 16, interpret=True)
-  x_out, x_lse = tiles.forward(q, k, v, ids, cfg, 16)
+  out, lse, x_out, x_lse = jax.jit(  # one program for both forms
+      lambda q, k, v, ids: tiles_pallas.forward(
+          q, k, v, ids, cfg, 16, interpret=True) + tiles.forward(
+              q, k, v, ids, cfg, 16))(q, k, v, ids)
   out, x_out = np.asarray(out, np.float32), np.asarray(x_out, np.float32)
   np.testing.assert_array_equal(np.isnan(out), np.isnan(x_out))
   np.testing.assert_array_equal(np.isnan(lse), np.isnan(x_lse))

@@ -55,6 +55,24 @@ def whole(tmp_path_factory):
   return run(tmp_path_factory.mktemp("whole"))
 
 
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory):
+  """The default run with ``--lora 4`` (and dropout), 3 steps: the one run
+  of the example in the default lane."""
+  needs_devices()
+  return run(tmp_path_factory.mktemp("lora"), "--lora", "4",
+             "--lora-dropout", "0.1", "--steps", "3", "--checkpoint-every",
+             "3")
+
+
+# Under -m slow, the full fine-tuning run's tests (``whole``). The default
+# lane runs the example with --lora (``lora``): its final/ read by
+# transformers in test_lora_run_saves_a_checkpoint_transformers_reads, the
+# same step builder (train_lm.make_train_step, there with a rest state);
+# every weight trained under the ring and FSDP as on one device:
+# test_train_lm.py::test_context_parallel_training_matches_single_device;
+# our checkpoints' save/load round trip: test_checkpoint_errors.py.
+@pytest.mark.slow
 def test_default_run_trains_and_saves_a_checkpoint_transformers_reads(whole):
   losses = whole["losses"]
   assert len(losses) == 6 and np.isfinite(losses).all()
@@ -91,11 +109,11 @@ def test_default_run_trains_and_saves_a_checkpoint_transformers_reads(whole):
       tok.eos_token_id)
 
 
-def test_sample_is_the_models_greedy_continuation(whole):
+def test_sample_is_the_models_greedy_continuation(lora):
   """``finetune.sample``, which the run prints before and after training
   (not under --quiet): the generator's greedy text, up to EOS."""
   from jax_ring.models import generation
-  final = whole["final"]
+  final = lora["final"]
   encoder = finetune.Encoder(final)
   model = models.load_pretrained(final)
   mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1],
@@ -118,6 +136,11 @@ def test_the_default_demo_learns_its_task(tmp_path, capsys):
   assert "after training:  'Reversed: lamp sun owl'" in out, out[-2000:]
 
 
+# Under -m slow: train_loop's resume, which both examples run, continues
+# bit for bit in test_run_dir.py::test_a_resume_continues_the_uninterrupted_run
+# (other settings and a fresh run refused there too, and the demo's resume
+# refused before writing: test_a_resume_writes_nothing_before_its_checks).
+@pytest.mark.slow
 def test_resume_continues_the_uninterrupted_run(whole, tmp_path):
   first = run(tmp_path, "--stop-after", "4")  # saved after 3 and 4
   resumed = run(tmp_path, "--resume")
@@ -142,17 +165,19 @@ def test_resume_continues_the_uninterrupted_run(whole, tmp_path):
   assert (tmp_path / "final" / "model.safetensors").read_bytes() == final
 
 
-def test_no_model_with_a_weight_that_is_not_finite_is_written(whole,
+def test_no_model_with_a_weight_that_is_not_finite_is_written(lora,
                                                               tmp_path):
-  paths, tree = jax.tree_util.tree_flatten_with_path(whole["state"]["params"])
+  graphdef, params, rest = nnx.split(models.load_pretrained(lora["final"]),
+                                     nnx.Param, ...)
+  paths, tree = jax.tree_util.tree_flatten_with_path(params)
   leaves = [x for _, x in paths]
   for i, value in ((0, np.nan), (1, np.inf)):
     leaves[i] = leaves[i].at[(0,) * leaves[i].ndim].set(value)
-  model = nnx.merge(whole["graphdef"], jax.tree.unflatten(tree, leaves))
+  model = nnx.merge(graphdef, jax.tree.unflatten(tree, leaves), rest)
   with pytest.raises(SystemExit, match=(
       rf"final not written: {re.escape(jax.tree_util.keystr(paths[0][0]))} "
       rf"has 1 non-finite entries in float32 \(1 more weights too\)$")):
-    finetune.save_final(model, whole["final"], tmp_path / "final", None)
+    finetune.save_final(model, lora["final"], tmp_path / "final", None)
   assert not (tmp_path / "final").exists()
 
 
@@ -378,7 +403,7 @@ def test_fine_tunes_a_transformers_checkpoint_and_saves_it_back(family,
   assert relative_error(got, want) <= TOLERANCE
 
 
-def test_lora_run_writes_an_adapter_peft_merges_into_final(tmp_path):
+def test_lora_run_writes_an_adapter_peft_merges_into_final(lora):
   """``--lora 4``: only the adapters train (the state's params are
   ``nnx.LoRAParam`` alone, and the loss falls); adapter/ is PEFT's format,
   and PEFT's ``merge_and_unload`` of it over base_model/ equals final/,
@@ -386,19 +411,44 @@ def test_lora_run_writes_an_adapter_peft_merges_into_final(tmp_path):
   dropout, so that the step carries the dropout streams in its state and
   the checkpoint writes them (both failed once)."""
   peft = pytest.importorskip("peft")
-  needs_devices()
-  result = run(tmp_path, "--lora", "4", "--lora-dropout", "0.1", "--steps",
-               "3", "--checkpoint-every", "3")
+  result, out = lora, lora["final"].parent
   assert result["losses"][-1] < result["losses"][0]
   trained = nnx.State(result["state"]["params"])
   assert all(isinstance(v, nnx.LoRAParam) for v in jax.tree.leaves(
       trained, is_leaf=lambda x: isinstance(x, nnx.Variable)))
   base = transformers.AutoModelForCausalLM.from_pretrained(
-      tmp_path / "base_model")
+      out / "base_model")
   merged = peft.PeftModel.from_pretrained(
-      base, tmp_path / "adapter").merge_and_unload().state_dict()
+      base, out / "adapter").merge_and_unload().state_dict()
   from safetensors.numpy import load_file
   final = load_file(result["final"] / "model.safetensors")
   assert final.keys() == merged.keys()
   for key, x in final.items():
     assert relative_error(x, merged[key].numpy()) <= 1e-6, key
+
+
+def test_lora_run_saves_a_checkpoint_transformers_reads(lora):
+  """final/ of the LoRA run (the adapters merged in) holds the tokenizer,
+  and transformers reads it with jax_ring's tokens and logits on a real
+  example."""
+  final = lora["final"]
+  assert {"config.json", "model.safetensors", "tokenizer.json",
+          "tokenizer_config.json"} <= {f.name for f in final.iterdir()}
+  ours = models.load_pretrained(final, implementation="xla")
+  assert len(jax.tree.leaves(nnx.state(ours, nnx.Param))) == 2 * 9 + 3
+  tok = transformers.AutoTokenizer.from_pretrained(final)
+  encoder = finetune.Encoder(final)
+  record = {"prompt": "Reverse the words: fox ice ship\n",
+            "response": "Reversed: ship ice fox"}
+  (ids, tgt), = encoder([record])
+  assert tok(record["prompt"])["input_ids"] == ids[~tgt].tolist()
+  assert tok(record["response"])["input_ids"] == ids[tgt][:-1].tolist()
+  assert ids[-1] == tok.eos_token_id
+  hf = transformers.AutoModelForCausalLM.from_pretrained(
+      final, attn_implementation="eager")
+  with torch.no_grad():
+    want = hf(torch.tensor(ids[None].astype(np.int64))).logits.numpy()
+  got = ours(jnp.asarray(ids[None]), jnp.arange(len(ids))[None])
+  assert relative_error(got, want) <= TOLERANCE
+  assert json.loads((final / "config.json").read_text())["eos_token_id"] == (
+      tok.eos_token_id)

@@ -93,6 +93,9 @@ def test_layer_matches_float64_reference(kw, segments):
   ref.assert_close(got, layer64(layer, x, pos, ids), jnp.float32, "layer")
 
 
+# -m slow: the packed layer against the float64 reference's segment mask is
+# test_layer_matches_float64_reference[gqa_packed] (and [mqa_packed]).
+@pytest.mark.slow
 def test_packed_documents_equal_each_document_alone():
   """Packed documents: each document's output equals that document run
   alone. (RoPE attention depends only on position differences within a
@@ -147,18 +150,23 @@ def cp_setup(strategy, load_balance="dual_chunk"):
   return mesh, cpc, jrf.logical_rules(length=seq), P("data", seq)
 
 
-# Each strategy once in the default run (its masks and layouts are tested
-# against the reference in its own module); the other ring cases with
-# -m slow.
+# The layer's sharding on one sequence axis (ring, with a window, soft cap
+# and sinks, and Ulysses) and on two (hybrid) in the default run; each
+# strategy's masks and layouts are tested against the reference in its own
+# module (the all-gather's windows and packed rows: test_all_gather.py).
+# The other cases with -m slow.
 @pytest.mark.parametrize("strategy, load_balance, kw, segments", [
     pytest.param("ring", "dual_chunk", dict(), False, marks=pytest.mark.slow),
-    ("ring", "dual_chunk", dict(sliding_window=7, logits_soft_cap=2.0), True),
+    ("ring", "dual_chunk", dict(sliding_window=7, logits_soft_cap=2.0,
+                                sinks=True), True),
     pytest.param("ring", "striped", dict(), True, marks=pytest.mark.slow),
-    ("all_gather", "dual_chunk", dict(sliding_window=7), True),
+    pytest.param("all_gather", "dual_chunk", dict(sliding_window=7), True,
+                 marks=pytest.mark.slow),
     ("ulysses", "dual_chunk", dict(), True),
     ("hybrid", "dual_chunk", dict(), True),
-    ("ring", "dual_chunk", dict(sinks=True, sliding_window=7), True),
-], ids=["ring_causal", "ring_packed_window_cap", "ring_striped_packed",
+    pytest.param("ring", "dual_chunk", dict(sinks=True, sliding_window=7),
+                 True, marks=pytest.mark.slow),
+], ids=["ring_causal", "ring_packed_window_cap_sinks", "ring_striped_packed",
         "all_gather_packed_window", "ulysses_packed", "hybrid_packed",
         "ring_packed_window_sinks"])
 def test_context_parallel_layer_equals_single_device(strategy, load_balance,

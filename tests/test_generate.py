@@ -67,13 +67,13 @@ def cp_mesh():
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-# Every family on one device; with the cache sharded, Gemma 2, whose
-# window and soft caps the split must respect (Mistral's window: in
-# test_several_tokens_a_call_give_the_same_tokens; the others under -m
-# slow).
+# Every family on one device; with the cache sharded under -m slow (Gemma
+# 2, whose window and soft caps the split must respect, in the default run:
+# test_several_tokens_a_call_give_the_same_tokens; Mistral's window:
+# test_other_layouts_give_the_same_tokens).
 @pytest.mark.parametrize("name, cache", [
     pytest.param(name, cache, marks=pytest.mark.slow if cache == "sharded"
-                 and name != "gemma2" else ())
+                 else ())
     for name in CONFIGS for cache in ("one_device", "sharded")])
 def test_greedy_tokens_equal_transformers(name, cache, checkpoints):
   path, want = checkpoints[name]
@@ -90,7 +90,9 @@ def test_greedy_tokens_equal_transformers(name, cache, checkpoints):
   assert got == want
 
 
+# Gemma 2 under -m slow: the spare row is the step's for every family.
 @pytest.mark.parametrize("name", ["qwen2", "gemma2"])
+@pytest.mark.sample(1)
 def test_one_prompt_gives_transformers_tokens(name, checkpoints):
   """Batch 1 on one device, where the step carries a spare query row
   through the layers: transformers' greedy tokens."""
@@ -210,10 +212,15 @@ def test_a_step_over_the_context_axis_moves_only_the_merge(data, context,
                               "collective-permute": 0, "all-to-all": 0}
 
 
+# Hybrid in the default run, the rest with -m slow. Striped: the prompt
+# goes in natural order, as under the default dual-chunk layout (the
+# sharded cache of test_several_tokens_a_call_give_the_same_tokens); the
+# attention's own permutation: test_first_call.py's
+# test_natural_inputs_are_exact_by_default[ring-striped].
 @pytest.mark.parametrize("layout", [
-    "striped", pytest.param("contiguous", marks=pytest.mark.slow), "hybrid",
+    "hybrid", "striped", pytest.param("contiguous", marks=pytest.mark.slow),
     "context_of_one"])
-@pytest.mark.sample(2)
+@pytest.mark.sample(1)
 def test_other_layouts_give_the_same_tokens(layout, checkpoints):
   """The prompt in the striped layout, contiguous, over a pair of axes
   (Ulysses inside a ring, data=2 x ring=2 x ulysses=2), or on a context
@@ -245,8 +252,8 @@ def test_other_layouts_give_the_same_tokens(layout, checkpoints):
 
 
 # Under -m slow: the split cache's tokens are transformers' in
-# test_greedy_tokens_equal_transformers, its attention the reference's in
-# test_decode.py.
+# test_several_tokens_a_call_give_the_same_tokens, its attention the
+# reference's in test_decode.py.
 @pytest.mark.slow
 def test_prefill_and_decode_logits_equal_the_full_forward(checkpoints):
   """With the cache split over 4 devices: the logits after the prompt and
@@ -320,11 +327,12 @@ def test_stop_tokens_end_a_row_and_are_kept(checkpoints):
 
 def test_several_tokens_a_call_give_the_same_tokens(checkpoints):
   """``tokens_per_call`` steps as one program: transformers' greedy tokens
-  with the cache split over the context axis (7 tokens: the prefill's and
-  two calls of 3), the same draws as one token a call with sampling (4 a
-  call: the last call's steps past max_new_tokens dropped), stops at the
-  same token inside a call, and ``on_tokens`` sees every step in order."""
-  path, want = checkpoints["mistral"]
+  with the cache split over the context axis (Gemma 2: its window and soft
+  caps; 7 tokens: the prefill's and two calls of 3), the same draws as one
+  token a call with sampling (4 a call: the last call's steps past
+  max_new_tokens dropped), stops at the same token inside a call, and
+  ``on_tokens`` sees every step in order."""
+  path, want = checkpoints["gemma2"]
   mesh = cp_mesh()
   with jax.set_mesh(mesh):
     model = models.load_pretrained(
@@ -334,7 +342,7 @@ def test_several_tokens_a_call_give_the_same_tokens(checkpoints):
     got = gen.generate(model, PROMPTS, max_new_tokens=NEW, tokens_per_call=3,
                        on_tokens=lambda step, _: steps.append(step))
   assert got == want and steps == list(range(NEW))
-  generator = gen.Generator(models.load_pretrained(path))
+  generator = gen.Generator(models.load_pretrained(checkpoints["mistral"][0]))
   hot = gen.Sampling(temperature=1.5, top_k=20, top_p=0.9)
   run = lambda n, **kw: generator.generate(
       PROMPTS, max_new_tokens=NEW, sampling=hot, seed=3, tokens_per_call=n,

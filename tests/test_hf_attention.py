@@ -233,10 +233,13 @@ def test_one_device_matches_transformers(name, layer_idx):
   check(out, grads, want, want_grads)
 
 
-# Each model under one strategy in the default run, both with -m slow.
+# Each model under auto in the default run, the ring with -m slow (the ring
+# with sinks and a window, forward and gradients, in the default run:
+# test_flax.py's test_context_parallel_layer_equals_single_device
+# [ring_packed_window_cap_sinks]).
 @pytest.mark.parametrize("name, strategy", [
-    pytest.param(name, strategy, marks=() if (name == "gpt_oss") == (
-        strategy == "ring") else pytest.mark.slow)
+    pytest.param(name, strategy, marks=() if strategy == "auto"
+                 else pytest.mark.slow)
     for strategy in ("ring", "auto") for name in MODELS])
 def test_context_parallel_under_jit_matches_transformers(name, strategy):
   """data=2 x cp=4, the hidden states and the rope's cos/sin in the

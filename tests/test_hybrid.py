@@ -49,9 +49,10 @@ def run(q, k, v, do, u, r, *ids, **kw):
 
 # kv heads against U: K = 2 over U = 2 (one each), K = 8 over U = 2 (four
 # each), K = 2 over U = 4 (each repeated twice) and MQA over U = 4 (repeated
-# four times). The causal dual_chunk case at U = 2, R = 4 is in the loop test.
+# four times). The causal dual_chunk case at U = 2, R = 4 is in the loop test,
+# which therefore has U = 2, R = 2's in the default run (and the window test).
 @pytest.mark.parametrize("ur, causal, load_balance, kv_heads", [
-    ((2, 2), True, "dual_chunk", 2),
+    pytest.param((2, 2), True, "dual_chunk", 2, marks=pytest.mark.slow),
     pytest.param((2, 4), True, None, 2, marks=pytest.mark.slow),
     ((2, 4), False, "dual_chunk", 8),
     pytest.param((4, 2), True, "dual_chunk", 2, marks=pytest.mark.slow),
@@ -99,11 +100,15 @@ def test_hybrid_packed_segments_cross_shard_boundaries(monkeypatch, ur,
   assert sorted(seen) == [("backward", not pair), ("forward", not pair)]
 
 
+# The contiguous case, with the soft cap, in the default run; the dual-chunk
+# window (4 chunk pairs a step, a slow compile) with -m slow: the ring's
+# dual-chunk window is test_value_head_dim.py's window_gather, the hybrid's
+# dual-chunk ring test_loop_forms_agree_bitwise_and_env_var_selects_scan.
 @pytest.mark.parametrize("ur, causal, window, load_balance, soft_cap", [
-    ((2, 2), True, (7, 0), "dual_chunk", None),
-    ((4, 2), False, (5, 3), None, 3.0)],
-                         ids=["u2_r2_causal_window_7_dual_chunk",
-                              "u4_r2_window_5_3_contiguous_soft_cap"])
+    ((4, 2), False, (5, 3), None, 3.0),
+    ((2, 2), True, (7, 0), "dual_chunk", None)],
+                         ids=["u4_r2_window_5_3_contiguous_soft_cap",
+                              "u2_r2_causal_window_7_dual_chunk"])
 @pytest.mark.sample(1)
 def test_hybrid_window_padding_and_soft_cap(ur, causal, window, load_balance,
                                             soft_cap):

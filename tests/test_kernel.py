@@ -51,7 +51,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# Cases that another default test checks as they are, through
+# check_kernel (-m slow runs them here too): causal_q_after_kv in
+# test_gqa_groups, window_causal_offset in test_lse_cotangent, everything
+# in test_dtypes[everything-float32].
+ELSEWHERE = ("causal_q_after_kv", "window_causal_offset", "everything")
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.slow) if n in ELSEWHERE else n
+    for n in CASES])
 def test_mask_cases_match_reference(name):
   q, k, v, do = ref.random_qkv(hash(name) % 1000, B, T, S, N, K, H)
   check_kernel(q, k, v, do, CASES[name])
@@ -65,8 +74,11 @@ def test_gqa_groups(groups):
   check_kernel(q, k, v, do, CASES["causal_q_after_kv"])
 
 
+# Each dtype on "everything" (a causal mask among the rest) in the
+# default run; on "causal" alone too with -m slow.
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("name", ["causal", "everything"])
+@pytest.mark.parametrize("name", [
+    pytest.param("causal", marks=pytest.mark.slow), "everything"])
 def test_dtypes(dtype, name):
   q, k, v, do = ref.random_qkv(5, B, T, S, N, K, H, dtype)
   out, _ = check_kernel(q, k, v, do, CASES[name])

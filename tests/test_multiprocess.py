@@ -1,4 +1,4 @@
-"""Multi-process runs on localhost under ``jax.distributed``: 2 processes x 4
+"""Multi-process runs on localhost under ``jax.distributed``: 2 processes x 2
 CPU devices (gloo collectives), or 2 processes x 1 or 2 GPUs (NCCL; ``-m
 gpu``).
 
@@ -32,12 +32,18 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def launch(command):
+def launch(command, cpu=True):
   """Run ``command(process_id, port)`` as NUM_PROCESSES processes; fail on a
   non-zero exit or after TIMEOUT_S."""
   port = _free_port()
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # each process sets its own device count
+  # On CPUs, this process's XLA flags (tests/conftest.py's cheaper compiles:
+  # the same numbers) less a device count: each process sets its own. On
+  # GPUs, XLA's defaults.
+  flags = [f for f in env.pop("XLA_FLAGS", "").split() if cpu and not
+           f.startswith("--xla_force_host_platform_device_count")]
+  if flags:
+    env["XLA_FLAGS"] = " ".join(flags)
   env["PYTHONPATH"] = os.pathsep.join(
       [str(HERE)] + [p for p in [env.get("PYTHONPATH")] if p])
   procs = [subprocess.Popen(
@@ -61,16 +67,17 @@ def launch(command):
     "cpu", pytest.param("gpu", marks=pytest.mark.gpu),
     pytest.param("gpu2", marks=pytest.mark.gpu)])
 def test_ring_across_two_processes_matches_reference(setup, tmp_path):
-  """cpu: 2 x 4 CPU devices, float32, pure-JAX blocks; gpu: 2 x 1 GPU and
+  """cpu: 2 x 2 CPU devices, float32, pure-JAX blocks; gpu: 2 x 1 GPU and
   gpu2: 2 x 2 GPUs, bfloat16, cuDNN blocks (its FFI calls in both compiled
   programs)."""
   platform = setup.rstrip("0123456789")
-  local = {"cpu": 4, "gpu": 1, "gpu2": 2}[setup]
+  local = {"cpu": 2, "gpu": 1, "gpu2": 2}[setup]
   if platform == "gpu" and _gpus() < NUM_PROCESSES * local:
     pytest.skip(f"needs {NUM_PROCESSES * local} NVIDIA GPUs")
   out = tmp_path / "result.npz"
   launch(lambda i, port: [str(HERE / "multiprocess_worker.py"), str(i),
-                          str(NUM_PROCESSES), str(port), str(out), setup])
+                          str(NUM_PROCESSES), str(port), str(out), setup],
+         cpu=platform == "cpu")
 
   r = np.load(out)
   assert int(r["num_devices"]) == NUM_PROCESSES * local

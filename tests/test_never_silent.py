@@ -51,7 +51,11 @@ def qkv(seed=0, t=T, s=T, n=N, k=K):
 
 # --- the automatic path: eager equals jit equals the reference -------------
 
-@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+# Auto axes with -m slow: eagerly there, test_eager_autodiff_uses_the_layout
+# [ring-AxisType.Auto] (the same packed dual-chunk call, its forward and
+# gradients); under jit, test_plain_arrays_under_set_mesh_and_jit.
+@pytest.mark.parametrize("kind", [
+    pytest.param(AxisType.Auto, marks=pytest.mark.slow), AxisType.Explicit])
 def test_automatic_path_eager_and_jit_on_auto_and_explicit_axes(kind):
   """The README's call, without and with jax.jit, on both axis kinds
   (jax 0.10's make_mesh gives Explicit), packed documents, dual-chunk."""
@@ -140,7 +144,11 @@ def test_plain_arrays_under_set_mesh_and_jit(made):
   ref.assert_close(natural(out, CP), expected, q.dtype)
 
 
-@pytest.mark.parametrize("ids", [False, True], ids=["causal", "id_pair"])
+# Without ids with -m slow: id_pair is the same causal T != S call, with
+# a pair of ids of two lengths besides.
+@pytest.mark.parametrize("ids", [
+    pytest.param(False, marks=pytest.mark.slow), True],
+    ids=["causal", "id_pair"])
 def test_ulysses_serves_t_not_equal_s_with_gradients(ids):
   """Causal cross-length attention (top-left, as jax.nn): Ulysses gathers
   whole sequences, so it serves T != S exactly; contiguous shards; with a

@@ -29,16 +29,20 @@ KV_LENGTHS = np.array([S - 3, 29], np.int32)
 
 
 def _default_lane(cp, causal, load_balance, loop):
-  """The default run's share of the full matrix: at cp = 4 every layout
-  causal (the dual-chunk in both loop forms, the others scanned) and the
-  dual-chunk unmasked, unrolled; the dual-chunk ring causal and unrolled at
-  cp = 2 and 8 (rank-coded shards make a misplaced shard show at any cp).
-  The rest runs with ``-m slow``."""
-  dual = load_balance == "dual_chunk"
-  if cp == 4:
-    return (causal and (dual or loop == "scan")) or (
-        not causal and dual and loop == "unrolled")
-  return causal and loop == "unrolled" and dual
+  """The default run's share of the full matrix, at cp = 4: the contiguous
+  ring causal and scanned, the dual-chunk unmasked and unrolled. The
+  default run has the rest elsewhere: the dual-chunk ring causal in both
+  loop forms in test_loop_forms_agree_bitwise_and_env_var_selects_scan, the
+  striped ring scanned in test_ring_packed_segments_cross_shard_boundaries,
+  cp = 2 in test_gathered_kv_sends_match_reference and
+  test_ring_windows_and_padding, cp = 8 in test_any_length.py (rank-coded
+  shards make a misplaced shard show at any cp). The rest runs with ``-m
+  slow``."""
+  if cp != 4:
+    return False
+  if load_balance is None:
+    return causal and loop == "scan"
+  return load_balance == "dual_chunk" and not causal and loop == "unrolled"
 
 
 @pytest.mark.parametrize(
@@ -58,8 +62,12 @@ def test_ring_matches_reference(cp, causal, load_balance, loop):
 # A window's chunk pairs compile one static band per chunk distance, so the
 # larger rings and the dual-chunk scans (the slowest programs to compile
 # here) run with ``-m slow``; the default run keeps a causal window
-# (contiguous), padding (dual-chunk) and a two-sided window (striped); the
-# dual-chunk ring's causal window is test_flax.py's ring_packed_window_cap.
+# (contiguous) and padding (dual-chunk); the striped ring's window with
+# padding is test_automatic_path_under_jit_matches_reference's
+# dp2_cp4_unrolled_striped_packed_window_pad, its two-sided bands
+# test_striped_bands_match_global_positions; the dual-chunk ring's causal
+# window is test_value_head_dim.py's window_gather (and test_flax.py's
+# ring_packed_window_cap).
 _SLOW = pytest.mark.slow
 
 
@@ -76,7 +84,7 @@ _SLOW = pytest.mark.slow
      pytest.param(4, None, True, None, "scan", marks=_SLOW),
      pytest.param(8, "dual_chunk", True, (4, 0), "unrolled", marks=_SLOW),
      pytest.param(4, "striped", True, (5, 0), "unrolled", marks=_SLOW),
-     (4, "striped", False, (3, 7), "scan"),
+     pytest.param(4, "striped", False, (3, 7), "scan", marks=_SLOW),
      pytest.param(8, "striped", True, (13, 0), "scan", marks=_SLOW),
      pytest.param(4, "striped", True, None, "unrolled", marks=_SLOW),
      pytest.param(4, "striped", False, None, "scan", marks=_SLOW)],
@@ -102,10 +110,12 @@ def test_ring_windows_and_padding(cp, load_balance, causal, window, loop):
         dataclasses.replace(case, q_lengths=Q_LENGTHS, kv_lengths=KV_LENGTHS))
 
 
+# MQA in the default run; K = N (one query head a kv head) and striped with
+# -m slow (GQA, K = 2, is every other test's).
 @pytest.mark.parametrize("kv_heads, load_balance",
                          [(1, "dual_chunk"), (4, "dual_chunk"),
                           (1, "striped")])
-@pytest.mark.sample(2)
+@pytest.mark.sample(1)
 def test_ring_gqa_mqa_and_soft_cap(kv_heads, load_balance):
   q, k, v, do = rank_coded_qkv(11, 4, kv_heads, load_balance)
   got = run_ring(q, k, v, do, 4, is_causal=True, load_balance=load_balance,
@@ -113,8 +123,10 @@ def test_ring_gqa_mqa_and_soft_cap(kv_heads, load_balance):
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True, soft_cap=3.0))
 
 
+# -m slow: the ring's bf16 values (and output dtype) are in the default run
+# with test_dkv_parts_go_back_in_the_kernels_dtype[cond].
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.sample(1)
+@pytest.mark.slow
 def test_ring_16_bit(dtype):
   q, k, v, do = (x.astype(dtype) for x in rank_coded_qkv(12, 4))
   got = run_ring(q, k, v, do, 4, is_causal=True, load_balance="dual_chunk")
@@ -122,8 +134,13 @@ def test_ring_16_bit(dtype):
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True))
 
 
-@pytest.mark.parametrize("load_balance", ["dual_chunk", "striped"])
-@pytest.mark.parametrize("loop", ["scan", "unrolled"])
+# The unrolled dual-chunk ring's forward permutes (3, no all-gather) are
+# test_backward_sends_no_kv_a_second_time[shard_map]'s: -m slow.
+@pytest.mark.parametrize("loop, load_balance", [
+    ("scan", "dual_chunk"), ("scan", "striped"),
+    pytest.param("unrolled", "dual_chunk", marks=pytest.mark.slow),
+    ("unrolled", "striped")], ids=["scan-dual_chunk", "scan-striped",
+                                   "unrolled-dual_chunk", "unrolled-striped"])
 def test_forward_permutes_stacked_kv_only(loop, load_balance):
   cp = 4
   q, k, v, _ = rank_coded_qkv(13, cp)
@@ -224,8 +241,12 @@ def test_gathered_kv_sends_match_reference(cp, causal, load_balance, extra):
   check(got, q, k, v, do, case)
 
 
-@pytest.mark.parametrize("path", ["shard_map", "automatic"])
-@pytest.mark.sample(2)
+# The automatic path in the default run. shard_map's with -m slow: its
+# forward (one all-gather, no permute) is
+# test_default_kv_sends_gather_up_to_the_cap[None]'s, its backward's 3 dK/dV
+# sends test_dkv_parts_go_back_in_the_kernels_dtype[cond]'s.
+@pytest.mark.parametrize("path", ["automatic", "shard_map"])
+@pytest.mark.sample(1)
 def test_gathered_kv_sends_collectives(path):
   """cp = 4, unrolled, kv_sends="gather". Forward: one all-gather, no
   permute. Forward+backward: 3 dK/dV parts sent back, with no final
@@ -253,8 +274,9 @@ def test_dkv_parts_go_back_in_the_kernels_dtype(extra, part, values):
   rounds): the held kv's (2, B, T, K, H); in float32 where a step adds
   several calls (window pairs). The owner sums in float32; the grads hold
   bf16 tolerance against the float64 reference (for the window, a slow
-  compile, with ``-m slow``; its float32 values are checked in the
-  default run by test_gathered_kv_sends_match_reference)."""
+  compile, with ``-m slow``; the gathered ring's window values, float32,
+  are checked in the default run by test_value_head_dim.py's
+  window_gather)."""
   cp = 4
   q, k, v, do = (x.astype(jnp.bfloat16) for x in rank_coded_qkv(21, cp))
   kw = dict(is_causal=True, load_balance="dual_chunk", loop="unrolled",
@@ -273,6 +295,7 @@ def test_dkv_parts_go_back_in_the_kernels_dtype(extra, part, values):
   if not values:
     return
   got = run_ring(q, k, v, do, cp, **kw)
+  assert got[0].dtype == jnp.bfloat16
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True,
                                    window=extra.get("local_window_size")))
 
@@ -306,6 +329,8 @@ def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):
   unrolled = run_ring(q, k, v, do, 4, loop="unrolled", **kw)
   for a, b in zip(jax.tree.leaves(scan), jax.tree.leaves(unrolled)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The default run's dual-chunk ring, causal, in both loop forms.
+  check(scan, q, k, v, do, ref.Case(H**-0.5, is_causal=True))
   monkeypatch.setenv("NVTE_FUSED_RING_ATTENTION_USE_SCAN", "1")
   assert jax_ring.ContextParallel().with_environment().loop == "scan"
   monkeypatch.setenv("NVTE_FUSED_RING_ATTENTION_USE_SCAN", "0")
@@ -426,6 +451,9 @@ def test_errors():
   assert h(q).shape == q.shape
 
 
+# -m slow: the ring on a data x cp mesh in a user's shard_map is
+# test_data_parallel_rows_that_reach_different_steps[shard_map]'s.
+@pytest.mark.slow
 def test_2d_mesh_data_by_cp_with_heads_unsharded():
   """Batch on a data axis, sequence on cp: the ring runs per data shard."""
   if len(jax.devices()) < 8:
@@ -443,14 +471,17 @@ def test_2d_mesh_data_by_cp_with_heads_unsharded():
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True))
 
 
-# Each layout with one loop form in the default run; -m slow adds the other.
+# The dual-chunk ring unrolled and the striped one scanned in the default
+# run; -m slow adds the other loop forms, the contiguous ring (its packed
+# rows are test_ring_skips_steps_no_document_reaches') and the gathered K/V
+# (test_automatic_path_picks_the_backend_on_shard_shapes' packed rows).
 @pytest.mark.parametrize(
     "load_balance, kv_sends, loop",
     [pytest.param(*c, marks=() if default else pytest.mark.slow)
      for i, (lb, sends) in enumerate([
          (None, "neighbour"), ("dual_chunk", "neighbour"),
          ("striped", "neighbour"), ("dual_chunk", "gather")])
-     for loop, default in (("scan", i % 2 == 0), ("unrolled", i % 2 == 1))
+     for loop, default in (("scan", i == 2), ("unrolled", i == 1))
      for c in [(lb, sends, loop)]],
     ids=[f"{name}-{loop}" for name in ("contiguous", "dual_chunk", "striped",
                                        "dual_chunk_gather")
@@ -474,7 +505,10 @@ def test_ring_packed_segments_cross_shard_boundaries(load_balance, kv_sends,
 
 @pytest.mark.parametrize(
     "segments, dp, loop, window_and_padding, load_balance, ring_options", [
-        (False, 2, "scan", False, "dual_chunk", {}),
+        # -m slow: the automatic path's plain dual-chunk ring is
+        # test_automatic_path_picks_the_backend_on_shard_shapes' (and
+        # test_sinks.py's ring-4), the scan test_loop_forms_agree...'s.
+        pytest.param(False, 2, "scan", False, "dual_chunk", {}, marks=_SLOW),
         pytest.param(True, 2, "unrolled", False, "dual_chunk", {},
                      marks=_SLOW),  # as default_sends, below
         pytest.param(True, 2, "scan", True, "dual_chunk", {}, marks=_SLOW),
@@ -487,7 +521,7 @@ def test_ring_packed_segments_cross_shard_boundaries(load_balance, kv_sends,
          "dp2_cp4_unrolled_striped_packed_window_pad",
          "dp2_cp4_unrolled_packed_default_sends",
          "dp2_cp4_unrolled_packed_window_pad_default_sends"])
-@pytest.mark.sample(2)
+@pytest.mark.sample(1)
 def test_automatic_path_under_jit_matches_reference(segments, dp, loop,
                                                     window_and_padding,
                                                     load_balance,
@@ -629,20 +663,25 @@ CROSS_FEW = _docs((10, 3, 10, 3, 10, 3, 9))
 # that spans the row, and an id in two runs (shards 0 and 3); exact
 # whichever steps run. At cp = 2 (shards of 24) step 1 is the last, and
 # without a causal mask it runs on whole shards.
-# Half of them in the default run, the rest under -m slow.
+# One in the default run (no causal mask: every step), the rest under -m
+# slow: documents inside the shards (no step) are
+# test_data_parallel_rows_that_reach_different_steps', step 1 on the tails
+# test_ring_hands_the_own_block_what_its_backend_prepares' and
+# test_ring_crossing_rows_with_padding_and_value_head_dim's.
 @pytest.mark.parametrize("ids, causal, cp", [
+    (CROSS_FEW, False, 4),
     (_docs((6,) * 8), True, 4),
     pytest.param(_docs((5, 11, 9, 7, 4, 12)), True, 4, marks=_SLOW),
     (CROSS_ONE, True, 4), pytest.param(CROSS_FEW, True, 4, marks=_SLOW),
-    (CROSS_FEW, False, 4), (_docs((S,)), True, 4),
+    (_docs((S,)), True, 4),
     pytest.param(_docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 7]), True, 4,
                  marks=_SLOW),
     (_docs((6,) * 8, [7, 3, 5, 1, 0, 2, 6, 7]), False, 4),
     (CROSS_FEW, True, 2), pytest.param(CROSS_FEW, False, 2, marks=_SLOW)],
-    ids=["inside", "cross", "cross_one", "cross_few", "cross_few_full", "one",
+    ids=["cross_few_full", "inside", "cross", "cross_one", "cross_few", "one",
          "an_id_twice", "an_id_twice_full", "cross_few_cp2",
          "cross_few_full_cp2"])
-@pytest.mark.sample(3)
+@pytest.mark.sample(1)
 def test_ring_skips_steps_no_document_reaches(ids, causal, cp):
   _check_packed_ring(ids, causal, cp)
 

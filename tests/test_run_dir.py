@@ -4,7 +4,8 @@ and step (no model to compile): a fresh run never deletes or writes over
 an earlier run's results unless ``--overwrite``; a NaN loss or state stops
 the run naming the step and is never saved; ``--resume`` compares the
 settings and the arrays before restoring and verifies the checksums after,
-naming the step; the default run directory is new per run."""
+naming the step, and continues the uninterrupted run bit for bit; the
+default run directory is new per run."""
 
 import hashlib
 import pathlib
@@ -106,6 +107,22 @@ def test_a_flipped_bit_in_a_checkpoint_fails_the_resume_naming_the_step(
   with pytest.raises(SystemExit, match=r"step 3 .* corrupt: \['w'\].*"
                      r"resume from step 2"):
     run(tmp_path, "--resume")
+
+
+def test_a_resume_continues_the_uninterrupted_run(tmp_path):
+  """--stop-after, then --resume: the losses and the state bit for bit the
+  uninterrupted run's (f doubles in step 3, so step 4's loss is the
+  restored state's)."""
+  poison = (3, (1.0, 2.0))
+  whole = run(tmp_path / "whole", poison=poison)
+  first = run(tmp_path / "run", "--stop-after", "3", poison=poison)
+  assert len(first["losses"]) == 3 and steps(tmp_path / "run") == [2, 3]
+  resumed = run(tmp_path / "run", "--resume", poison=poison)
+  assert resumed["start"] == 3
+  assert resumed["losses"] == whole["losses"] == [128.0] * 3 + [256.0]
+  for a, b in zip(jax.tree.leaves(resumed["state"]),
+                  jax.tree.leaves(whole["state"]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_resume_names_other_settings_and_arrays_before_restoring(tmp_path):

@@ -60,18 +60,22 @@ def test_api_eager_equals_jit_and_reference_with_sinks_and_bias():
 CP, CP_S = 4, 32
 
 
-@pytest.mark.parametrize("kw", [
-    dict(load_balance="dual_chunk", loop="scan", kv_sends="neighbour"),
-    dict(load_balance="dual_chunk", local_window_size=(6, 0)),
+# The window's chunk pairs compile one band per chunk distance and pair:
+# on 2 devices (chunks of 8, a window of 6: distances 0 and 1) rather than
+# 4, every pair of a step still summed and joined (the scan needs 3 steps
+# or more to run its body: 4 devices).
+@pytest.mark.parametrize("cp, kw", [
+    (CP, dict(load_balance="dual_chunk", loop="scan", kv_sends="neighbour")),
+    (2, dict(load_balance="dual_chunk", local_window_size=(6, 0))),
 ], ids=["scan_neighbour", "window_gather"])
-def test_ring_moves_k_and_v_apart(kw):
+def test_ring_moves_k_and_v_apart(cp, kw):
   """The ring on the (k, v) pair: running dK/dV sums carried through a
   scan and sent around (neighbour), and window pairs summed and joined;
   rank-coded shards, output and gradients."""
   q, k, v, do = ref.random_qkv(9, B, CP_S, CP_S, N, K, H, hv=HV)
-  code = ref.shard_code(CP_S, CP, "dual_chunk")
+  code = ref.shard_code(CP_S, cp, "dual_chunk")
   q, k, v = q + code, k - code, v + code
-  got = run_shard_map(jax_ring.ring_attention, q, k, v, do, CP,
+  got = run_shard_map(jax_ring.ring_attention, q, k, v, do, cp,
                       is_causal=True, **kw)
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True,
                                    window=kw.get("local_window_size")))
