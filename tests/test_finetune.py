@@ -11,8 +11,10 @@ written to final/."""
 
 import codecs
 import json
+import os
 import pathlib
 import re
+import subprocess
 import sys
 
 import jax
@@ -27,7 +29,8 @@ from jax.sharding import PartitionSpec as P
 import jax_ring
 from jax_ring import flax as jrf, models
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
 import finetune  # noqa: E402
 from helpers import TOLERANCE, relative_error  # noqa: E402
 
@@ -90,7 +93,12 @@ def test_default_run_trains_and_saves_a_checkpoint_transformers_reads(whole):
   for a, b in zip(trained, loaded, strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-  # transformers: the same tokenizer, the same logits on a real example.
+  assert_transformers_reads(final, ours)
+
+
+def assert_transformers_reads(final, ours):
+  """transformers reads the checkpoint ``final`` with the example's tokens
+  and with ``ours``' logits (jax_ring's model of it) on a real example."""
   tok = transformers.AutoTokenizer.from_pretrained(final)
   encoder = finetune.Encoder(final)
   record = {"prompt": "Reverse the words: fox ice ship\n",
@@ -127,13 +135,18 @@ def test_sample_is_the_models_greedy_continuation(lora):
 
 
 @pytest.mark.slow
-def test_the_default_demo_learns_its_task(tmp_path, capsys):
-  """The default demo (600 steps, about a minute on 2 cores) reverses the
-  sample prompt's words after training, and prints it."""
-  needs_devices()
-  finetune.main(["--run-dir", str(tmp_path)])
-  out = capsys.readouterr().out
-  assert "after training:  'Reversed: lamp sun owl'" in out, out[-2000:]
+def test_the_default_demo_learns_its_task(tmp_path):
+  """The default demo as a user runs it (a process of its own, XLA's own
+  compile flags, not this suite's cheap ones: 600 steps, about two minutes
+  on 2 cores) reverses the sample prompt's words after training, and
+  prints it."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  done = subprocess.run(
+      [sys.executable, str(EXAMPLES / "finetune.py"), "--run-dir",
+       str(tmp_path)], env=env, capture_output=True, text=True, timeout=290)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "after training:  'Reversed: lamp sun owl'" in done.stdout, (
+      done.stdout[-2000:])
 
 
 # Under -m slow: train_loop's resume, which both examples run, continues
@@ -436,19 +449,4 @@ def test_lora_run_saves_a_checkpoint_transformers_reads(lora):
           "tokenizer_config.json"} <= {f.name for f in final.iterdir()}
   ours = models.load_pretrained(final, implementation="xla")
   assert len(jax.tree.leaves(nnx.state(ours, nnx.Param))) == 2 * 9 + 3
-  tok = transformers.AutoTokenizer.from_pretrained(final)
-  encoder = finetune.Encoder(final)
-  record = {"prompt": "Reverse the words: fox ice ship\n",
-            "response": "Reversed: ship ice fox"}
-  (ids, tgt), = encoder([record])
-  assert tok(record["prompt"])["input_ids"] == ids[~tgt].tolist()
-  assert tok(record["response"])["input_ids"] == ids[tgt][:-1].tolist()
-  assert ids[-1] == tok.eos_token_id
-  hf = transformers.AutoModelForCausalLM.from_pretrained(
-      final, attn_implementation="eager")
-  with torch.no_grad():
-    want = hf(torch.tensor(ids[None].astype(np.int64))).logits.numpy()
-  got = ours(jnp.asarray(ids[None]), jnp.arange(len(ids))[None])
-  assert relative_error(got, want) <= TOLERANCE
-  assert json.loads((final / "config.json").read_text())["eos_token_id"] == (
-      tok.eos_token_id)
+  assert_transformers_reads(final, ours)

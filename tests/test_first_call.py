@@ -61,12 +61,10 @@ def _check(cpc, mesh, spec, *, eager=False, packed=True, layout_in=None):
     ref.assert_close(back(x), g[name], jnp.float32, "d" + name)
 
 
-# Natural striped inputs in the default run: test_any_length.py's
-# test_every_strategy_at_a_length_no_layout_divides[ring-striped-scan].
 @pytest.mark.parametrize("strategy, layout", [
     ("ring", "dual_chunk"), ("auto", "dual_chunk"), ("ring", "striped"),
     ("ulysses", "dual_chunk"), ("all_gather", "dual_chunk")])
-@pytest.mark.sample(2)
+@pytest.mark.sample(3)
 def test_natural_inputs_are_exact_by_default(strategy, layout):
   """The first call a user makes: natural order, the default options but
   the strategy and layout, on 4 devices."""
