@@ -62,15 +62,14 @@ KV_LENGTHS = np.array([45, 29], np.int32)
 
 # A causal window (7, 0) with lengths is in the kv_chunk_heads test (cp = 2);
 # which kv rows each call reads, for causal and two-sided windows, in the
-# static-calls test. The dual-chunk case in the default run; the contiguous
-# layout's (-m slow) is test_strategies.py's all_gather-4-full-contiguous.
+# static-calls test.
 @pytest.mark.parametrize("cp, load_balance, causal, window", [
     (4, "dual_chunk", False, (5, 3)),
     (4, None, False, (2, 13)),
     (4, "dual_chunk", False, None)],
                          ids=["dual_full_w5_3", "contig_full_w2_13",
                               "dual_full_pad_only"])
-@pytest.mark.sample(1)
+@pytest.mark.sample(2)
 def test_all_gather_windows_and_padding(cp, load_balance, causal, window):
   """Windows in global positions (kv sliced to each chunk's range) with
   padding lengths; without causal mask or window, the one call with no

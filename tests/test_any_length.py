@@ -56,9 +56,8 @@ def test_every_strategy_at_a_length_no_layout_divides(strategy, options,
   _check(cpc, _mesh(shape, names), docs=17)
 
 
-# -m slow: auto picks Ulysses for these rows, whose odd length with packed
-# documents on 8 devices is test_every_strategy_at_a_length_no_layout_divides'
-# ulysses (and auto's, contiguous).
+# -m slow: the default ring at an odd length with packed documents on 8
+# devices is test_every_strategy_at_a_length_no_layout_divides[ring].
 @pytest.mark.parametrize("docs, t", [
     (1, 45), pytest.param(45, 45, marks=pytest.mark.slow), (200, 203)],
     ids=["one", "every-token", "200"])
@@ -70,9 +69,8 @@ def test_documents_a_row_at_odd_lengths(docs, t):
 
 def test_windows_sinks_and_key_lengths_at_an_odd_length():
   """A two-sided window (the padded keys would be inside it), sinks and
-  the caller's own key lengths, on 2 devices (auto: the all-gather forward,
-  whose window calls grow with the devices, and Ulysses' backward), no
-  causal mask."""
+  the caller's own key lengths, on 2 devices (the default ring, whose
+  window's chunk pairs grow with the devices), no causal mask."""
   _check(jax_ring.ContextParallel(), _mesh((2,), ("cp",)), docs=None,
          seed=2, is_causal=False, local_window_size=(6, 5),
          key_value_seq_lengths=jnp.asarray([41, 45], jnp.int32),

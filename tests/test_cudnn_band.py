@@ -17,7 +17,7 @@ from jax_ring._src.backends import cudnn
 from jax_ring._src.backends.cudnn import ffi, packed, passes, tiles
 # The band module's names (the package's ``band`` is the function, which
 # hides the module of that name).
-from jax_ring._src.backends.cudnn.band import (Band, band, row_valid,
+from jax_ring._src.backends.cudnn.band import (band, row_valid,
                                                rows_may_be_empty,
                                                window_lengths)
 from helpers import check, cudnn_blocks_on_the_cpu, prepared_passes
@@ -436,8 +436,12 @@ def test_a_pass_serves_shapes_whose_stats_fit_its_bound():
   q = jnp.zeros((b, t, n, h), jnp.bfloat16)
   kv = jnp.zeros((b, t, kh, h), jnp.bfloat16)
   lay = passes.layout(t, t, b, True)
-  docs, tab = jax.jit(lambda ids: (lambda docs: (docs, passes.tables(
-      docs, lay, q, kv, kv)))(packed.documents(ids, ids, same=True)))(ids)
+  @jax.jit
+  def tables(ids):  # one program, not an op at a time
+    docs = packed.documents(ids, ids, same=True)
+    return docs, passes.tables(docs, lay, q, kv, kv)
+
+  docs, tab = tables(ids)
   offs, cls, rank = map(np.asarray, (tab.offs, docs.cls, docs.rank))
   for c, (base, m) in enumerate(zip(lay.offs_base(), lay.batches)):
     for j in range(lay.slots[c] // m):

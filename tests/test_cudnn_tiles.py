@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_ring._src.backends import cudnn
 from jax_ring._src.backends.cudnn import ffi, passes, tiles, tiles_pallas
 from jax_ring._src.backends.cudnn.band import band
 from jax_ring._src.core.mask import BlockMask
@@ -231,7 +232,6 @@ def direct_tiles(monkeypatch):
   """``tiles.DIRECT`` on the CPU: the cudnn backend's blocks take the
   Pallas tiles of 16 (interpreted) with no switch, every cuDNN handler
   NaN (so an exact result shows that the tiles ran)."""
-  from jax_ring._src.backends import cudnn
   for name in ("sdpa", "sdpa_pass"):
     monkeypatch.setattr(ffi, name, poisoned)
   for name, value in (("DIRECT", True), ("SIZES", (16,)),
@@ -324,9 +324,9 @@ def test_pallas_tiles_read_the_tiles_their_documents_reach():
   np.testing.assert_array_equal(q_hi - q_lo, np.tile([0, 1], 8)[None])
   # The same ids found in any layout give the same ranges; an id in two
   # runs reaches from its first token's tile to its last's.
-  for band in ((None, 0), (None, None), (8, 0)):
-    for a, b in zip(tiles_pallas.ranges(ids, 32, band),
-                    tiles_pallas.ranges(ids, 32, band, one_run=False)):
+  for reach in ((None, 0), (None, None), (8, 0)):
+    for a, b in zip(tiles_pallas.ranges(ids, 32, reach),
+                    tiles_pallas.ranges(ids, 32, reach, one_run=False)):
       np.testing.assert_array_equal(a, b)
   split = ids.at[0, 480:].set(0)  # id 0 at tiles 0-1 and 15
   q_lo, q_hi, _, _ = tiles_pallas.ranges(split, 32, (None, None), False)

@@ -178,8 +178,11 @@ def test_maxtext_mesh_context_and_in_shardings():
   tok = NamedSharding(mesh, P(None, "cp"))
   f = lambda q, k, v: jax_ring.dot_product_attention(
       q, k, v, is_causal=True, context_parallel=jax_ring.ContextParallel())
-  both = lambda q, k, v, do: (lambda out, vjp: (out, vjp(do)))(
-      *jax.vjp(f, q, k, v))  # one program: out and the gradients
+
+  def both(q, k, v, do):  # one program: out and the gradients
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(do)
+
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     with mesh:

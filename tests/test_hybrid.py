@@ -49,8 +49,8 @@ def run(q, k, v, do, u, r, *ids, **kw):
 
 # kv heads against U: K = 2 over U = 2 (one each), K = 8 over U = 2 (four
 # each), K = 2 over U = 4 (each repeated twice) and MQA over U = 4 (repeated
-# four times). The causal dual_chunk case at U = 2, R = 4 is in the loop test,
-# which therefore has U = 2, R = 2's in the default run (and the window test).
+# four times). K = 2 over U = 2 runs causal and dual-chunk in the default run
+# in the loop test (at R = 4).
 @pytest.mark.parametrize("ur, causal, load_balance, kv_heads", [
     pytest.param((2, 2), True, "dual_chunk", 2, marks=pytest.mark.slow),
     pytest.param((2, 4), True, None, 2, marks=pytest.mark.slow),

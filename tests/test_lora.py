@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 import torch
 import transformers
 from flax import nnx
@@ -103,7 +104,6 @@ def test_peft_reads_our_adapter_and_our_merge_equals_its_own(
   assert not lora.adapters(ours)
   assert_logits_close(our_logits(ours, tokens), want, "merged")
   models.save_pretrained(ours, tmp_path / "merged")
-  from safetensors.numpy import load_file
   saved = load_file(tmp_path / "merged" / "model.safetensors")
   for key, x in saved.items():
     assert relative_error(x, merged[key].numpy()) <= 1e-6, key
@@ -326,7 +326,6 @@ def test_lora_errors_name_what_is_wrong(checkpoints, tmp_path):
     models.load_adapter(model, tmp_path / "a")
   # An adapter on layer 0 alone (PEFT's layers_to_transform) cannot go on
   # the layers a scanned model stacks.
-  from safetensors.numpy import load_file, save_file
   (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(config))
   weights = tmp_path / "a" / "adapter_model.safetensors"
   save_file({k: v for k, v in load_file(weights).items()

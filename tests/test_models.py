@@ -435,18 +435,22 @@ def test_a_checkpoint_that_does_not_match_its_config_is_named(checkpoints,
     models.load_pretrained(tmp_path)
 
 
-def test_scanned_layers_run_whole_groups_as_one_scan():
-  """``scan_layers``: the attention here repeats every 2 layers (one
-  sliding, one global), so 5 layers run as one scan over 2 groups of 2,
-  then 1 unrolled; logits and gradients are the unrolled blocks' up to
-  float32 rounding, also with each block but its attention
-  rematerialised inside the scan."""
-  kinds = ("sliding_attention", "full_attention")
+@pytest.mark.parametrize("sliding, layers", [
+    (1, 5), pytest.param(2, 8, marks=pytest.mark.slow)],
+    ids=["period_2", "period_3"])
+def test_scanned_layers_run_whole_groups_as_one_scan(sliding, layers):
+  """``scan_layers``: the attention here repeats every ``sliding + 1``
+  layers (``sliding`` sliding ones, one global), so 5 layers run as one
+  scan over 2 groups of 2 then 1 unrolled (8: 2 groups of 3, then 2);
+  logits and gradients are the unrolled blocks' up to float32 rounding,
+  also with each block but its attention rematerialised inside the
+  scan."""
+  kinds = ("sliding_attention",) * sliding + ("full_attention",)
   cfg = models.DecoderConfig(
-      vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=5,
+      vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=layers,
       num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=5,
-      layer_types=(kinds * 3)[:5], implementation="xla")
-  assert cfg.layer_period() == 2
+      layer_types=(kinds * 3)[:layers], implementation="xla")
+  assert cfg.layer_period() == sliding + 1
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, V, (2, 24)))
   positions = jnp.broadcast_to(jnp.arange(24), (2, 24))
   results = {}
@@ -466,11 +470,6 @@ def test_scanned_layers_run_whole_groups_as_one_scan():
       assert relative_error(np.asarray(a), np.asarray(b)) <= 1e-5
 
 
-# -m slow: test_lora.py's test_remat_of_unrolled_blocks_reads_frozen_weights_
-# of_an_outer_trace compares the same three modes on unrolled blocks (the
-# gradients of adapters on every linear module) and counts the attention
-# forwards.
-@pytest.mark.slow
 def test_remat_modes_give_the_same_loss_and_gradients(checkpoints):
   """remat=True (whole blocks) and "attention" (blocks split around the
   attention, whose forward runs once) change what is recomputed, not the

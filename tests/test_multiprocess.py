@@ -1,6 +1,6 @@
 """Multi-process runs on localhost under ``jax.distributed``: 2 processes x 2
-CPU devices (gloo collectives), or 2 processes x 1 or 2 GPUs (NCCL; ``-m
-gpu``).
+CPU devices (the ring test; 4 in the LM example's) with gloo collectives,
+or 2 processes x 1 or 2 GPUs (NCCL; ``-m gpu``).
 
 * Ring attention with the context axis spanning both processes, against the
   float64 reference.

@@ -67,7 +67,7 @@ def test_ring_matches_reference(cp, causal, load_balance, loop):
 # dp2_cp4_unrolled_striped_packed_window_pad, its two-sided bands
 # test_striped_bands_match_global_positions; the dual-chunk ring's causal
 # window is test_value_head_dim.py's window_gather (and test_flax.py's
-# ring_packed_window_cap).
+# ring_packed_window_cap_sinks).
 _SLOW = pytest.mark.slow
 
 
@@ -134,11 +134,8 @@ def test_ring_16_bit(dtype):
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True))
 
 
-# The unrolled dual-chunk ring's forward permutes (3, no all-gather) are
-# test_backward_sends_no_kv_a_second_time[shard_map]'s: -m slow.
 @pytest.mark.parametrize("loop, load_balance", [
-    ("scan", "dual_chunk"), ("scan", "striped"),
-    pytest.param("unrolled", "dual_chunk", marks=pytest.mark.slow),
+    ("scan", "dual_chunk"), ("scan", "striped"), ("unrolled", "dual_chunk"),
     ("unrolled", "striped")], ids=["scan-dual_chunk", "scan-striped",
                                    "unrolled-dual_chunk", "unrolled-striped"])
 def test_forward_permutes_stacked_kv_only(loop, load_balance):
@@ -241,12 +238,7 @@ def test_gathered_kv_sends_match_reference(cp, causal, load_balance, extra):
   check(got, q, k, v, do, case)
 
 
-# The automatic path in the default run. shard_map's with -m slow: its
-# forward (one all-gather, no permute) is
-# test_default_kv_sends_gather_up_to_the_cap[None]'s, its backward's 3 dK/dV
-# sends test_dkv_parts_go_back_in_the_kernels_dtype[cond]'s.
 @pytest.mark.parametrize("path", ["automatic", "shard_map"])
-@pytest.mark.sample(1)
 def test_gathered_kv_sends_collectives(path):
   """cp = 4, unrolled, kv_sends="gather". Forward: one all-gather, no
   permute. Forward+backward: 3 dK/dV parts sent back, with no final
