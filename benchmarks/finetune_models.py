@@ -53,10 +53,12 @@ Writes benchmarks/results/finetune_models_<count>x<gpu>.json.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import pathlib
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -193,11 +195,8 @@ def kernel_summary(trace_dir: str, steps: int) -> dict:
   """Per step, from the trace in ``trace_dir`` of ``steps`` steps: the
   kernel families' time (``lm_training.step_kind``), idle time and the
   top kernels of the first GPU."""
-  import glob
-
   from lm_training import step_kind
   from profile_ring import gpu_events, summarise
-  import shutil
   path = glob.glob(f"{trace_dir}/**/*trace.json.gz", recursive=True)[0]
   mean, detail, _ = summarise(gpu_events(path), steps, step_kind,
                               ("attn", "matmul", "comm", "other"))

@@ -140,6 +140,7 @@ def test_the_default_demo_learns_its_task(tmp_path):
   compile flags, not this suite's cheap ones: 600 steps, about two minutes
   on 2 cores) reverses the sample prompt's words after training, and
   prints it."""
+  needs_devices()  # the demo's mesh: data 2 x context 4
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   done = subprocess.run(
       [sys.executable, str(EXAMPLES / "finetune.py"), "--run-dir",
