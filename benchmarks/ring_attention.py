@@ -1,19 +1,28 @@
-"""Ring attention on all local GPUs against "theoretic": the single-GPU cuDNN
-time for the full sequence divided by the number of GPUs (the convention of
-ring-flash-attention), measured in the same process.
+"""Context-parallel attention on all local GPUs against "theoretic": the
+single-GPU cuDNN time for the full sequence divided by the number of GPUs
+(the convention of ring-flash-attention), measured in the same process.
 
-  XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true \\
-    python benchmarks/ring_attention.py [--seq 16384 ...] [--kv-heads 32 8]
+  python benchmarks/ring_attention.py [--seq 16384 ...] [--kv-heads 32 8]
 
-B=1, N=32, D=128, bf16, dual-chunk causal and non-causal, both loop forms
-(``--loops``: ``unrolled`` and ``scan`` with ``--kv-sends``, by default
-jax_ring's; ``neighbour`` and ``gather`` = unrolled with that
-``kv_sends``; a suffix ``@nocc`` or ``@while`` compiles the variant with
-those CUDA-graph command buffers, see ``common.GRAPHS``).
-Efficiency = theoretic time / ring time (forward; forward+backward).
-Also checks the ring's output and its gradients (the worst of dq, dk, dv)
-against the single-GPU results (max relative error) for every shape.
-Writes benchmarks/results/ring_attention_<count>x<gpu>.json.
+B=1, N=32, D=128, bf16, causal and non-causal. ``--api`` variants run the
+public API under ``jax.jit`` (``dot_product_attention`` with a
+``ContextParallel``), the way a model calls it: ``ring``, ``all_gather``,
+``ulysses`` and ``auto`` on arrays already in the dual-chunk layout
+(``inputs="load_balanced"``), and ``<name>_natural`` with the default
+``inputs="natural"`` on natural-order arrays (``ring_natural`` is
+``ContextParallel()`` itself). ``--loops`` adds ``ring_attention`` inside
+``shard_map`` on laid-out arrays: ``unrolled`` and ``scan`` with
+``--kv-sends``, by default jax_ring's; ``neighbour`` and ``gather`` =
+unrolled with that ``kv_sends``; a suffix ``@nocc`` or ``@while`` compiles
+the variant with those CUDA-graph command buffers, see ``common.GRAPHS``.
+Efficiency = theoretic time / variant time (forward; forward+backward).
+Each row also records, in points of forward+backward efficiency, what
+natural-order inputs cost (``natural_cost``: ring minus ring_natural) and
+how far ``auto`` is below the fastest of its candidates (``auto_gap``:
+the best of ring, all_gather and ulysses minus auto), and checks every
+variant's output and gradients (the worst of dq, dk, dv) against the
+single-GPU results (max relative error). Writes
+benchmarks/results/ring_attention_<count>x<gpu>.json.
 """
 
 from __future__ import annotations
@@ -34,12 +43,17 @@ from common import (GRAPHS, jit_variant, random_qkv,  # noqa: E402
                     write)
 
 
+API = ["ring", "ring_natural", "all_gather", "ulysses", "auto",
+       "auto_natural"]
+CANDIDATES = ("ring", "all_gather", "ulysses")  # what auto chooses from
+
+
 def report(rows, a):
+  names = a.api + a.loops
   write("ring_attention", rows,
         ["seq", "kv_heads", "causal", "load_balance", "single_fwd_tflops"] +
-        [f"{v}_{c}" for v in a.loops for c in ("fwd_eff", "fwdbwd_eff")] +
-        [f"{v}_{c}" for v in a.loops[:1]
-         for c in ("max_rel_err", "grad_max_rel_err")],
+        [f"{v}_{c}" for v in names for c in ("fwd_eff", "fwdbwd_eff")] +
+        ["natural_cost", "auto_gap", "max_rel_err", "grad_max_rel_err"],
         extra=dict(dtype="bfloat16", batch=1, head_dim=a.head_dim,
                    **ring_kwargs(a),
                    efficiency="(single-GPU cuDNN time / cp) / ring time"),
@@ -54,7 +68,10 @@ def main():
   p.add_argument("--causal-layout", default="dual_chunk",
                  help="load balance of the causal rows: dual_chunk or striped")
   forms = ["unrolled", "scan", "neighbour", "gather"]
-  p.add_argument("--loops", nargs="+", default=["unrolled", "scan"],
+  p.add_argument("--api", nargs="*", default=API, choices=API + [
+      f"{n}_natural" for n in CANDIDATES[1:]],
+                 help="public-API variants under jit (see above)")
+  p.add_argument("--loops", nargs="*", default=[],
                  choices=forms + [f"{f}@{g}" for f in forms for g in GRAPHS],
                  help="ring variants, timed side by side; neighbour, "
                  "gather = unrolled with that kv_sends; '@nocc'/'@while' "
@@ -87,8 +104,20 @@ def main():
             x, cp, layout=lb) if lb else x
         un_ = lambda x: jax_ring.reorder_from_load_balance(
             x, cp, layout=lb) if lb else x
-        qs, kss, vs, dos = (jax.device_put(re_(x), sharded)
-                            for x in (q, k, v, do))
+        laid = [jax.device_put(re_(x), sharded) for x in (q, k, v, do)]
+        natural = [jax.device_put(x, sharded) for x in (q, k, v, do)]
+        variants = {}
+        for name in a.api:
+          strategy, _, nat = name.partition("_natural")
+          cpc = jax_ring.ContextParallel(
+              axis="cp", strategy=strategy, load_balance=lb,
+              inputs="natural" if nat or not lb else "load_balanced",
+              **(ring_kwargs(a) if strategy == "ring" else {}))
+          fn = lambda q, k, v, cpc=cpc: jax_ring.dot_product_attention(
+              q, k, v, is_causal=causal, implementation=a.implementation,
+              context_parallel=cpc)
+          variants[name] = (fn, "", natural if nat else laid,
+                            (lambda x: x) if nat else un_)
         for loop in a.loops:
           form = loop.partition("@")[0]
           kw = dict(ring_kwargs(a), loop=form)
@@ -100,18 +129,24 @@ def main():
                   implementation=a.implementation, **kw),
               mesh=mesh, in_specs=(P(None, "cp"),) * 3,
               out_specs=P(None, "cp"))
-          fr = jit_variant(ring, loop)
-          fbr = jit_variant(lambda q, k, v, do, ring=ring: jax.vjp(
-              ring, q, k, v)[1](do), loop)
-          err = rel_err(un_(fr(qs, kss, vs)), want)
-          grad_err = max(rel_err(un_(g), w) for g, w in zip(
-              fbr(qs, kss, vs, dos), want_g))
-          tr, tbr = time_fn(fr, qs, kss, vs), time_fn(fbr, qs, kss, vs, dos)
-          row[f"{loop}_fwd_ms"], row[f"{loop}_fwdbwd_ms"] = tr * 1e3, tbr * 1e3
-          row[f"{loop}_fwd_eff"] = t1 / cp / tr
-          row[f"{loop}_fwdbwd_eff"] = tb1 / cp / tbr
-          row[f"{loop}_max_rel_err"] = err
-          row[f"{loop}_grad_max_rel_err"] = grad_err
+          variants[loop] = (ring, loop, laid, un_)
+        errs = []
+        for name, (fn, variant, xs, back) in variants.items():
+          fr = jit_variant(fn, variant)
+          fbr = jit_variant(lambda q, k, v, do, fn=fn: jax.vjp(
+              fn, q, k, v)[1](do), variant)
+          errs.append((rel_err(back(fr(*xs[:3])), want),
+                       max(rel_err(back(g), w)
+                           for g, w in zip(fbr(*xs), want_g))))
+          tr, tbr = time_fn(fr, *xs[:3]), time_fn(fbr, *xs)
+          row[f"{name}_fwd_ms"], row[f"{name}_fwdbwd_ms"] = tr * 1e3, tbr * 1e3
+          row[f"{name}_fwd_eff"] = t1 / cp / tr
+          row[f"{name}_fwdbwd_eff"] = tb1 / cp / tbr
+        row["max_rel_err"] = max(e for e, _ in errs)
+        row["grad_max_rel_err"] = max(g for _, g in errs)
+        eff = lambda n: 100 * row.get(f"{n}_fwdbwd_eff", np.nan)
+        row["natural_cost"] = eff("ring") - eff("ring_natural")
+        row["auto_gap"] = max(eff(n) for n in CANDIDATES) - eff("auto")
         rows.append(row)
         print(row, flush=True)
         report(rows, a)  # after every row: a run cut short keeps its rows

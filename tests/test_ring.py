@@ -13,8 +13,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_ring
 import reference as ref
-from helpers import (B, H, K, S, case_id, check, collectives, layout_vjp,
-                     mesh, rank_coded_qkv, run_shard_map)
+from helpers import (B, H, K, N, S, case_id, check, check_public_call,
+                     collectives, layout_vjp, mesh, rank_coded_qkv,
+                     run_shard_map)
 
 # The neighbour ring unless a test names other sends (the default,
 # kv_sends=None, would gather these small K/V: tested on its own below).
@@ -249,6 +250,38 @@ def test_gathered_kv_sends_collectives(path):
   assert (fwd["collective-permute"], fwd["all-gather"]) == (0, 1), fwd
   assert both["collective-permute"] == 3, both
   assert both["all-gather"] == 1 + (path == "automatic"), both
+
+
+@pytest.mark.parametrize("kv_heads", [K, 1], ids=["gqa", "mqa"])
+def test_two_device_contiguous_ring_matches_reference(kv_heads):
+  """Contiguous shards on a ring of two, causal: ``ring.pair``'s balanced
+  schedule (device 0 takes device 1's late rows against its keys)."""
+  q, k, v, do = rank_coded_qkv(5, 2, kv_heads=kv_heads)
+  got = run_ring(q, k, v, do, 2, is_causal=True, load_balance=None)
+  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True))
+
+
+def test_natural_inputs_on_two_devices_are_not_permuted():
+  """The default ``ContextParallel()`` on natural-order arrays over two
+  devices, causal, at a length that needs padding, value head dim unlike
+  the key's: exact, forward and gradients; its programs run the
+  two-device schedule (a forward permutes device 1's late rows to device
+  0, device 0's K and V to device 1 and the cross (out, lse) back: 5
+  permutes, no all-gather), not the dual-chunk permutation; ``explain`` says so."""
+  m = mesh(2)
+  check_public_call(jax_ring.ContextParallel(axis="cp"), m, (B, N, K, H, 24),
+                    t=S - 3, s=S - 3, docs=None, seed=6)
+  x = jnp.ones((1, S, N, H))
+  f = lambda q, k, v: jax_ring.dot_product_attention(
+      q, k, v, is_causal=True, context_parallel=jax_ring.ContextParallel(
+          axis="cp"))
+  with jax.set_mesh(m):
+    hlo = jax.jit(f).lower(x, x, x).compile().as_text()
+  assert collectives(hlo) == {**collectives(""), "collective-permute": 5}
+  why = jax_ring.explain(x.shape, x.shape, cp_size=2, is_causal=True,
+                         context_parallel=jax_ring.ContextParallel(axis="cp"))
+  assert why.defaults["load_balance"][0] is None
+  assert why.defaults["inputs"][1] == "contiguous shards: nothing to permute"
 
 
 _WINDOW_PART = (dict(local_window_size=(20, 0)),

@@ -45,10 +45,11 @@ import dataclasses
 
 import numpy as np
 
+from jax_ring._src import padding
 from jax_ring._src.core import config, validate
 from jax_ring._src.core.config import ContextParallel
 from jax_ring._src.strategies import documents, layout
-from jax_ring._src.strategies.ring import reach
+from jax_ring._src.strategies.ring import pair as two, reach
 
 # The model's constants: kernel throughput (TFLOP/s as a function of the
 # call length L), link bandwidths (GB/s) and the ring's per-step overhead
@@ -247,12 +248,12 @@ def resolve(cpc: ContextParallel, mesh, q_shape, local_heads, kv_heads=None,
 def ring_first(asked: ContextParallel, picked: ContextParallel, *,
                packed: bool, window, same_length: bool) -> bool:
   """Whether the automatic path, having picked Ulysses (``picked``) for a
-  pass of packed rows on contiguous shards, runs the ring's own block and
-  its reach test first, and Ulysses only where documents cross a shard
-  boundary by more than the ring's step-1 tails hold or reach past the
-  previous shard (``ShardPlan.beyond``). The model sees no document
-  lengths; the reach test sees them at run time. Only where the ring skips
-  steps (``reach.skips_steps``), on one axis, in self-attention."""
+  pass of packed rows on contiguous shards, runs the ring's own block and its
+  reach test first, and Ulysses only where documents cross a shard boundary
+  by more than the ring's step-1 tails hold or reach past the previous shard
+  (``ShardPlan.beyond``). The model sees no document lengths; the reach test
+  sees them at run time. Only where the ring skips steps
+  (``reach.skips_steps``), on one axis, in self-attention."""
   return (asked.strategy == "auto" and not asked.is_hybrid and
           picked.strategy == "ulysses" and packed and same_length and
           reach.skips_steps(asked.load_balance, asked.loop, asked.kv_sends,
@@ -320,15 +321,12 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
       kv_sends=cpc.kv_sends, kv_chunk_heads=cpc.kv_chunk_heads,
       value_head_dim=hv, inputs=cpc.inputs)
   if (run_t, run_s) != (t, s):
-    defaults_["padding"] = (
-        {"query": run_t - t, "key": run_s - s},
-        f"tokens appended to each row: lengths (T, S) = ({t}, {s}) run as "
-        f"({run_t}, {run_s}), multiples of "
-        f"{validate.sequence_unit(cpc, sizes)} (the context devices"
-        f"{', and twice the ring' if cpc.load_balance == 'dual_chunk' else ''}"
-        f"); the padding is masked, cut from the "
-        f"output and adds to no gradient; attention work "
-        f"+{100 * (run_t * run_s / max(t * s, 1) - 1):.1f}%")
+    defaults_["padding"] = padding.explained(
+        (t, s), (run_t, run_s), validate.sequence_unit(cpc, sizes),
+        cpc.load_balance == "dual_chunk")
+  if two.serves_natural(cpc, sizes.get(cpc.ring_axis), is_causal, window,
+                        segment_ids is not None):
+    defaults_.update(two.DEFAULTS)
   if segment_ids is not None:
     defaults_["balance"] = _balance(segment_ids, query_shape, cpc, sizes,
                                     run_t, is_causal)

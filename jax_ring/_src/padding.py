@@ -94,3 +94,17 @@ def _unused_id(ids):
       low > info.min, low - 1, jax.lax.cond(
           (top == info.max) & (low == info.min), search,
           lambda: jnp.asarray(0, dtype)))).astype(dtype)
+
+
+def explained(lengths, run, unit: int, dual_chunk: bool):
+  """``explain``'s ``padding`` entry: the tokens appended to the query and
+  key rows (``lengths`` (T, S) run as ``run``, multiples of ``unit``), and
+  why."""
+  (t, s), (run_t, run_s) = lengths, run
+  twice = ", and twice the ring" if dual_chunk else ""
+  return ({"query": run_t - t, "key": run_s - s},
+          f"tokens appended to each row: lengths (T, S) = ({t}, {s}) run as "
+          f"({run_t}, {run_s}), multiples of {unit} (the context devices"
+          f"{twice}); the padding is masked, cut from the output and adds "
+          f"to no gradient; attention work "
+          f"+{100 * (run_t * run_s / max(t * s, 1) - 1):.1f}%")

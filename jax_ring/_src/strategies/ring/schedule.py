@@ -41,13 +41,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ring._src.core import config, validate
+from jax_ring._src.core import config, overlap, validate
 from jax_ring._src.core.config import (AttentionConfig, ContextParallel,
                                        KvSends, Loop, ShardPlan)
 from jax_ring._src.core.mask import TokenMask
 from jax_ring._src.strategies import base, kv as kv_lib, layout, ulysses
 from jax_ring._src.strategies.layout import LoadBalance
 from jax_ring._src.strategies.ring import blocks, reach, striped
+from jax_ring._src.strategies.ring import pair as two
 from jax_ring._src.strategies.ring.reached import (as_f32, merge_rows,
                                                    reached_loop, shift)
 
@@ -75,8 +76,9 @@ def _ring_loop(plan, first, later, kv, carry):
   cp = plan.cp_size
   if cp == 1:
     return first(kv, carry)
-  nxt = _send_next(kv, plan)
-  carry = first(kv, carry)
+  with overlap.group():
+    nxt = _send_next(kv, plan)
+    carry = first(kv, carry)
   kv = nxt
   if plan.loop == "scan":
     def body(state, step):
@@ -102,16 +104,17 @@ def _gathered_loop(plan, first, later, kv, carry, own_last=False):
   so that it hides the last dK/dV part's send."""
   if plan.cp_size == 1:
     return first(kv, carry)
-  every = jax.tree.map(lambda a: lax.all_gather(a, plan.axis_name), kv)
+  with overlap.group():
+    every = jax.tree.map(lambda a: lax.all_gather(a, plan.axis_name), kv)
+    if plan.loop == "scan" or not own_last:
+      carry = first(kv, carry)
   r = lax.axis_index(plan.axis_name)
   held = lambda step: jax.tree.map(lambda a: lax.dynamic_index_in_dim(
       a, (r - step) % plan.cp_size, 0, keepdims=False), every)
   if plan.loop == "scan":
     carry, _ = lax.scan(lambda c, step: (later(step, held(step), c), None),
-                        first(kv, carry), jnp.arange(1, plan.cp_size))
+                        carry, jnp.arange(1, plan.cp_size))
     return carry
-  if not own_last:
-    carry = first(kv, carry)
   for step in range(1, plan.cp_size):
     carry = later(step, held(step), carry)
   return first(kv, carry) if own_last else carry
@@ -189,6 +192,8 @@ def block_cfgs(cfg: AttentionConfig):
 
 def forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
   """(out in q's dtype, lse f32) of this device's queries."""
+  if two.applies(plan, tm, cfg, q.shape[1]):
+    return two.forward(q, k, v, cfg, plan)
   skips = _skips(plan, tm, cfg)
   plan = _sends(plan, k, v)
   r = lax.axis_index(plan.axis_name)
@@ -242,6 +247,8 @@ def forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
 def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
               plan: ShardPlan):
   """(dq, dk, dv) of this device's shards, given the global out and lse."""
+  if two.applies(plan, tm, cfg, q.shape[1]):
+    return two.backward(q, k, v, out, lse, dout, cfg, plan)
   skips = _skips(plan, tm, cfg)
   plan = _sends(plan, k, v)
   r = lax.axis_index(plan.axis_name)
@@ -249,8 +256,7 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
   grads = (out, lse, dout)
   # Neighbour sends carry running dK/dV sums (float32); gathered K/V
   # (unrolled) send each step's part to its owner (a permute by -step) in
-  # K/V's dtype (half the bytes; float32 for window pairs, several calls),
-  # and the owner sums in float32.
+  # K/V's dtype (window pairs: float32), summed there in float32.
   parts_back = plan.kv_sends == "gather" and plan.loop == "unrolled"
   if plan.load_balance == "striped":
     first_bwd = lambda kv: striped.striped_bwd(
@@ -310,8 +316,7 @@ def backward(q, k, v, tm: TokenMask, out, lse, dout, cfg: AttentionConfig,
         prepare=lambda kv: blocks.prepare_own(kind, q, tm, kv, qc, cfgs, lse))
   elif parts_back:
     # The own step's part stays here: run last, it hides the last part's
-    # send. Not where this backward gathers K/V itself (the automatic
-    # path): there the own step runs first, beside the gather.
+    # send; first where this backward gathers K/V, beside the gather.
     dq, dkv = loop(plan, own, later_parts, kv0, None,
                    own_last=plan.backward_kv == "ring")
   else:

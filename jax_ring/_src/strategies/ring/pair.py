@@ -1,0 +1,161 @@
+"""The causal ring on two devices holding contiguous (natural-order) shards,
+balanced without permuting the sequence.
+
+Device 0 holds tokens ``[0, T)``, device 1 ``[T, 2T)``; C = T / 2. Under a
+causal mask device 1's queries see every key of device 0, so the plain
+contiguous ring gives device 1 three times device 0's work, and the
+dual-chunk layout costs a permutation of q, k, v and the output (and of
+their gradients) on natural-order inputs. Here the cross block (device 1's
+queries against device 0's keys, T x T) is split by query rows: device 1
+computes its early rows against device 0's K/V, device 0 computes device
+1's late rows against its own K/V. Each device then does 2 T^2 of the
+4 T^2 (causal halves counted), as under dual-chunk, and moves one K/V
+shard and two query-sized chunks, each behind compute (``core.overlap``):
+
+====  ==========================================  ===========================
+step  compute (rows x keys, mask)                 beside it
+====  ==========================================  ===========================
+1     own late rows x own keys (C x T, causal)    device 1's late q -> 0;
+                                                  device 0's K/V -> 1
+2     cross: device 0: the received rows x own    -
+      K/V; device 1: own early rows x received
+      K/V (C x T, no mask)
+3     own early rows x own early keys             device 0's step 2 result
+      (C x C, causal)                             (out, lse) -> 1
+====  ==========================================  ===========================
+
+Device 1 merges its rows' parts (``base.merge``, float32); device 0's rows
+are complete after steps 1 and 3. The backward runs the same three steps
+on the global ``out``/``lse``: step 1 also sends device 1's late ``out``,
+``lse`` and ``dout``; step 3 sends device 0's dq part of those rows to
+device 1 and device 1's dK/dV part of device 0's keys to device 0, in the
+kernel's dtype (the ring's gathered-K/V rule), summed in float32.
+
+Serves (:func:`applies`): two devices, contiguous shards, causal, no
+window, no segment ids or padding lengths, T even, not a hybrid's ring.
+K and V move as the pair ``(k, v)``: nothing is stacked.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from jax_ring._src.core import kernel, overlap
+from jax_ring._src.core.config import (AttentionConfig, ContextParallel,
+                                       ShardPlan)
+from jax_ring._src.core.mask import BlockMask, TokenMask
+from jax_ring._src.strategies import base
+
+_TO_FIRST, _TO_SECOND = [(1, 0)], [(0, 1)]
+
+
+def applies(plan: ShardPlan, tm: TokenMask, cfg: AttentionConfig,
+            t: int) -> bool:
+  """Whether this schedule runs the pass (see the module doc)."""
+  return (plan.cp_size == 2 and plan.load_balance is None and
+          plan.beyond is None and cfg.is_causal and
+          cfg.local_window is None and t % 2 == 0 and
+          all(x is None for x in vars(tm).values()))
+
+
+def serves_natural(cpc: ContextParallel, cp_size: int, is_causal: bool,
+                   window, masked: bool) -> bool:
+  """Whether a call of ``cpc`` on natural-order inputs runs this schedule
+  on contiguous shards instead of permuting them into ``cpc``'s dual-chunk
+  layout: the ring, one axis of two devices, causal, no window, no
+  segment ids or padding lengths (``masked``)."""
+  return (cpc.permutes and cpc.load_balance == "dual_chunk" and
+          cpc.strategy == "ring" and not cpc.is_hybrid and cp_size == 2 and
+          is_causal and window is None and not masked)
+
+
+_SENDS = ("pair", "the ring's two-device schedule: device 0's K/V go to "
+          "device 1 once a pass, beside compute")
+# What ``explain`` reports where :func:`serves_natural` holds.
+DEFAULTS = dict(
+    load_balance=(None, "contiguous shards: on a ring of two devices the "
+                  "two-device schedule balances causal work (device 0 "
+                  "computes device 1's late query rows against its own "
+                  "keys), so natural-order inputs are not permuted into "
+                  "'dual_chunk'"),
+    kv_sends=_SENDS, backward_kv=_SENDS,
+    inputs=("natural", "contiguous shards: nothing to permute"))
+
+
+def _cfgs(cfg: AttentionConfig):
+  return cfg, cfg.replace(is_causal=False)  # own blocks, the cross block
+
+
+def forward(q, k, v, cfg: AttentionConfig, plan: ShardPlan):
+  """(out in q's dtype, lse f32) of this device's T rows."""
+  ax, c = plan.axis_name, q.shape[1] // 2
+  own, cross = _cfgs(cfg)
+  first = lax.axis_index(ax) == 0
+  with overlap.group():
+    got_q = lax.ppermute(q[:, c:], ax, _TO_FIRST)
+    got_kv = lax.ppermute((k, v), ax, _TO_SECOND)
+    late = kernel.forward(q[:, c:], k, v, None, BlockMask(q_offset=c), own)
+  part = lax.cond(
+      first,
+      lambda got_q, got_kv: kernel.forward(got_q, k, v, None, BlockMask(),
+                                           cross),
+      lambda got_q, got_kv: kernel.forward(q[:, :c], *got_kv, None,
+                                           BlockMask(), cross),
+      got_q, got_kv)
+  with overlap.group():
+    back = lax.ppermute(part, ax, _TO_SECOND)
+    early = kernel.forward(q[:, :c], k[:, :c], v[:, :c], None, BlockMask(),
+                           own)
+  f32 = lambda x: tuple(a.astype(jnp.float32) for a in x)
+  pick = lambda alone, merged: tuple(
+      jnp.where(first, a, b) for a, b in zip(f32(alone), merged))
+  early = pick(early, base.merge(*f32(early), *part))
+  late = pick(late, base.merge(*f32(late), *back))
+  out, lse = (jnp.concatenate(x, 1) for x in zip(early, late))
+  return out.astype(q.dtype), lse
+
+
+def backward(q, k, v, out, lse, dout, cfg: AttentionConfig,
+             plan: ShardPlan):
+  """(dq, dk, dv) of this device's shards, given the global out and lse."""
+  ax, c = plan.axis_name, q.shape[1] // 2
+  own, cross = _cfgs(cfg)
+  first = lax.axis_index(ax) == 0
+  early = lambda x: x[:, :c]
+  late = lambda x: x[:, c:]
+  with overlap.group():
+    got = lax.ppermute(tuple(map(late, (q, out, lse, dout))), ax, _TO_FIRST)
+    got_kv = lax.ppermute((k, v), ax, _TO_SECOND)
+    dq_l, dk_l, dv_l, _ = kernel.backward(
+        late(q), k, v, None, BlockMask(q_offset=c), late(out), late(lse),
+        late(dout), None, own)
+
+  def theirs(got, got_kv):  # device 0: device 1's late rows, own K/V
+    gq, go, gl, gdo = got
+    return kernel.backward(gq, k, v, None, BlockMask(), go, gl, gdo, None,
+                           cross)[:3]
+
+  def mine(got, got_kv):  # device 1: own early rows, device 0's K/V
+    return kernel.backward(early(q), *got_kv, None, BlockMask(), early(out),
+                           early(lse), early(dout), None, cross)[:3]
+
+  dq_x, dk_x, dv_x = lax.cond(first, theirs, mine, got, got_kv)
+  with overlap.group():
+    dq_back = lax.ppermute(dq_x, ax, _TO_SECOND)
+    dk_back, dv_back = lax.ppermute((dk_x, dv_x), ax, _TO_FIRST)
+    dq_e, dk_e, dv_e, _ = kernel.backward(
+        early(q), k[:, :c], v[:, :c], None, BlockMask(), early(out),
+        early(lse), early(dout), None, own)
+  f32 = lambda x: x.astype(jnp.float32)
+  dq = jnp.concatenate([
+      jnp.where(first, f32(dq_e), f32(dq_e) + f32(dq_x)),
+      jnp.where(first, f32(dq_l), f32(dq_l) + f32(dq_back))], 1)
+
+  def dkv(d_l, d_e, d_x, d_back):
+    ours = jnp.where(first, f32(d_x) + f32(d_back), 0.0) + f32(d_l)
+    rows = lax.slice_in_dim(ours, 0, c, axis=1) + f32(d_e)
+    return lax.dynamic_update_slice_in_dim(ours, rows, 0, 1)
+
+  return (dq.astype(q.dtype), dkv(dk_l, dk_e, dk_x, dk_back).astype(k.dtype),
+          dkv(dv_l, dv_e, dv_x, dv_back).astype(v.dtype))
