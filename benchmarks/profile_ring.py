@@ -158,6 +158,10 @@ def main():
                  help="with --path auto: any ContextParallel strategy")
   p.add_argument("--kv-chunk-heads", type=int, default=None,
                  help="all_gather: gather this many kv heads at a time")
+  p.add_argument("--inputs", default="load_balanced",
+                 choices=["load_balanced", "natural"],
+                 help="with --path auto: arrays in the dual-chunk layout, or "
+                 "in natural order (ContextParallel's default)")
   p.add_argument("--calls", type=int, default=3)
   p.add_argument("--graphs", default="", choices=[""] + list(GRAPHS),
                  help="compile with these command buffers (common.GRAPHS); "
@@ -169,6 +173,7 @@ def main():
   os.makedirs(a.out, exist_ok=True)
   variant = f"@{a.graphs}" if a.graphs else ""
   tag = f"-{a.graphs}" if a.graphs else ""  # file names: no "@"
+  nat = "_natural" if a.inputs == "natural" else ""
   mesh = Mesh(np.array(jax.devices()), ("cp",))
   sh = NamedSharding(mesh, P(None, "cp"))
   table = []
@@ -186,7 +191,7 @@ def main():
         cpc = jax_ring.ContextParallel(
             axis="cp", strategy=a.strategy, load_balance="dual_chunk",
             loop=a.loop, kv_chunk_heads=a.kv_chunk_heads,
-            inputs="load_balanced", **ring_kwargs(a))
+            inputs=a.inputs, **ring_kwargs(a))
         ring = lambda q, k, v: jax_ring.dot_product_attention(
             q, k, v, is_causal=True, context_parallel=cpc)
       fns = {"fwd": (jit_variant(ring, variant), args[:3]),
@@ -195,7 +200,7 @@ def main():
       for pas, (fn, xs) in fns.items():
         jax.block_until_ready(fn(*xs))
         jax.block_until_ready(fn(*xs))
-        name = f"{a.path}_{a.strategy}{tag}_{s}_{kh}_{pas}"
+        name = f"{a.path}_{a.strategy}{tag}{nat}_{s}_{kh}_{pas}"
         d = os.path.join(a.out, f"trace_{name}")
         with jax.profiler.trace(d, create_perfetto_trace=True):
           for _ in range(a.calls):
@@ -223,7 +228,7 @@ def main():
   # Next to the traces; copy it to benchmarks/results/ to keep it.
   out = pathlib.Path(a.out, results_path("profile_ring", environment()).name)
   write("profile_ring", table, cols, path=out,
-        mode=f"{a.path}_{a.strategy}{tag}",
+        mode=f"{a.path}_{a.strategy}{tag}{nat}",
         extra=dict(loop=a.loop, strategy=a.strategy,
                    kv_chunk_heads=a.kv_chunk_heads,
                    command_buffers=a.graphs or "xla default",
