@@ -284,6 +284,26 @@ def test_natural_inputs_on_two_devices_are_not_permuted():
   assert why.defaults["inputs"][1] == "contiguous shards: nothing to permute"
 
 
+def test_natural_inputs_without_a_causal_mask_are_not_permuted():
+  """No causal mask, natural-order arrays, the default layout: contiguous
+  shards balance the work, so the call runs them as they are (a two-sided
+  window, padding to a multiple of 4): exact, and its forward program
+  holds no permute, only the ring's K/V gather."""
+  m = mesh(4)
+  check_public_call(jax_ring.ContextParallel(axis="cp"), m, (B, N, K, H),
+                    t=S - 5, s=S - 5, docs=None, seed=8, is_causal=False,
+                    local_window_size=(9, 4))
+  x = jnp.ones((1, S, N, H))
+  f = lambda q, k, v: jax_ring.dot_product_attention(
+      q, k, v, context_parallel=jax_ring.ContextParallel(axis="cp"))
+  with jax.set_mesh(m):
+    hlo = jax.jit(f).lower(x, x, x).compile().as_text()
+  assert collectives(hlo) == {**collectives(""), "all-gather": 1}
+  why = jax_ring.explain(x.shape, x.shape, cp_size=4,
+                         context_parallel=jax_ring.ContextParallel(axis="cp"))
+  assert why.defaults["load_balance"][0] is None
+
+
 def test_scheduling_groups_mark_transfers_and_change_no_number(monkeypatch):
   """``JAX_RING_SCHEDULING_GROUPS=1``: the two-device schedule's transfers
   and the compute beside them carry XLA scheduling groups; the numbers are

@@ -48,8 +48,8 @@ import numpy as np
 from jax_ring._src import padding
 from jax_ring._src.core import config, validate
 from jax_ring._src.core.config import ContextParallel
-from jax_ring._src.strategies import documents, layout
-from jax_ring._src.strategies.ring import pair as two, reach
+from jax_ring._src.strategies import documents, layout, natural
+from jax_ring._src.strategies.ring import reach
 
 # The model's constants: kernel throughput (TFLOP/s as a function of the
 # call length L), link bandwidths (GB/s) and the ring's per-step overhead
@@ -324,9 +324,8 @@ def explain(query_shape, key_shape, *, cp_size, is_causal=False,
     defaults_["padding"] = padding.explained(
         (t, s), (run_t, run_s), validate.sequence_unit(cpc, sizes),
         cpc.load_balance == "dual_chunk")
-  if two.serves_natural(cpc, sizes.get(cpc.ring_axis), is_causal, window,
-                        segment_ids is not None):
-    defaults_.update(two.DEFAULTS)
+  defaults_.update(natural.kept(cpc, sizes.get(cpc.ring_axis), is_causal,
+                                window, segment_ids is not None))
   if segment_ids is not None:
     defaults_["balance"] = _balance(segment_ids, query_shape, cpc, sizes,
                                     run_t, is_causal)

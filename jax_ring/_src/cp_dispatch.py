@@ -18,8 +18,7 @@ from jax_ring._src import one_device, padding, partition
 from jax_ring._src.core import registry
 from jax_ring._src.core.config import AttentionConfig, ContextParallel
 from jax_ring._src.core.mask import TokenMask
-from jax_ring._src.strategies import base, layout
-from jax_ring._src.strategies.ring import pair as two
+from jax_ring._src.strategies import base, layout, natural
 
 
 def attention(query, key, value, tm: TokenMask, sinks,
@@ -58,11 +57,10 @@ def _padded_call(query, key, value, tm: TokenMask, sinks,
                      one(value), None, tm.block_mask())
   if 0 in query.shape[:2] + key.shape[1:2]:  # as on one device
     return jnp.zeros(one_device.out_shape(query, value), query.dtype)
-  if two.serves_natural(cp, mesh.shape[cp.ring_axis], config.is_causal,
-                        config.local_window,
-                        any(x is not None for x in vars(tm).values())):
-    # Natural order stays: ring.pair balances contiguous shards of two.
-    cp = dataclasses.replace(cp, load_balance=None)
+  if natural.kept(cp, mesh.shape[cp.ring_axis], config.is_causal,
+                  config.local_window,
+                  any(x is not None for x in vars(tm).values())):
+    cp = dataclasses.replace(cp, load_balance=None)  # natural order stays
   return _jitted(query, key, value, tm, sinks, config, cp, mesh)[:, :rows]
 
 

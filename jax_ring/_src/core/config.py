@@ -165,11 +165,12 @@ class ContextParallel:
       into the ``load_balance`` layout and the output back, inside its
       compiled program (dual-chunk over one axis: each chunk sent once, by
       two ppermutes an array; striped: one all-to-all an array; a pair of
-      axes: gathered whole; ``jax_ring.explain`` lists them). One case
-      permutes nothing: the ring over two devices, causal, with no window,
-      segment ids or padding lengths, runs the natural-order shards as
-      they are, balanced by its two-device schedule (device 0 computes
-      device 1's late query rows against its own keys).
+      axes: gathered whole; ``jax_ring.explain`` lists them). Two cases
+      permute nothing and run the natural-order shards as they are: a
+      call without a causal mask (contiguous shards balance its work),
+      and the ring over two devices, causal, with no window, segment ids
+      or padding lengths (its two-device schedule balances them: device 0
+      computes device 1's late query rows against its own keys).
       ``"load_balanced"``: the arrays are already in the layout
       (``jax_ring.reorder_for_load_balance`` with cp_size the axis size,
       for a pair of axes the ring axis size;

@@ -59,28 +59,14 @@ def applies(plan: ShardPlan, tm: TokenMask, cfg: AttentionConfig,
           all(x is None for x in vars(tm).values()))
 
 
-def serves_natural(cpc: ContextParallel, cp_size: int, is_causal: bool,
-                   window, masked: bool) -> bool:
-  """Whether a call of ``cpc`` on natural-order inputs runs this schedule
-  on contiguous shards instead of permuting them into ``cpc``'s dual-chunk
-  layout: the ring, one axis of two devices, causal, no window, no
+def serves(cpc: ContextParallel, cp_size: int, window, masked: bool) -> bool:
+  """Whether a causal call of ``cpc`` on natural-order inputs runs this
+  schedule on contiguous shards instead of permuting them into dual-chunk
+  (``strategies.natural``): the ring, one axis of two devices, no window,
   segment ids or padding lengths (``masked``)."""
-  return (cpc.permutes and cpc.load_balance == "dual_chunk" and
-          cpc.strategy == "ring" and not cpc.is_hybrid and cp_size == 2 and
-          is_causal and window is None and not masked)
-
-
-_SENDS = ("pair", "the ring's two-device schedule: device 0's K/V go to "
-          "device 1 once a pass, beside compute")
-# What ``explain`` reports where :func:`serves_natural` holds.
-DEFAULTS = dict(
-    load_balance=(None, "contiguous shards: on a ring of two devices the "
-                  "two-device schedule balances causal work (device 0 "
-                  "computes device 1's late query rows against its own "
-                  "keys), so natural-order inputs are not permuted into "
-                  "'dual_chunk'"),
-    kv_sends=_SENDS, backward_kv=_SENDS,
-    inputs=("natural", "contiguous shards: nothing to permute"))
+  return (cpc.load_balance == "dual_chunk" and cpc.strategy == "ring" and
+          not cpc.is_hybrid and cp_size == 2 and window is None and
+          not masked)
 
 
 def _cfgs(cfg: AttentionConfig):
