@@ -386,6 +386,16 @@ def test_auto_weighs_the_load_of_contiguous_shards():
   assert "wait for the last, 1.75x the mean causal work" in contiguous.reason
   assert "wait for the last" not in dual.reason
   assert t_c["ulysses"] == t_d["ulysses"]
+  # Two devices: the ring balances contiguous shards (ring.pair), so only
+  # the all-gather's compute is scaled there.
+  two = {lb: jax_ring.explain(
+      (1, 65536, 32, 128), (1, 65536, 8, 128), cp_size=2, is_causal=True,
+      context_parallel=jax_ring.ContextParallel(
+          strategy="auto", load_balance=lb)).times_ms
+         for lb in (None, "dual_chunk")}
+  assert two[None]["ring"] == two["dual_chunk"]["ring"]
+  assert (two[None]["all_gather"]["forward"] >
+          1.4 * two["dual_chunk"]["all_gather"]["forward"])
   got = measured("strategies_4xH100", "composite_4_one")["rows"][0]
   one = [r for r in measured("strategies_4xH100", "crossing_4")["rows"]
          if r["mix"] == "one"][0]

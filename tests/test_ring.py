@@ -261,25 +261,30 @@ def test_two_device_contiguous_ring_matches_reference(kv_heads):
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True))
 
 
-def test_natural_inputs_on_two_devices_are_not_permuted():
+@pytest.mark.parametrize("strategy", ["ring", "auto"])
+def test_natural_inputs_on_two_devices_are_not_permuted(strategy):
   """The default ``ContextParallel()`` on natural-order arrays over two
   devices, causal, at a length that needs padding, value head dim unlike
   the key's: exact, forward and gradients; its programs run the
   two-device schedule (a forward permutes device 1's late rows to device
   0, device 0's K and V to device 1 and the cross (out, lse) back: 5
-  permutes, no all-gather), not the dual-chunk permutation; ``explain`` says so."""
-  m = mesh(2)
-  check_public_call(jax_ring.ContextParallel(axis="cp"), m, (B, N, K, H, 24),
-                    t=S - 3, s=S - 3, docs=None, seed=6)
+  permutes, no all-gather), not the dual-chunk permutation; ``explain``
+  says so. ``auto`` runs contiguous shards too (its ring is that
+  schedule), and no permute where it picks Ulysses."""
+  m, cpc = mesh(2), jax_ring.ContextParallel(axis="cp", strategy=strategy)
+  check_public_call(cpc, m, (B, N, K, H, 24), t=S - 3, s=S - 3, docs=None,
+                    seed=6)
   x = jnp.ones((1, S, N, H))
   f = lambda q, k, v: jax_ring.dot_product_attention(
-      q, k, v, is_causal=True, context_parallel=jax_ring.ContextParallel(
-          axis="cp"))
+      q, k, v, is_causal=True, context_parallel=cpc)
+  why = jax_ring.explain(x.shape, x.shape, cp_size=2, is_causal=True,
+                         context_parallel=cpc)
   with jax.set_mesh(m):
     hlo = jax.jit(f).lower(x, x, x).compile().as_text()
-  assert collectives(hlo) == {**collectives(""), "collective-permute": 5}
-  why = jax_ring.explain(x.shape, x.shape, cp_size=2, is_causal=True,
-                         context_parallel=jax_ring.ContextParallel(axis="cp"))
+  if why.forward == "ring":  # auto: Ulysses' all-to-alls instead
+    assert collectives(hlo) == {**collectives(""), "collective-permute": 5}
+  else:
+    assert collectives(hlo)["collective-permute"] == 0, collectives(hlo)
   assert why.defaults["load_balance"][0] is None
   assert why.defaults["inputs"][1] == "contiguous shards: nothing to permute"
 

@@ -20,7 +20,7 @@ its own strategy. Per device, for one layer:
 * balance: the ring and the all-gather compute each device's own rows, so
   they wait for the most-loaded device: their compute is scaled by its
   work over the mean (:func:`_imbalance`: (2 cp - 1) / cp on contiguous
-  shards under a causal mask, where the last shard sees every key).
+  shards under a causal mask; the ring on two devices balances them).
   Ulysses computes every row for some heads, so it is even in any layout.
 
 Ulysses is a candidate only when the local query heads divide by cp,
@@ -161,11 +161,12 @@ def _imbalance(cp, seq, is_causal, window, load_balance) -> float:
 
 def _pass_ms(backward, *, batch, seq, heads, kv_heads, head_dim, cp, share,
              dtype_bytes, load_balance, cross, value_head_dim=None,
-             packed=False, imbalance=1.0) -> dict:
+             packed=False, imbalance=1.0, ring_imbalance=1.0) -> dict:
   """Modelled milliseconds of each candidate for one pass (``cross``:
   T != S, which only Ulysses serves; ``packed``: segment ids, which
-  all-gather does not serve well, see the module doc; ``imbalance``: the
-  ring's and all-gather's most-loaded device over the mean)."""
+  all-gather does not serve well, see the module doc; ``imbalance``,
+  ``ring_imbalance``: all-gather's and the ring's most-loaded device over
+  the mean)."""
   work, sends = (2.5, 3) if backward else (1.0, 1)
   dims = head_dim + (value_head_dim or head_dim)  # q k^T, then p v
   flops = work * 2 * batch * seq * seq * heads * dims * share / cp
@@ -173,8 +174,9 @@ def _pass_ms(backward, *, batch, seq, heads, kv_heads, head_dim, cp, share,
                        dtype_bytes)
   frac = (cp - 1) / cp
   compute = imbalance * flops / (_tflops(seq / cp, backward) * 1e12)
-  per_step = max(compute / cp, sends * gathered / cp / (P2P_GBS * 1e9))
-  times = {} if cross else {"ring": (compute / cp + (cp - 1) * per_step +
+  ring = compute * ring_imbalance / imbalance
+  per_step = max(ring / cp, sends * gathered / cp / (P2P_GBS * 1e9))
+  times = {} if cross else {"ring": (ring / cp + (cp - 1) * per_step +
                                     cp * STEP_US * 1e-6)}
   # All-gather computes contiguous ranges.
   if load_balance != "striped" and not cross and not packed:
@@ -200,11 +202,12 @@ def estimate(*, batch, seq, heads, kv_heads, head_dim, cp, is_causal=True,
   if window is not None:
     share = min(share, (sum(window) + 1) / seq)
   imbalance = _imbalance(cp, seq, is_causal, window, load_balance)
+  ring_even = cp == 2 and window is None and not packed  # ring.pair
   kw = dict(batch=batch, seq=seq, heads=heads, kv_heads=kv_heads,
             head_dim=head_dim, cp=cp, share=share, dtype_bytes=dtype_bytes,
             load_balance=load_balance, value_head_dim=value_head_dim,
             cross=kv_seq is not None and kv_seq != seq, packed=packed,
-            imbalance=imbalance)
+            imbalance=imbalance, ring_imbalance=1.0 if ring_even else imbalance)
   by_pass = {p: _pass_ms(p == "backward", **kw) for p in PASSES}
   picks, why = {}, []
   for p, times in by_pass.items():
@@ -213,14 +216,14 @@ def estimate(*, batch, seq, heads, kv_heads, head_dim, cp, is_causal=True,
     runner = order[1] if len(order) > 1 else order[0]
     why.append(f"{p} {order[0]} {times[order[0]]:.3f} ms (next {runner} "
                f"{times[runner]:.3f})")
-  times_ms = {s: {p: by_pass[p][s] for p in PASSES} for s in by_pass[
-      "forward"]}
+  times_ms = {s: {p: by_pass[p][s] for p in PASSES} for s in by_pass[PASSES[0]]}
   reason = "; ".join(why) + (f" (cp={cp}, S={seq}, N={heads}, K={kv_heads}, "
                              f"causal={is_causal}; times modelled from H200 "
                              "measurements)") + (
       "; segment ids: no all-gather (its packed blocks pair each device's "
       "documents with the whole row's)" if packed else "") + (
-      f"; contiguous shards: the ring and all-gather wait for the last, "
+      f"; contiguous shards: {'' if ring_even else 'the ring and '}"
+      f"all-gather wait for the last, "
       f"{imbalance:.2f}x the mean causal work" if imbalance > 1 else "")
   return Choice(picks["forward"], picks["backward"], times_ms, reason)
 

@@ -3,10 +3,10 @@
 XLA's latency-hiding scheduler has no cost for a custom call, so on its own
 it may finish a collective (``all-gather-done``) before an independent
 cuDNN call that could have hidden it, and the transfer runs alone
-(docs/performance.md, the ring's per-step profile). Every op traced inside :func:`group` carries one
-``_scheduling_group_id``, and XLA schedules a group's async collective
-around the group's compute: the transfer starts, the compute runs, the
-transfer is waited for. A group must not depend on its own collective's
+(docs/performance.md, the ring's per-step profile). Every op traced
+inside :func:`group` carries one ``_scheduling_group_id``, and XLA
+schedules a group's async collective around the group's compute: the
+transfer starts, the compute runs, the transfer is waited for. A group must not depend on its own collective's
 result (the compute is what hides it), and every op between two of its
 ops must be in it too (the context puts the whole traced block in).
 Off-GPU the attribute changes nothing.

@@ -62,9 +62,11 @@ def applies(plan: ShardPlan, tm: TokenMask, cfg: AttentionConfig,
 def serves(cpc: ContextParallel, cp_size: int, window, masked: bool) -> bool:
   """Whether a causal call of ``cpc`` on natural-order inputs runs this
   schedule on contiguous shards instead of permuting them into dual-chunk
-  (``strategies.natural``): the ring, one axis of two devices, no window,
-  segment ids or padding lengths (``masked``)."""
-  return (cpc.load_balance == "dual_chunk" and cpc.strategy == "ring" and
+  (``strategies.natural``): the ring or ``auto`` (whose ring is this
+  schedule there), one axis of two devices, no window, segment ids or
+  padding lengths (``masked``)."""
+  return (cpc.load_balance == "dual_chunk" and
+          cpc.strategy in ("ring", "auto") and
           not cpc.is_hybrid and cp_size == 2 and window is None and
           not masked)
 
