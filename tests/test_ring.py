@@ -309,24 +309,6 @@ def test_natural_inputs_without_a_causal_mask_are_not_permuted():
   assert why.defaults["load_balance"][0] is None
 
 
-def test_scheduling_groups_mark_transfers_and_change_no_number(monkeypatch):
-  """``JAX_RING_SCHEDULING_GROUPS=1``: the two-device schedule's transfers
-  and the compute beside them carry XLA scheduling groups; the numbers are
-  those of the run without them, bit for bit."""
-  q, k, v, do = rank_coded_qkv(7, 2)
-  plain = run_ring(q, k, v, do, 2, is_causal=True, load_balance=None)
-  monkeypatch.setenv("JAX_RING_SCHEDULING_GROUPS", "1")
-  f = jax.shard_map(functools.partial(
-      jax_ring.ring_attention, axis_name="cp", is_causal=True,
-      implementation="xla"), mesh=mesh(2), in_specs=(P(None, "cp"),) * 3,
-                    out_specs=P(None, "cp"))
-  text = jax.jit(f).lower(q, k, v).as_text()
-  assert len(set(re.findall(r'_scheduling_group_id = "(\d+)"', text))) == 2
-  grouped = run_ring(q, k, v, do, 2, is_causal=True, load_balance=None)
-  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(grouped)):
-    np.testing.assert_array_equal(a, b)
-
-
 _WINDOW_PART = (dict(local_window_size=(20, 0)),
                 ("f32", f"2,{B},{S // 4},{K},{H}"))
 

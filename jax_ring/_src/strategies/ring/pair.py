@@ -10,7 +10,8 @@ queries against device 0's keys, T x T) is split by query rows: device 1
 computes its early rows against device 0's K/V, device 0 computes device
 1's late rows against its own K/V. Each device then does 2 T^2 of the
 4 T^2 (causal halves counted), as under dual-chunk, and moves one K/V
-shard and two query-sized chunks, each behind compute (``core.overlap``):
+shard and two query-sized chunks, each issued before compute it does not
+feed:
 
 ====  ==========================================  ===========================
 step  compute (rows x keys, mask)                 beside it
@@ -41,7 +42,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ring._src.core import kernel, overlap
+from jax_ring._src.core import kernel
 from jax_ring._src.core.config import (AttentionConfig, ContextParallel,
                                        ShardPlan)
 from jax_ring._src.core.mask import BlockMask, TokenMask
@@ -80,10 +81,9 @@ def forward(q, k, v, cfg: AttentionConfig, plan: ShardPlan):
   ax, c = plan.axis_name, q.shape[1] // 2
   own, cross = _cfgs(cfg)
   first = lax.axis_index(ax) == 0
-  with overlap.group():
-    got_q = lax.ppermute(q[:, c:], ax, _TO_FIRST)
-    got_kv = lax.ppermute((k, v), ax, _TO_SECOND)
-    late = kernel.forward(q[:, c:], k, v, None, BlockMask(q_offset=c), own)
+  got_q = lax.ppermute(q[:, c:], ax, _TO_FIRST)
+  got_kv = lax.ppermute((k, v), ax, _TO_SECOND)
+  late = kernel.forward(q[:, c:], k, v, None, BlockMask(q_offset=c), own)
   part = lax.cond(
       first,
       lambda got_q, got_kv: kernel.forward(got_q, k, v, None, BlockMask(),
@@ -91,10 +91,9 @@ def forward(q, k, v, cfg: AttentionConfig, plan: ShardPlan):
       lambda got_q, got_kv: kernel.forward(q[:, :c], *got_kv, None,
                                            BlockMask(), cross),
       got_q, got_kv)
-  with overlap.group():
-    back = lax.ppermute(part, ax, _TO_SECOND)
-    early = kernel.forward(q[:, :c], k[:, :c], v[:, :c], None, BlockMask(),
-                           own)
+  back = lax.ppermute(part, ax, _TO_SECOND)
+  early = kernel.forward(q[:, :c], k[:, :c], v[:, :c], None, BlockMask(),
+                         own)
   f32 = lambda x: tuple(a.astype(jnp.float32) for a in x)
   pick = lambda alone, merged: tuple(
       jnp.where(first, a, b) for a, b in zip(f32(alone), merged))
@@ -112,12 +111,11 @@ def backward(q, k, v, out, lse, dout, cfg: AttentionConfig,
   first = lax.axis_index(ax) == 0
   early = lambda x: x[:, :c]
   late = lambda x: x[:, c:]
-  with overlap.group():
-    got = lax.ppermute(tuple(map(late, (q, out, lse, dout))), ax, _TO_FIRST)
-    got_kv = lax.ppermute((k, v), ax, _TO_SECOND)
-    dq_l, dk_l, dv_l, _ = kernel.backward(
-        late(q), k, v, None, BlockMask(q_offset=c), late(out), late(lse),
-        late(dout), None, own)
+  got = lax.ppermute(tuple(map(late, (q, out, lse, dout))), ax, _TO_FIRST)
+  got_kv = lax.ppermute((k, v), ax, _TO_SECOND)
+  dq_l, dk_l, dv_l, _ = kernel.backward(
+      late(q), k, v, None, BlockMask(q_offset=c), late(out), late(lse),
+      late(dout), None, own)
 
   def theirs(got, got_kv):  # device 0: device 1's late rows, own K/V
     gq, go, gl, gdo = got
@@ -129,12 +127,11 @@ def backward(q, k, v, out, lse, dout, cfg: AttentionConfig,
                            early(lse), early(dout), None, cross)[:3]
 
   dq_x, dk_x, dv_x = lax.cond(first, theirs, mine, got, got_kv)
-  with overlap.group():
-    dq_back = lax.ppermute(dq_x, ax, _TO_SECOND)
-    dk_back, dv_back = lax.ppermute((dk_x, dv_x), ax, _TO_FIRST)
-    dq_e, dk_e, dv_e, _ = kernel.backward(
-        early(q), k[:, :c], v[:, :c], None, BlockMask(), early(out),
-        early(lse), early(dout), None, own)
+  dq_back = lax.ppermute(dq_x, ax, _TO_SECOND)
+  dk_back, dv_back = lax.ppermute((dk_x, dv_x), ax, _TO_FIRST)
+  dq_e, dk_e, dv_e, _ = kernel.backward(
+      early(q), k[:, :c], v[:, :c], None, BlockMask(), early(out),
+      early(lse), early(dout), None, own)
   f32 = lambda x: x.astype(jnp.float32)
   dq = jnp.concatenate([
       jnp.where(first, f32(dq_e), f32(dq_e) + f32(dq_x)),

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ring._src.core import config, overlap, validate
+from jax_ring._src.core import config, validate
 from jax_ring._src.core.config import (AttentionConfig, ContextParallel,
                                        KvSends, Loop, ShardPlan)
 from jax_ring._src.core.mask import TokenMask
@@ -76,9 +76,8 @@ def _ring_loop(plan, first, later, kv, carry):
   cp = plan.cp_size
   if cp == 1:
     return first(kv, carry)
-  with overlap.group():
-    nxt = _send_next(kv, plan)
-    carry = first(kv, carry)
+  nxt = _send_next(kv, plan)
+  carry = first(kv, carry)
   kv = nxt
   if plan.loop == "scan":
     def body(state, step):
@@ -104,17 +103,16 @@ def _gathered_loop(plan, first, later, kv, carry, own_last=False):
   so that it hides the last dK/dV part's send."""
   if plan.cp_size == 1:
     return first(kv, carry)
-  with overlap.group():
-    every = jax.tree.map(lambda a: lax.all_gather(a, plan.axis_name), kv)
-    if plan.loop == "scan" or not own_last:
-      carry = first(kv, carry)
+  every = jax.tree.map(lambda a: lax.all_gather(a, plan.axis_name), kv)
   r = lax.axis_index(plan.axis_name)
   held = lambda step: jax.tree.map(lambda a: lax.dynamic_index_in_dim(
       a, (r - step) % plan.cp_size, 0, keepdims=False), every)
   if plan.loop == "scan":
     carry, _ = lax.scan(lambda c, step: (later(step, held(step), c), None),
-                        carry, jnp.arange(1, plan.cp_size))
+                        first(kv, carry), jnp.arange(1, plan.cp_size))
     return carry
+  if not own_last:
+    carry = first(kv, carry)
   for step in range(1, plan.cp_size):
     carry = later(step, held(step), carry)
   return first(kv, carry) if own_last else carry
