@@ -362,7 +362,11 @@ def ring_attention(query, key, value, *, axis_name: str, is_causal=False,
     axis_name: the mesh axis the sequence is sharded over.
     is_causal: causal mask in global positions.
     load_balance: ``None`` (contiguous shards), ``"dual_chunk"`` or
-      ``"striped"`` (see ``jax_ring._src.strategies.layout``).
+      ``"striped"`` (see ``jax_ring._src.strategies.layout``). Contiguous
+      shards on two devices, causal, with no window, segment ids or
+      lengths, run a balanced two-device schedule (``kv_sends`` and
+      ``loop`` do not apply): device 0 computes device 1's late query
+      rows against its own keys and returns their (out, lse).
     segment_ids: packed documents, this device's ``(B, T)`` ids (or a
       ``(q_ids, kv_ids)`` pair), in the same layout as the tokens; the kv
       ids travel the ring with K/V. Documents may cross shard boundaries.
