@@ -638,3 +638,42 @@ def test_odd_length_harness_on_cpu():
     pytest.skip("needs 4 devices")
   spy, calls = odd_length_run("hybrid", 4, "xla", causal=False)
   assert spy.xla_blocks > 0 and calls == {}, (spy, calls)
+
+
+# ---------------------------------------------------------------------------
+# Natural-order inputs on two GPUs: the ring's two-device schedule
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
+def test_natural_inputs_on_two_gpus_run_the_two_device_schedule(kv_heads):
+  """The default ``ContextParallel()`` on natural-order bf16 arrays over
+  two GPUs, causal: the ring's two-device
+  schedule (no permutation of the inputs: at most 5 permutes a forward,
+  no all-gather) with cuDNN in every block, output and gradients against the
+  float64 reference."""
+  if GPUS < 2:
+    pytest.skip(f"needs 2 NVIDIA GPUs; found {GPUS}")
+  s, n, h = 2 * 1000, 8, 128
+  q, k, v, do = (x.astype(jnp.bfloat16) for x in ref.random_qkv(
+      11, 1, s, s, n, kv_heads, h))
+  mesh = Mesh(np.array(jax.devices()[:2]), ("cp",))
+  f = lambda q, k, v: jax_ring.dot_product_attention(
+      q, k, v, is_causal=True,
+      context_parallel=jax_ring.ContextParallel(axis="cp"))
+  go = jax.jit(lambda q, k, v, do: (lambda o, vjp: (o, vjp(do)))(
+      *jax.vjp(f, q, k, v)))
+  with jax.set_mesh(mesh), backend_spy() as spy:
+    out, grads = go(q, k, v, do)
+    forward = jax.jit(f).lower(q, k, v).compile().as_text()
+  assert spy.xla_blocks == 0 and not spy.cudnn_fallbacks, spy
+  # The dual-chunk permutation would add 8 permutes and the ring's K/V
+  # all-gather; XLA may combine the schedule's 5.
+  assert 1 <= len(re.findall(r"collective-permute(?:-start)?\(", forward)) <= 5
+  assert "all-gather" not in forward
+  assert any(t.startswith("jax_ring_sdpa_fwd") for t in ffi_calls(forward))
+  want, _, g = ref.attention(q, k, v, ref.Case(h**-0.5, is_causal=True),
+                             dout=do)
+  for name, got, exp in zip(("out", "dq", "dk", "dv"), (out,) + grads,
+                            (want, g["q"], g["k"], g["v"])):
+    ref.assert_close(got, exp, jnp.bfloat16, name)
