@@ -648,10 +648,9 @@ def test_odd_length_harness_on_cpu():
 @pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
 def test_natural_inputs_on_two_gpus_run_the_two_device_schedule(kv_heads):
   """The default ``ContextParallel()`` on natural-order bf16 arrays over
-  two GPUs, causal: the ring's two-device
-  schedule (no permutation of the inputs: at most 5 permutes a forward,
-  no all-gather) with cuDNN in every block, output and gradients against the
-  float64 reference."""
+  two GPUs, causal: the ring's two-device schedule (no permutation of the
+  inputs: at most 5 permutes a forward, no all-gather) with cuDNN in every
+  block, output and gradients against the float64 reference."""
   if GPUS < 2:
     pytest.skip(f"needs 2 NVIDIA GPUs; found {GPUS}")
   s, n, h = 2 * 1000, 8, 128
