@@ -26,7 +26,14 @@ nocc      the default less CUSTOM_CALL: the cuDNN calls, and each cond
           around them, run outside graphs (a host round trip per cond)
 static    the branches chosen at trace time (r a Python int): no cond, the
           floor for this schedule
+pair      ``--cp 2`` only: device r's share of the two-device schedule on
+          contiguous shards (``ring/pair.py``), r static; what it receives
+          is an input (the other device's arrays, computed beforehand)
 ========  =================================================================
+
+``pair``'s row checks the forward against the single-GPU rows of the
+contiguous shard; its backward runs on stand-in received arrays (the
+device's own, of the same shapes), so only its time is recorded.
 
 Efficiency = theoretic / time, theoretic = the single-GPU call over the
 full sequence / cp (ring-flash-attention's convention, as in
@@ -46,13 +53,16 @@ import numpy as np
 
 import jax_ring
 from jax_ring._src.strategies import base, layout
-from jax_ring._src.strategies.ring import blocks, schedule
+from jax_ring._src.core import kernel
+from jax_ring._src.core.mask import BlockMask
+from jax_ring._src.strategies.ring import blocks, pair, schedule
 from jax_ring._src.core.config import AttentionConfig, ShardPlan
 from jax_ring._src.core.mask import TokenMask
 from common import (jit_variant, random_qkv, rel_err, shape_args,
                     time_fn, write)
 
 VARIANTS = ("graphs", "nocc", "static")
+PAIR = "pair"
 
 
 def _steps(kvs, r, cp, tm):
@@ -130,6 +140,49 @@ def _fns(variant, cp, cfg, rank):
   return jit_variant(fwd, tag), jit_variant(fwd_bwd, tag)
 
 
+def _mailbox(received):
+  """``send`` for ``pair.device_*``: the received arrays, in call order."""
+  it = iter(received)
+  return lambda x, to_first: next(it)
+
+
+def pair_fns(cfg, rank):
+  """(forward, forward+backward) of device ``rank``'s share of the
+  two-device schedule, jitted; ``received``: what its sends bring, in
+  order (forward: the late q, the K/V, the cross result; backward: the
+  late (q, out, lse, dout), the K/V, the dq part, the dK/dV part)."""
+  first = rank == 0
+
+  def fwd(q, k, v, received):
+    return pair.device_forward(q, k, v, cfg, first, _mailbox(received))
+
+  def fwd_bwd(q, k, v, dout, received, received_bwd):
+    out, lse = fwd(q, k, v, received)
+    return pair.device_backward(q, k, v, out, lse, dout, cfg, first,
+                                _mailbox(received_bwd))
+
+  return jax.jit(fwd), jax.jit(fwd_bwd)
+
+
+def pair_inputs(q, k, v, dout, rank, cfg):
+  """Device ``rank``'s contiguous shards, what its forward receives (the
+  other device's late q and K/V, and device 0's cross result), and
+  stand-ins of the backward's transfers (its own arrays' shapes)."""
+  halves = lambda x: jnp.split(x, 2, 1)
+  (q0, q1), (k0, k1), (v0, v1), (d0, d1) = map(halves, (q, k, v, dout))
+  c = q0.shape[1] // 2
+  cross = cfg.replace(is_causal=False)
+  part0 = kernel.forward(q1[:, c:], k0, v0, None, BlockMask(), cross)
+  mine = ((q0, k0, v0, d0), (q1, k1, v1, d1))[rank]
+  other = ((q0, k0, v0), (q1, k1, v1))[1 - rank]
+  received = (other[0][:, c:], other[1:], part0)
+  qm, km, vm, dm = mine
+  lse = jnp.zeros(qm.shape[:3], jnp.float32)
+  stand_in = ((qm[:, c:], qm[:, c:], lse[:, c:], dm[:, c:]), (km, vm),
+              qm[:, :c], (km, vm))
+  return mine, received, stand_in
+
+
 def profile(name, fn, args, out_dir, calls=3) -> dict:
   """profile_ring's kernel-time columns (per call) of ``calls`` calls of
   ``fn``, prefixed with ``name``; its optimized HLO and GPU 0's kernel
@@ -160,7 +213,7 @@ def main():
   p.add_argument("--cp", type=int, default=4)
   p.add_argument("--rank", type=int, default=1)
   p.add_argument("--variants", nargs="+", default=list(VARIANTS),
-                 choices=VARIANTS)
+                 choices=VARIANTS + (PAIR,))
   p.add_argument("--implementation", default="cudnn")
   p.add_argument("--profile", default=None, metavar="DIR",
                  help="also profile each variant at the first shape: "
@@ -188,7 +241,21 @@ def main():
       qr, kvs, dr = device_inputs(q, k, v, do, a.cp, a.rank)
       r = jnp.int32(a.rank)
       got = {}
-      for variant in a.variants:
+      if PAIR in a.variants:
+        if a.cp != 2:
+          p.error("--variants pair needs --cp 2")
+        (qm, km, vm, dm), received, stand_in = pair_inputs(
+            q, k, v, do, a.rank, cfg)
+        f, fb = pair_fns(cfg, a.rank)
+        out = f(qm, km, vm, received)[0]
+        tf = time_fn(f, qm, km, vm, received)
+        tfb = time_fn(fb, qm, km, vm, dm, received, stand_in)
+        want_rows = np.split(np.asarray(f1(q, k, v)), 2, 1)[a.rank]
+        row.update({f"{PAIR}_fwd_ms": tf * 1e3, f"{PAIR}_fwdbwd_ms": tfb * 1e3,
+                    f"{PAIR}_fwd_eff": t1 / a.cp / tf,
+                    f"{PAIR}_fwdbwd_eff": tb1 / a.cp / tfb,
+                    f"{PAIR}_max_rel_err": rel_err(out, want_rows)})
+      for variant in (v for v in a.variants if v != PAIR):
         f, fb = _fns(variant, a.cp, cfg, a.rank)
         out = f(qr, kvs, r)[0]
         dq = fb(qr, kvs, r, dr)[0]

@@ -76,22 +76,44 @@ def _cfgs(cfg: AttentionConfig):
   return cfg, cfg.replace(is_causal=False)  # own blocks, the cross block
 
 
+def _sends(plan: ShardPlan):
+  """``send(x, to_first)``: the other device's ``x``, sent to device 0
+  (``to_first``) or to device 1; the device it is not sent to gets
+  zeros."""
+  return lambda x, to_first: lax.ppermute(
+      x, plan.axis_name, _TO_FIRST if to_first else _TO_SECOND)
+
+
+def _branch(first, on_first, on_second, *args):
+  """``on_first(*args)`` on device 0, else ``on_second(*args)``: a
+  ``lax.cond``, or the one branch for a Python bool."""
+  if isinstance(first, bool):
+    return (on_first if first else on_second)(*args)
+  return lax.cond(first, on_first, on_second, *args)
+
+
 def forward(q, k, v, cfg: AttentionConfig, plan: ShardPlan):
   """(out in q's dtype, lse f32) of this device's T rows."""
-  ax, c = plan.axis_name, q.shape[1] // 2
+  return device_forward(q, k, v, cfg, lax.axis_index(plan.axis_name) == 0,
+                        _sends(plan))
+
+
+def device_forward(q, k, v, cfg: AttentionConfig, first, send):
+  """:func:`forward` of device 0 (``first``: traced, or a Python bool)
+  or 1, its transfers made by ``send`` (:func:`_sends`)."""
+  c = q.shape[1] // 2
   own, cross = _cfgs(cfg)
-  first = lax.axis_index(ax) == 0
-  got_q = lax.ppermute(q[:, c:], ax, _TO_FIRST)
-  got_kv = lax.ppermute((k, v), ax, _TO_SECOND)
+  got_q = send(q[:, c:], True)
+  got_kv = send((k, v), False)
   late = kernel.forward(q[:, c:], k, v, None, BlockMask(q_offset=c), own)
-  part = lax.cond(
+  part = _branch(
       first,
       lambda got_q, got_kv: kernel.forward(got_q, k, v, None, BlockMask(),
                                            cross),
       lambda got_q, got_kv: kernel.forward(q[:, :c], *got_kv, None,
                                            BlockMask(), cross),
       got_q, got_kv)
-  back = lax.ppermute(part, ax, _TO_SECOND)
+  back = send(part, False)
   early = kernel.forward(q[:, :c], k[:, :c], v[:, :c], None, BlockMask(),
                          own)
   f32 = lambda x: tuple(a.astype(jnp.float32) for a in x)
@@ -106,13 +128,19 @@ def forward(q, k, v, cfg: AttentionConfig, plan: ShardPlan):
 def backward(q, k, v, out, lse, dout, cfg: AttentionConfig,
              plan: ShardPlan):
   """(dq, dk, dv) of this device's shards, given the global out and lse."""
-  ax, c = plan.axis_name, q.shape[1] // 2
+  return device_backward(q, k, v, out, lse, dout, cfg,
+                         lax.axis_index(plan.axis_name) == 0, _sends(plan))
+
+
+def device_backward(q, k, v, out, lse, dout, cfg: AttentionConfig, first,
+                    send):
+  """:func:`backward` of device 0 or 1, as :func:`device_forward`."""
+  c = q.shape[1] // 2
   own, cross = _cfgs(cfg)
-  first = lax.axis_index(ax) == 0
   early = lambda x: x[:, :c]
   late = lambda x: x[:, c:]
-  got = lax.ppermute(tuple(map(late, (q, out, lse, dout))), ax, _TO_FIRST)
-  got_kv = lax.ppermute((k, v), ax, _TO_SECOND)
+  got = send(tuple(map(late, (q, out, lse, dout))), True)
+  got_kv = send((k, v), False)
   dq_l, dk_l, dv_l, _ = kernel.backward(
       late(q), k, v, None, BlockMask(q_offset=c), late(out), late(lse),
       late(dout), None, own)
@@ -126,9 +154,9 @@ def backward(q, k, v, out, lse, dout, cfg: AttentionConfig,
     return kernel.backward(early(q), *got_kv, None, BlockMask(), early(out),
                            early(lse), early(dout), None, cross)[:3]
 
-  dq_x, dk_x, dv_x = lax.cond(first, theirs, mine, got, got_kv)
-  dq_back = lax.ppermute(dq_x, ax, _TO_SECOND)
-  dk_back, dv_back = lax.ppermute((dk_x, dv_x), ax, _TO_FIRST)
+  dq_x, dk_x, dv_x = _branch(first, theirs, mine, got, got_kv)
+  dq_back = send(dq_x, False)
+  dk_back, dv_back = send((dk_x, dv_x), True)
   dq_e, dk_e, dv_e, _ = kernel.backward(
       early(q), k[:, :c], v[:, :c], None, BlockMask(), early(out),
       early(lse), early(dout), None, own)
