@@ -9,28 +9,27 @@ their gradients) on natural-order inputs. Here the cross block (device 1's
 queries against device 0's keys, T x T) is split by query rows: device 1
 computes its early rows against device 0's K/V, device 0 computes device
 1's late rows against its own K/V. Each device then does 2 T^2 of the
-4 T^2 (causal halves counted), as under dual-chunk, and moves one K/V
-shard and two query-sized chunks, each issued before compute it does not
-feed:
+4 T^2 (causal halves counted), as under dual-chunk, in two cuDNN calls,
+and moves one K/V shard and two query-sized chunks:
 
 ====  ==========================================  ===========================
-step  compute (rows x keys, mask)                 beside it
+step  compute (rows x keys, mask)                 sends
 ====  ==========================================  ===========================
-1     own late rows x own keys (C x T, causal)    device 1's late q -> 0;
-                                                  device 0's K/V -> 1
-2     cross: device 0: the received rows x own    -
-      K/V; device 1: own early rows x received
+1     own rows x own keys (T x T, causal)         before it: device 1's late
+                                                  q -> 0, device 0's K/V -> 1
+2     cross: device 0: the received rows x own    after it: device 0's
+      K/V; device 1: own early rows x received    result (out, lse) -> 1
       K/V (C x T, no mask)
-3     own early rows x own early keys             device 0's step 2 result
-      (C x C, causal)                             (out, lse) -> 1
 ====  ==========================================  ===========================
 
 Device 1 merges its rows' parts (``base.merge``, float32); device 0's rows
-are complete after steps 1 and 3. The backward runs the same three steps
-on the global ``out``/``lse``: step 1 also sends device 1's late ``out``,
-``lse`` and ``dout``; step 3 sends device 0's dq part of those rows to
-device 1 and device 1's dK/dV part of device 0's keys to device 0, in the
-kernel's dtype (the ring's gathered-K/V rule), summed in float32.
+are its own block's. The backward runs the same two blocks on the global
+``out``/``lse``: step 1 also sends device 1's late ``out``, ``lse`` and
+``dout``; after step 2 device 0's dq part of those rows goes to device 1
+and device 1's dK/dV part of device 0's keys to device 0, in the kernel's
+dtype (the ring's gathered-K/V rule), summed in float32. (An own block
+split in two, to hide the last sends behind its early rows, measured
+slower: docs/decisions.md.)
 
 Serves (:func:`applies`): two devices, contiguous shards, causal, no
 window, no segment ids or padding lengths, T even, not a hybrid's ring.
@@ -105,7 +104,7 @@ def device_forward(q, k, v, cfg: AttentionConfig, first, send):
   own, cross = _cfgs(cfg)
   got_q = send(q[:, c:], True)
   got_kv = send((k, v), False)
-  late = kernel.forward(q[:, c:], k, v, None, BlockMask(q_offset=c), own)
+  mine = kernel.forward(q, k, v, None, BlockMask(), own)
   part = _branch(
       first,
       lambda got_q, got_kv: kernel.forward(got_q, k, v, None, BlockMask(),
@@ -114,14 +113,12 @@ def device_forward(q, k, v, cfg: AttentionConfig, first, send):
                                            BlockMask(), cross),
       got_q, got_kv)
   back = send(part, False)
-  early = kernel.forward(q[:, :c], k[:, :c], v[:, :c], None, BlockMask(),
-                         own)
-  f32 = lambda x: tuple(a.astype(jnp.float32) for a in x)
-  pick = lambda alone, merged: tuple(
-      jnp.where(first, a, b) for a, b in zip(f32(alone), merged))
-  early = pick(early, base.merge(*f32(early), *part))
-  late = pick(late, base.merge(*f32(late), *back))
-  out, lse = (jnp.concatenate(x, 1) for x in zip(early, late))
+  # Device 1's rows: the early ones meet its cross result, the late ones
+  # device 0's; device 0's rows are its own block's.
+  other = tuple(jnp.concatenate(x, 1) for x in zip(part, back))
+  merged = base.merge(*(x.astype(jnp.float32) for x in mine), *other)
+  out, lse = (jnp.where(first, a.astype(jnp.float32), b)
+              for a, b in zip(mine, merged))
   return out.astype(q.dtype), lse
 
 
@@ -141,9 +138,8 @@ def device_backward(q, k, v, out, lse, dout, cfg: AttentionConfig, first,
   late = lambda x: x[:, c:]
   got = send(tuple(map(late, (q, out, lse, dout))), True)
   got_kv = send((k, v), False)
-  dq_l, dk_l, dv_l, _ = kernel.backward(
-      late(q), k, v, None, BlockMask(q_offset=c), late(out), late(lse),
-      late(dout), None, own)
+  dq, dk, dv, _ = kernel.backward(q, k, v, None, BlockMask(), out, lse, dout,
+                                  None, own)
 
   def theirs(got, got_kv):  # device 0: device 1's late rows, own K/V
     gq, go, gl, gdo = got
@@ -157,18 +153,9 @@ def device_backward(q, k, v, out, lse, dout, cfg: AttentionConfig, first,
   dq_x, dk_x, dv_x = _branch(first, theirs, mine, got, got_kv)
   dq_back = send(dq_x, False)
   dk_back, dv_back = send((dk_x, dv_x), True)
-  dq_e, dk_e, dv_e, _ = kernel.backward(
-      early(q), k[:, :c], v[:, :c], None, BlockMask(), early(out),
-      early(lse), early(dout), None, own)
   f32 = lambda x: x.astype(jnp.float32)
-  dq = jnp.concatenate([
-      jnp.where(first, f32(dq_e), f32(dq_e) + f32(dq_x)),
-      jnp.where(first, f32(dq_l), f32(dq_l) + f32(dq_back))], 1)
-
-  def dkv(d_l, d_e, d_x, d_back):
-    ours = jnp.where(first, f32(d_x) + f32(d_back), 0.0) + f32(d_l)
-    rows = lax.slice_in_dim(ours, 0, c, axis=1) + f32(d_e)
-    return lax.dynamic_update_slice_in_dim(ours, rows, 0, 1)
-
-  return (dq.astype(q.dtype), dkv(dk_l, dk_e, dk_x, dk_back).astype(k.dtype),
-          dkv(dv_l, dv_e, dv_x, dv_back).astype(v.dtype))
+  dq = f32(dq) + jnp.where(
+      first, 0.0, jnp.concatenate([f32(dq_x), f32(dq_back)], 1))
+  dk, dv = (f32(d) + jnp.where(first, f32(x) + f32(b), 0.0)
+            for d, x, b in ((dk, dk_x, dk_back), (dv, dv_x, dv_back)))
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
