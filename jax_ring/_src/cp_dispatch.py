@@ -1,6 +1,7 @@
 """``dot_product_attention`` with ``context_parallel``: global arrays on a
 mesh, padded to lengths the layout divides (``padding``), permuted from
-natural order into the load-balance layout (``ContextParallel.inputs``),
+natural order into the load-balance layout (``ContextParallel.inputs``;
+not where ``strategies.natural`` keeps the order: contiguous shards),
 placed on the context axes and bound to ``partition.attention`` in one
 jitted program, whose partition rules pick each pass's strategy; the
 output comes back in the inputs' order, T rows."""
