@@ -52,12 +52,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_ring
-from jax_ring._src.strategies import base, layout
 from jax_ring._src.core import kernel
-from jax_ring._src.core.mask import BlockMask
-from jax_ring._src.strategies.ring import blocks, pair, schedule
 from jax_ring._src.core.config import AttentionConfig, ShardPlan
-from jax_ring._src.core.mask import TokenMask
+from jax_ring._src.core.mask import BlockMask, TokenMask
+from jax_ring._src.strategies import base, layout
+from jax_ring._src.strategies.ring import blocks, pair, schedule
 from common import (jit_variant, random_qkv, rel_err, shape_args,
                     time_fn, write)
 
