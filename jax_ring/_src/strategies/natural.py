@@ -2,10 +2,10 @@
 ``inputs="natural"`` arrays runs on contiguous shards as they are, instead
 of permuting them into its ``load_balance`` layout and the output back.
 
-* No causal mask (any window, ids or lengths): every query's keys do not
-  depend on its position's half of the sequence, so contiguous shards
-  already balance the work (the packed ring's reach test even prefers
-  them); the layout would only cost its permutation.
+* No causal mask (any window, ids or lengths): a query's work does not
+  grow with its position, so contiguous shards already balance it (the
+  packed ring's reach test even prefers them); the layout would only cost
+  its permutation.
 * The ring over two devices, causal, no window, ids or lengths: its
   two-device schedule balances contiguous shards (``ring.pair``).
 

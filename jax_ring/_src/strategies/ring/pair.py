@@ -72,7 +72,7 @@ def serves(cpc: ContextParallel, cp_size: int, window, masked: bool) -> bool:
 
 
 def _cfgs(cfg: AttentionConfig):
-  return cfg, cfg.replace(is_causal=False)  # own blocks, the cross block
+  return cfg, cfg.replace(is_causal=False)  # the own block, the cross one
 
 
 def _sends(plan: ShardPlan):
