@@ -335,7 +335,7 @@ def main():
                  example_args=a.example_args,
                  profile=kept.get("profile", []) + profiles,
                  commands=kept.get("commands", []) + [shlex.join(sys.argv)])
-    if len(longest_rows) == 2 and longest_rows[0]["longest_seq"]:
+    if len(longest_rows) == 2 and all(r["longest_seq"] for r in longest_rows):
       extra["longest_ratio"] = (longest_rows[1]["longest_seq"] /
                                 longest_rows[0]["longest_seq"])
     write("lm_training", kept.get("rows", []) + rows,

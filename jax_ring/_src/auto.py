@@ -16,7 +16,8 @@ its own strategy. Per device, for one layer:
 * overlap: the ring's time is its own step's compute, then cp - 1 steps
   of ``max(compute, comm)`` each, plus ``STEP_US`` per step (launches,
   predicates, merges); the all-gather and Ulysses add their communication
-  to their compute;
+  to their compute; on two devices ``COLLECTIVE_GBS_2`` and ``STEP_US_2``
+  replace those constants;
 * balance: the ring and the all-gather compute each device's own rows, so
   they wait for the most-loaded device: their compute is scaled by its
   work over the mean (:func:`_imbalance`: (2 cp - 1) / cp on contiguous
@@ -59,6 +60,10 @@ BWD_TFLOPS, BWD_L_HALF = 540.0, 1250.0
 P2P_GBS = 100.0
 COLLECTIVE_GBS = 400.0
 STEP_US = 250.0
+# Two devices, each with one peer: NCCL's all-gather and all-to-all moved
+# about 150 GB/s there, and the ring's two steps (``ring.pair``, or the
+# dual-chunk ring's own step and one other) cost about 100 us each.
+COLLECTIVE_GBS_2, STEP_US_2 = 150.0, 100.0
 PASSES = ("forward", "backward")
 
 
@@ -173,21 +178,23 @@ def _pass_ms(backward, *, batch, seq, heads, kv_heads, head_dim, cp, share,
   gathered = _kv_bytes(batch, seq, kv_heads, head_dim, value_head_dim,
                        dtype_bytes)
   frac = (cp - 1) / cp
+  coll_gbs, step_us = ((COLLECTIVE_GBS_2, STEP_US_2) if cp == 2 else
+                       (COLLECTIVE_GBS, STEP_US))
   compute = imbalance * flops / (_tflops(seq / cp, backward) * 1e12)
   ring = compute * ring_imbalance / imbalance
   per_step = max(ring / cp, sends * gathered / cp / (P2P_GBS * 1e9))
   times = {} if cross else {"ring": (ring / cp + (cp - 1) * per_step +
-                                    cp * STEP_US * 1e-6)}
+                                    cp * step_us * 1e-6)}
   # All-gather computes contiguous ranges.
   if load_balance != "striped" and not cross and not packed:
     times["all_gather"] = compute + frac * sends * gathered / (
-        COLLECTIVE_GBS * 1e9)
+        coll_gbs * 1e9)
   if heads % cp == 0:
     # q and out (and dout, dq), then k and v (and dk, dv): H + Hv each.
     elements = (heads + max(kv_heads, cp)) * dims * (2 if backward else 1)
     a2a = frac / cp * batch * seq * dtype_bytes * elements
     times["ulysses"] = (flops / (_tflops(seq, backward) * 1e12) +
-                        a2a / (COLLECTIVE_GBS * 1e9))
+                        a2a / (coll_gbs * 1e9))
   return {k: v * 1e3 for k, v in times.items()}
 
 
