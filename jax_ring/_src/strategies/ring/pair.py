@@ -108,9 +108,7 @@ def device_forward(q, k, v, cfg: AttentionConfig, first, send):
   got_q = send(q[:, c:], True)
   got_kv = send((k, v), False)
   mine = kernel.forward(q, k, v, None, BlockMask(), own)
-  # The sends complete with the own block, so they run beside it (XLA's
-  # scheduler otherwise put them in front of it: docs/performance.md).
-  got_q, got_kv, mine = lax.optimization_barrier((got_q, got_kv, mine))
+  (got_q, got_kv), mine = base.beside((got_q, got_kv), mine)
   part = kernel.forward(_pick(first, got_q, q[:, :c]),
                         *_pick(first, (k, v), got_kv), None, BlockMask(),
                         cross)

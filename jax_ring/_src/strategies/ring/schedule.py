@@ -70,14 +70,11 @@ def _kinds(plan: ShardPlan, causal: bool):
 # --- the loop ---------------------------------------------------------------
 
 def _hidden(hide, transfer, carry):
-  """``(transfer, carry)``, through an optimization barrier if ``hide``:
-  the first step's compute then completes with the first K/V transfer,
-  which XLA's scheduler otherwise may leave exposed in front of it (it
-  did in the forward on two H200s: docs/performance.md). The backward
-  passes ``hide=False``: there the scheduler hides its last sends behind
-  the own step, and the barrier measured slower."""
-  return lax.optimization_barrier((transfer, carry)) if hide else (transfer,
-                                                                    carry)
+  """``(transfer, carry)``, through :func:`base.beside` if ``hide``: the
+  forwards pass ``hide=True``, so the first K/V transfer runs beside the
+  first step's compute. The backward does not: there the scheduler hides
+  its last sends behind the own step, and the barrier measured slower."""
+  return base.beside(transfer, carry) if hide else (transfer, carry)
 
 
 def _ring_loop(plan, first, later, kv, carry, hide=False):
