@@ -25,16 +25,12 @@ its own strategy. Per device, for one layer:
   Ulysses computes every row for some heads, so it is even in any layout.
 
 Ulysses is a candidate only when the local query heads divide by cp,
-all-gather only without the striped layout and without segment ids, and
-Ulysses alone for T != S. With segment ids each device's packed block
-under all-gather pairs its queries' documents with the gathered row's (a
-block of T by S), which the measurements put behind the others
-(docs/design.md, "The automatic strategy"). The smallest modelled time
-wins each pass; ties keep the order ring, all_gather, ulysses. A pair of
-axes means ``hybrid``. :func:`explain` also states every default the call
-would apply (layout, loop form, K/V sends, the backward's K/V source, the
-all-gather's head groups, the block backend), so nothing the library
-chooses is hidden.
+all-gather only without the striped layout and without segment ids (its
+packed block pairs a device's documents with the whole row's), and
+Ulysses alone for T != S. The smallest modelled time wins each pass; ties
+keep the order ring, all_gather, ulysses. A pair of axes means
+``hybrid``. :func:`explain` also states every default the call applies,
+so nothing the library chooses is hidden.
 
 The formulas: docs/design.md, "The automatic strategy"; how the constants
 were fit and where the picks miss: docs/decisions.md, "The automatic path".
@@ -54,15 +50,11 @@ from jax_ring._src.strategies.ring import reach
 
 # The model's constants: kernel throughput (TFLOP/s as a function of the
 # call length L), link bandwidths (GB/s) and the ring's per-step overhead
-# (microseconds); how they were fit: docs/decisions.md, "The automatic path".
+# (microseconds), the last two also for two devices (one peer each); how
+# they were fit: docs/decisions.md, "The automatic path", "auto on two".
 FWD_TFLOPS, FWD_L_HALF, FWD_L_SLOW = 610.0, 750.0, 1.5e6
 BWD_TFLOPS, BWD_L_HALF = 540.0, 1250.0
-P2P_GBS = 100.0
-COLLECTIVE_GBS = 400.0
-STEP_US = 250.0
-# Two devices, each with one peer: NCCL's all-gather and all-to-all moved
-# about 150 GB/s there, and the ring's two steps (``ring.pair``, or the
-# dual-chunk ring's own step and one other) cost about 100 us each.
+P2P_GBS, COLLECTIVE_GBS, STEP_US = 100.0, 400.0, 250.0
 COLLECTIVE_GBS_2, STEP_US_2 = 150.0, 100.0
 PASSES = ("forward", "backward")
 
