@@ -214,6 +214,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  default=None, help="what the backward recomputes: nothing, "
                  "each block, or each block but its attention (default: "
                  "attention on GPUs, none on CPUs; see DecoderConfig.remat)")
+  p.add_argument("--remat-skip", type=int, default=0, metavar="N",
+                 help="the last N blocks keep their activations (no remat): "
+                 "memory left free at this length spent on less recompute "
+                 "(DecoderConfig.remat_skip)")
   p.add_argument("--vocab-chunk", type=run_dir.POSITIVE, default=None,
                  help="the loss takes the vocabulary this many entries at a "
                  "time, so the float32 logits are never whole (default: "
@@ -409,7 +413,7 @@ def build(args, model_dir, shape: dict[str, int]):
       param_rules=jrf.fsdp_rules(rules, fsdp) if fsdp else None,
       remat={"none": False, "block": True, "attention": "attention"}[
           args.remat or ("attention" if gpu else "none")],
-      scan_layers=args.scan_layers)
+      remat_skip=args.remat_skip, scan_layers=args.scan_layers)
   trainable = None
   if args.lora:
     with jax.set_mesh(mesh):

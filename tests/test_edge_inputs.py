@@ -118,3 +118,15 @@ def test_saving_to_an_integer_dtype_is_refused(tmp_path):
   with pytest.raises(ValueError, match="dtype must be a float dtype"):
     models.save_pretrained(model, tmp_path / "int8", dtype=np.int8)
   assert not (tmp_path / "int8").exists()
+
+
+@pytest.mark.parametrize("skip, match", [
+    (3, r"remat_skip must be an int in \[0, num_layers=2\]; got 3"),
+    (-1, r"remat_skip must be an int"), (True, r"remat_skip must be an int"),
+    (1, r"remat_skip=1 needs remat")])
+def test_remat_skip_is_checked_when_made(skip, match):
+  cfg = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2,
+             num_heads=2, num_kv_heads=1, head_dim=4)
+  with pytest.raises(ValueError, match=match):
+    models.DecoderConfig(**cfg, remat_skip=skip)
+  assert models.DecoderConfig(**cfg, remat=True, remat_skip=2).remat_skip == 2

@@ -471,25 +471,29 @@ def test_scanned_layers_run_whole_groups_as_one_scan(sliding, layers):
 
 
 def test_remat_modes_give_the_same_loss_and_gradients(checkpoints):
-  """remat=True (whole blocks) and "attention" (blocks split around the
-  attention, whose forward runs once) change what is recomputed, not the
-  values. (Unrolled blocks, so that the program shows each layer's
-  attention calls.)"""
+  """remat=True (whole blocks; the last one kept whole by remat_skip=1) and
+  "attention" (blocks split around the attention, whose forward runs once)
+  change what is recomputed, not the values. (Unrolled blocks, so that the
+  program shows each layer's attention calls.)"""
   path, _ = checkpoints["qwen2"]
   tokens, ids, _ = packed_rows(5, 2, 24)
   batch = jax.tree.map(jnp.asarray, jrf.make_lm_batch(tokens, ids))
   results = {}
   for remat in (False, True, "attention"):
     model = models.load_pretrained(path, implementation="xla", remat=remat,
+                                   remat_skip=int(remat is True),
                                    scan_layers=False)
+    assert model.cfg.num_layers == 2
     gdef, params = nnx.split(model)
     grad = jax.jit(jax.value_and_grad(
         lambda p: models.lm_loss(nnx.merge(gdef, p), batch)))
     results[remat] = grad(params)
+    jaxpr = str(jax.make_jaxpr(grad)(params))
     if remat == "attention":  # one attention forward per layer, not two
-      jaxpr = str(jax.make_jaxpr(grad)(params))
       assert jaxpr.count("jax_ring_attention_fwd") == 2, jaxpr.count(
           "jax_ring_attention_fwd")
+    if remat is True:  # the first block recomputed, the skipped one not
+      assert jaxpr.count("remat2[") == 1, jaxpr.count("remat2[")
   for remat in (True, "attention"):
     np.testing.assert_allclose(results[remat][0], results[False][0],
                                rtol=1e-6)

@@ -30,6 +30,7 @@ import dataclasses
 from typing import Any, Literal
 
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ring._src.core.config import ContextParallel
 from jax_ring.flax.attention import (AttentionLayerConfig, RopeScaling,
@@ -132,6 +133,10 @@ class DecoderConfig:
       A policy on names cannot do the last: the attention is a custom-VJP
       call, whose residuals a ``jax.checkpoint`` policy does not see, so
       the block is split around it instead.
+    remat_skip: the last ``remat_skip`` blocks are not rematerialised
+      (every activation of theirs is kept), spending memory the others
+      leave free to save their recompute; needs ``remat``. They run
+      unrolled after any scanned groups.
     scan_layers: run the blocks as one ``lax.scan`` over groups of
       ``layer_period()`` layers (the blocks past the last whole group
       after it), so that the compiled program holds one group: it compiles,
@@ -176,12 +181,22 @@ class DecoderConfig:
   rules: tuple = ()
   param_rules: tuple | None = None
   remat: bool | Literal["attention"] = False
+  remat_skip: int = 0
   scan_layers: bool = True
 
   def __post_init__(self):
     if self.remat not in (False, True, "attention"):
       raise ValueError(f"remat must be False, True or 'attention'; got "
                        f"{self.remat!r}")
+    if (isinstance(self.remat_skip, bool) or
+        not isinstance(self.remat_skip, (int, np.integer)) or
+        not 0 <= self.remat_skip <= self.num_layers):
+      raise ValueError(f"remat_skip must be an int in [0, num_layers="
+                       f"{self.num_layers}]; got {self.remat_skip!r}")
+    if self.remat_skip and not self.remat:
+      raise ValueError(f"remat_skip={self.remat_skip} needs remat (True or "
+                       "'attention'); with remat=False no block is "
+                       "rematerialised")
     if self.hidden_act not in ACTIVATIONS:
       raise ValueError(f"hidden_act must be one of {ACTIVATIONS}; got "
                        f"{self.hidden_act!r}")

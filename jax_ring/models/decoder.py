@@ -42,6 +42,7 @@ Reading and writing Hugging Face checkpoints is in ``hf_checkpoint.py``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -193,13 +194,17 @@ class Decoder(nnx.Module):
     into, back, cp = _carried_layout(cfg.context_parallel, x.shape[1])
     x, positions = into(x), into(positions)
     segment_ids = _map_ids(into, segment_ids)
-    step = lambda block, x: _run_block(cfg.remat, block, x, positions,
-                                       segment_ids, cp)
-    blocks = list(self.layers)
+    step = lambda remat, block, x: _run_block(remat, block, x, positions,
+                                              segment_ids, cp)
+    split = len(self.layers) - cfg.remat_skip
+    blocks = list(self.layers)[:split]
     if cfg.scan_layers:
-      x, blocks = _scan_blocks(blocks, cfg.layer_period(), step, x)
+      x, blocks = _scan_blocks(blocks, cfg.layer_period(),
+                               functools.partial(step, cfg.remat), x)
     for block in blocks:
-      x = step(block, x)
+      x = step(cfg.remat, block, x)
+    for block in list(self.layers)[split:]:  # remat_skip: kept whole
+      x = step(False, block, x)
     return back(self.final_norm(x))
 
   def output_weights(self):
