@@ -141,8 +141,8 @@ def device_backward(q, k, v, out, lse, dout, cfg: AttentionConfig, first,
                                   None, own)
 
   # Device 0: device 1's late rows, own K/V; device 1: own early rows,
-  # device 0's K/V. No barrier here: the scheduler hides the last sends
-  # (dK/dV, the larger) behind the own block, and one measured slower.
+  # device 0's K/V. The sends keep XLA's order, as in the ring's backward
+  # (where a barrier measured slower; not tried here).
   gq, go, gl, gdo = _pick(first, got, tuple(map(early, (q, out, lse, dout))))
   dq_x, dk_x, dv_x = kernel.backward(gq, *_pick(first, (k, v), got_kv), None,
                                      BlockMask(), go, gl, gdo, None,

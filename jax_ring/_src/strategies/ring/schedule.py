@@ -72,8 +72,8 @@ def _kinds(plan: ShardPlan, causal: bool):
 def _hidden(hide, transfer, carry):
   """``(transfer, carry)``, through :func:`base.beside` if ``hide``: the
   forwards pass ``hide=True``, so the first K/V transfer runs beside the
-  first step's compute. The backward does not: there the scheduler hides
-  its last sends behind the own step, and the barrier measured slower."""
+  first step's compute. The backward does not: there the barrier measured
+  slower."""
   return base.beside(transfer, carry) if hide else (transfer, carry)
 
 
