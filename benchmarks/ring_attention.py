@@ -10,10 +10,7 @@ public API under ``jax.jit`` (``dot_product_attention`` with a
 ``ulysses`` and ``auto`` on arrays already in the dual-chunk layout
 (``inputs="load_balanced"``), and ``<name>_natural`` with the default
 ``inputs="natural"`` on natural-order arrays (``ring_natural`` is
-``ContextParallel()`` itself); ``ring_unhidden`` and
-``ring_natural_unhidden`` trace the ring with ``strategies.base.beside``
-(the forward's barrier that runs the first K/V transfer beside the own
-step) left out, for an A/B in one process. ``--loops`` adds ``ring_attention`` inside
+``ContextParallel()`` itself). ``--loops`` adds ``ring_attention`` inside
 ``shard_map`` on laid-out arrays: ``unrolled`` and ``scan`` with
 ``--kv-sends``, by default jax_ring's; ``neighbour`` and ``gather`` =
 unrolled with that ``kv_sends``; a suffix ``@nocc`` or ``@while`` compiles
@@ -31,9 +28,7 @@ benchmarks/results/ring_attention_<count>x<gpu>.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-from unittest import mock
 
 os.environ.setdefault("XLA_FLAGS",
                       "--xla_gpu_enable_latency_hiding_scheduler=true")
@@ -43,7 +38,6 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_ring  # noqa: E402
-from jax_ring._src.strategies import base as strategy_base  # noqa: E402
 from common import (GRAPHS, jit_variant, random_qkv,  # noqa: E402
                     rel_err, ring_args, ring_kwargs, shape_args, time_fn,
                     write)
@@ -66,14 +60,6 @@ def report(rows, a):
         mode=a.mode)
 
 
-def unhidden():
-  """A context in which programs compile with ``strategies.base.beside``
-  as the identity (the forward's first transfer and own step left to
-  XLA's order). The automatic path traces its partitioned program while
-  compiling, so the program is compiled inside it."""
-  return mock.patch.object(strategy_base, "beside", lambda t, c: (t, c))
-
-
 def main():
   p = argparse.ArgumentParser()
   shape_args(p, [16384, 32768, 65536, 131072, 262144])
@@ -83,8 +69,7 @@ def main():
                  help="load balance of the causal rows: dual_chunk or striped")
   forms = ["unrolled", "scan", "neighbour", "gather"]
   p.add_argument("--api", nargs="*", default=API, choices=API + [
-      f"{n}_natural" for n in CANDIDATES[1:]] + [
-      "ring_unhidden", "ring_natural_unhidden"],
+      f"{n}_natural" for n in CANDIDATES[1:]],
                  help="public-API variants under jit (see above)")
   p.add_argument("--loops", nargs="*", default=[],
                  choices=forms + [f"{f}@{g}" for f in forms for g in GRAPHS],
@@ -123,8 +108,7 @@ def main():
         natural = [jax.device_put(x, sharded) for x in (q, k, v, do)]
         variants = {}
         for name in a.api:
-          strategy, nat, _ = name.removesuffix("_unhidden").partition(
-              "_natural")
+          strategy, nat, _ = name.partition("_natural")
           cpc = jax_ring.ContextParallel(
               axis="cp", strategy=strategy, load_balance=lb,
               inputs="natural" if nat or not lb else "load_balanced",
@@ -133,9 +117,7 @@ def main():
               q, k, v, is_causal=causal, implementation=a.implementation,
               context_parallel=cpc)
           variants[name] = (fn, "", natural if nat else laid,
-                            (lambda x: x) if nat else un_,
-                            unhidden if name.endswith("_unhidden") else
-                            contextlib.nullcontext)
+                            (lambda x: x) if nat else un_)
         for loop in a.loops:
           form = loop.partition("@")[0]
           kw = dict(ring_kwargs(a), loop=form)
@@ -147,13 +129,12 @@ def main():
                   implementation=a.implementation, **kw),
               mesh=mesh, in_specs=(P(None, "cp"),) * 3,
               out_specs=P(None, "cp"))
-          variants[loop] = (ring, loop, laid, un_, contextlib.nullcontext)
+          variants[loop] = (ring, loop, laid, un_)
         errs = []
-        for name, (fn, variant, xs, back, context) in variants.items():
-          with context():
-            fr = jit_variant(fn, variant).lower(*xs[:3]).compile()
-            fbr = jit_variant(lambda q, k, v, do, fn=fn: jax.vjp(
-                fn, q, k, v)[1](do), variant).lower(*xs).compile()
+        for name, (fn, variant, xs, back) in variants.items():
+          fr = jit_variant(fn, variant)
+          fbr = jit_variant(lambda q, k, v, do, fn=fn: jax.vjp(
+              fn, q, k, v)[1](do), variant)
           errs.append((rel_err(back(fr(*xs[:3])), want),
                        max(rel_err(back(g), w)
                            for g, w in zip(fbr(*xs), want_g))))

@@ -214,7 +214,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  default=None, help="what the backward recomputes: nothing, "
                  "each block, or each block but its attention (default: "
                  "attention on GPUs, none on CPUs; see DecoderConfig.remat)")
-  p.add_argument("--remat-skip", type=int, default=0, metavar="N",
+  p.add_argument("--remat-skip", type=run_dir.NON_NEGATIVE, default=0,
+                 metavar="N",
                  help="the last N blocks keep their activations (no remat): "
                  "memory left free at this length spent on less recompute "
                  "(DecoderConfig.remat_skip)")

@@ -130,3 +130,8 @@ def test_remat_skip_is_checked_when_made(skip, match):
   with pytest.raises(ValueError, match=match):
     models.DecoderConfig(**cfg, remat_skip=skip)
   assert models.DecoderConfig(**cfg, remat=True, remat_skip=2).remat_skip == 2
+  # The scan counts whole groups over the blocks remat_skip leaves.
+  seven = dict(cfg, num_layers=7, remat=True)
+  assert [models.DecoderConfig(**seven, remat_skip=k).scanned_groups()
+          for k in (0, 2, 5, 6)] == [7, 5, 2, 0]
+  assert models.DecoderConfig(**seven, scan_layers=False).scanned_groups() == 0

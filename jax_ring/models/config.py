@@ -136,7 +136,8 @@ class DecoderConfig:
     remat_skip: the last ``remat_skip`` blocks are not rematerialised
       (every activation of theirs is kept), spending memory the others
       leave free to save their recompute; needs ``remat``. They run
-      unrolled after any scanned groups.
+      unrolled after the scanned groups, which are counted over the other
+      blocks (``scanned_groups()``).
     scan_layers: run the blocks as one ``lax.scan`` over groups of
       ``layer_period()`` layers (the blocks past the last whole group
       after it), so that the compiled program holds one group: it compiles,
@@ -255,6 +256,13 @@ class DecoderConfig:
     return next(p for p in range(1, self.num_layers + 1)
                 if all(kinds[l] == kinds[l - p]
                        for l in range(p, self.num_layers)))
+
+  def scanned_groups(self) -> int:
+    """How many groups of ``layer_period()`` blocks the layer scan runs
+    (``scan_layers``): the whole groups among the first ``num_layers -
+    remat_skip`` blocks, or 0 where fewer than two (nothing is scanned)."""
+    groups = (self.num_layers - self.remat_skip) // self.layer_period()
+    return groups if self.scan_layers and groups >= 2 else 0
 
   def num_params(self) -> int:
     e, m, v = self.hidden_size, self.intermediate_size, self.vocab_size

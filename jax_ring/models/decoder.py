@@ -198,8 +198,9 @@ class Decoder(nnx.Module):
                                               segment_ids, cp)
     split = len(self.layers) - cfg.remat_skip
     blocks = list(self.layers)[:split]
-    if cfg.scan_layers:
+    if cfg.scanned_groups():
       x, blocks = _scan_blocks(blocks, cfg.layer_period(),
+                               cfg.scanned_groups(),
                                functools.partial(step, cfg.remat), x)
     for block in blocks:
       x = step(cfg.remat, block, x)
@@ -284,16 +285,12 @@ def _remat(fn, block: Block, *args):
   return out
 
 
-def _scan_blocks(blocks: list, period: int, step, x):
-  """``(x, the blocks left)``: ``step(block, x)`` over the first ``groups =
-  len(blocks) // period`` groups of ``period`` blocks as one ``lax.scan``
-  whose body runs one group, over the groups' weights stacked here, at each
-  call (a copy of those weights; their gradients unstack in the backward).
-  The blocks past the last whole group are left to the caller; fewer than
-  two groups scan nothing."""
-  groups = len(blocks) // period
-  if groups < 2:
-    return x, blocks
+def _scan_blocks(blocks: list, period: int, groups: int, step, x):
+  """``(x, the blocks left)``: ``step(block, x)`` over the first ``groups``
+  (``DecoderConfig.scanned_groups()``) groups of ``period`` blocks as one
+  ``lax.scan`` whose body runs one group, over the groups' weights stacked
+  here, at each call (a copy of those weights; their gradients unstack in
+  the backward). The blocks past the last group are left to the caller."""
   graphs, stacked = [], []
   for j in range(period):  # the j-th block of every group
     split = [nnx.split(blocks[g * period + j]) for g in range(groups)]

@@ -67,10 +67,7 @@ def _check_stackable(cfg, adapted: set, what: str) -> None:
   """A ValueError unless the (layer, module) pairs ``adapted`` are alike in
   the layers a scanned model stacks into one array (the j-th layer of each
   group of ``cfg.layer_period()``; see ``decoder._scan_blocks``)."""
-  period = cfg.layer_period()
-  groups = cfg.num_layers // period
-  if not cfg.scan_layers or groups < 2:
-    return
+  period, groups = cfg.layer_period(), cfg.scanned_groups()
   for j in range(period):
     stacked = [g * period + j for g in range(groups)]
     kinds = {frozenset(m for i, m in adapted if i == layer)

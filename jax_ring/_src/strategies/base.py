@@ -168,15 +168,6 @@ def differentiable(forward, backward):
   return f
 
 
-def beside(transfer, compute):
-  """``(transfer, compute)`` through one optimization barrier: both
-  complete there, so XLA's scheduler runs the transfer beside the compute.
-  (Left alone, it ran the ring forwards' first K/V transfer in front of
-  the own step, which does not need it: docs/performance.md, "Two
-  GPUs".)"""
-  return jax.lax.optimization_barrier((transfer, compute))
-
-
 def merge(out, lse, out_i, lse_i):
   """Merge two partial attentions over disjoint keys, in float32.
 

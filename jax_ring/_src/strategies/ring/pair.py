@@ -38,7 +38,6 @@ K and V move as the pair ``(k, v)``: nothing is stacked.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -84,14 +83,12 @@ def _sends(plan: ShardPlan):
       x, plan.axis_name, _TO_FIRST if to_first else _TO_SECOND)
 
 
-def _pick(first, on_first, on_second):
-  """``on_first`` on device 0, else ``on_second`` (pytrees of one
-  structure): a select, not a ``lax.cond`` (whose predicate XLA reads back
-  to the host, stalling the stream), or the one side for a Python bool."""
+def _branch(first, on_first, on_second, *args):
+  """``on_first(*args)`` on device 0, else ``on_second(*args)``: a
+  ``lax.cond``, or the one branch for a Python bool."""
   if isinstance(first, bool):
-    return on_first if first else on_second
-  return jax.tree.map(lambda a, b: jnp.where(first, a, b), on_first,
-                      on_second)
+    return (on_first if first else on_second)(*args)
+  return lax.cond(first, on_first, on_second, *args)
 
 
 def forward(q, k, v, cfg: AttentionConfig, plan: ShardPlan):
@@ -108,10 +105,13 @@ def device_forward(q, k, v, cfg: AttentionConfig, first, send):
   got_q = send(q[:, c:], True)
   got_kv = send((k, v), False)
   mine = kernel.forward(q, k, v, None, BlockMask(), own)
-  (got_q, got_kv), mine = base.beside((got_q, got_kv), mine)
-  part = kernel.forward(_pick(first, got_q, q[:, :c]),
-                        *_pick(first, (k, v), got_kv), None, BlockMask(),
-                        cross)
+  part = _branch(
+      first,
+      lambda got_q, got_kv: kernel.forward(got_q, k, v, None, BlockMask(),
+                                           cross),
+      lambda got_q, got_kv: kernel.forward(q[:, :c], *got_kv, None,
+                                           BlockMask(), cross),
+      got_q, got_kv)
   back = send(part, False)
   # Device 1's rows: the early ones meet its cross result, the late ones
   # device 0's; device 0's rows are its own block's.
@@ -135,18 +135,22 @@ def device_backward(q, k, v, out, lse, dout, cfg: AttentionConfig, first,
   c = q.shape[1] // 2
   own, cross = _cfgs(cfg)
   early = lambda x: x[:, :c]
-  got = send(tuple(map(lambda x: x[:, c:], (q, out, lse, dout))), True)
+  late = lambda x: x[:, c:]
+  got = send(tuple(map(late, (q, out, lse, dout))), True)
   got_kv = send((k, v), False)
   dq, dk, dv, _ = kernel.backward(q, k, v, None, BlockMask(), out, lse, dout,
                                   None, own)
 
-  # Device 0: device 1's late rows, own K/V; device 1: own early rows,
-  # device 0's K/V. The sends keep XLA's order, as in the ring's backward
-  # (where a barrier measured slower; not tried here).
-  gq, go, gl, gdo = _pick(first, got, tuple(map(early, (q, out, lse, dout))))
-  dq_x, dk_x, dv_x = kernel.backward(gq, *_pick(first, (k, v), got_kv), None,
-                                     BlockMask(), go, gl, gdo, None,
-                                     cross)[:3]
+  def theirs(got, got_kv):  # device 0: device 1's late rows, own K/V
+    gq, go, gl, gdo = got
+    return kernel.backward(gq, k, v, None, BlockMask(), go, gl, gdo, None,
+                           cross)[:3]
+
+  def mine(got, got_kv):  # device 1: own early rows, device 0's K/V
+    return kernel.backward(early(q), *got_kv, None, BlockMask(), early(out),
+                           early(lse), early(dout), None, cross)[:3]
+
+  dq_x, dk_x, dv_x = _branch(first, theirs, mine, got, got_kv)
   dq_back = send(dq_x, False)
   dk_back, dv_back = send((dk_x, dv_x), True)
   f32 = lambda x: x.astype(jnp.float32)

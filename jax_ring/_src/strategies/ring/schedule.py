@@ -69,23 +69,16 @@ def _kinds(plan: ShardPlan, causal: bool):
 
 # --- the loop ---------------------------------------------------------------
 
-def _hidden(hide, transfer, carry):
-  """``(transfer, carry)``, through :func:`base.beside` if ``hide``: the
-  forwards pass ``hide=True``, so the first K/V transfer runs beside the
-  first step's compute. The backward does not: there the barrier measured
-  slower."""
-  return base.beside(transfer, carry) if hide else (transfer, carry)
-
-
-def _ring_loop(plan, first, later, kv, carry, hide=False):
+def _ring_loop(plan, first, later, kv, carry):
   """Run ``first(kv, carry)`` on the own KV, then ``later(step, kv, carry)``
   on each received one. Each step's KV send is issued before its compute;
-  the last step is peeled so that it sends nothing. ``hide``:
-  :func:`_hidden`."""
+  the last step is peeled so that it sends nothing."""
   cp = plan.cp_size
   if cp == 1:
     return first(kv, carry)
-  kv, carry = _hidden(hide, _send_next(kv, plan), first(kv, carry))
+  nxt = _send_next(kv, plan)
+  carry = first(kv, carry)
+  kv = nxt
   if plan.loop == "scan":
     def body(state, step):
       kv, carry = state
@@ -101,28 +94,25 @@ def _ring_loop(plan, first, later, kv, carry, hide=False):
   return later(cp - 1, kv, carry)
 
 
-def _gathered_loop(plan, first, later, kv, carry, own_last=False,
-                   hide=False):
+def _gathered_loop(plan, first, later, kv, carry, own_last=False):
   """``_ring_loop``'s steps with each step's KV read from one all-gather of
   every device's (``kv_sends="gather"``, and the automatic path's backward:
   see ``ShardPlan``); the first step, on the own KV, can overlap the
-  gather (``hide``: :func:`_hidden`). The gathered K/V (cp x this
-  device's) live through the loop. ``own_last`` (unrolled): the own step
-  runs after the others instead, so that it hides the last dK/dV part's
-  send."""
+  gather. The gathered K/V (cp x this device's) live through the loop.
+  ``own_last`` (unrolled): the own step runs after the others instead,
+  so that it hides the last dK/dV part's send."""
   if plan.cp_size == 1:
     return first(kv, carry)
   every = jax.tree.map(lambda a: lax.all_gather(a, plan.axis_name), kv)
   r = lax.axis_index(plan.axis_name)
   held = lambda step: jax.tree.map(lambda a: lax.dynamic_index_in_dim(
       a, (r - step) % plan.cp_size, 0, keepdims=False), every)
-  own_last = own_last and plan.loop == "unrolled"
-  if not own_last:
-    every, carry = _hidden(hide, every, first(kv, carry))
   if plan.loop == "scan":
     carry, _ = lax.scan(lambda c, step: (later(step, held(step), c), None),
-                        carry, jnp.arange(1, plan.cp_size))
+                        first(kv, carry), jnp.arange(1, plan.cp_size))
     return carry
+  if not own_last:
+    carry = first(kv, carry)
   for step in range(1, plan.cp_size):
     carry = later(step, held(step), carry)
   return first(kv, carry) if own_last else carry
@@ -248,7 +238,7 @@ def forward(q, k, v, tm: TokenMask, cfg: AttentionConfig, plan: ShardPlan):
             ulysses.forward, q, k, v, tm, cfg, _beyond_plan(plan)),
         prepare=lambda kv: blocks.prepare_own(kind, q, tm, kv, qc, cfgs))
   else:
-    out, lse = _kv_loop(plan)(plan, first, later, kv0, None, hide=True)
+    out, lse = _kv_loop(plan)(plan, first, later, kv0, None)
   return out.astype(q.dtype), lse
 
 
