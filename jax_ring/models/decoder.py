@@ -198,9 +198,8 @@ class Decoder(nnx.Module):
                                               segment_ids, cp)
     split = len(self.layers) - cfg.remat_skip
     blocks = list(self.layers)[:split]
-    if cfg.scanned_groups():
-      x, blocks = _scan_blocks(blocks, cfg.layer_period(),
-                               cfg.scanned_groups(),
+    if groups := cfg.scanned_groups():
+      x, blocks = _scan_blocks(blocks, cfg.layer_period(), groups,
                                functools.partial(step, cfg.remat), x)
     for block in blocks:
       x = step(cfg.remat, block, x)

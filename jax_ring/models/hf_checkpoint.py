@@ -238,11 +238,11 @@ def load_pretrained(path, *, mesh: jax.sharding.Mesh | None = None,
       None: the default device.
     **options: :class:`DecoderConfig` fields that say how the model runs
       (dtype, param_dtype, implementation, context_parallel, rules,
-      param_rules, remat, remat_skip, scan_layers). ``param_dtype`` and ``dtype`` default to the
-      checkpoint's own dtype, as transformers loads it (``dtype="auto"``):
-      ``config.json``'s ``dtype`` (``torch_dtype`` in older files), else
-      the stored tensors'; a bfloat16 checkpoint loads, and computes, in
-      bfloat16. Training that keeps float32 master weights asks for
+      param_rules, remat, remat_skip, scan_layers). ``param_dtype`` and
+      ``dtype`` default to the checkpoint's own dtype, as transformers
+      loads it (``dtype="auto"``): ``config.json``'s ``dtype``
+      (``torch_dtype`` in older files), else the stored tensors'; a
+      bfloat16 checkpoint loads, and computes, in bfloat16. Training that keeps float32 master weights asks for
       ``param_dtype=jnp.float32``.
 
   Returns:
