@@ -210,10 +210,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--save-dtype", choices=["float32", "bfloat16"],
                  default=None, help="of final/; default the checkpoint's")
   p.add_argument("--implementation", choices=["xla", "cudnn"], default=None)
-  p.add_argument("--remat", choices=["none", "block", "attention"],
+  p.add_argument("--remat", choices=["none", "block", "attention",
+                                     "attention_residual"],
                  default=None, help="what the backward recomputes: nothing, "
-                 "each block, or each block but its attention (default: "
-                 "attention on GPUs, none on CPUs; see DecoderConfig.remat)")
+                 "each block, each block but its attention, or also not its "
+                 "output projection (default: attention on GPUs, none on "
+                 "CPUs; see DecoderConfig.remat)")
   p.add_argument("--remat-skip", type=run_dir.NON_NEGATIVE, default=0,
                  metavar="N",
                  help="the last N blocks keep their activations (no remat): "
@@ -403,6 +405,7 @@ def build(args, model_dir, shape: dict[str, int]):
          if shape["context"] > 1 else None)
   rules = models.model_rules(data="data", context="context")
   fsdp = tuple(a for a in shape if shape[a] > 1)
+  remat = args.remat or ("attention" if gpu else "none")
   # Full fine-tuning keeps float32 master weights; LoRA's frozen base stays
   # in the checkpoint's dtype, cast to bfloat16 on GPUs (add_lora).
   model = models.load_pretrained(
@@ -412,8 +415,7 @@ def build(args, model_dir, shape: dict[str, int]):
       implementation=args.implementation,
       context_parallel=cpc, rules=rules,
       param_rules=jrf.fsdp_rules(rules, fsdp) if fsdp else None,
-      remat={"none": False, "block": True, "attention": "attention"}[
-          args.remat or ("attention" if gpu else "none")],
+      remat={"none": False, "block": True}.get(remat, remat),
       remat_skip=args.remat_skip, scan_layers=args.scan_layers)
   trainable = None
   if args.lora:

@@ -471,15 +471,16 @@ def test_scanned_layers_run_whole_groups_as_one_scan(sliding, layers):
 
 
 def test_remat_modes_give_the_same_loss_and_gradients(checkpoints):
-  """remat=True (whole blocks; the last one kept whole by remat_skip=1) and
+  """remat=True (whole blocks; the last one kept whole by remat_skip=1),
   "attention" (blocks split around the attention, whose forward runs once)
+  and "attention_residual" (the output projection not recomputed either)
   change what is recomputed, not the values. (Unrolled blocks, so that the
-  program shows each layer's attention calls.)"""
+  program shows each layer's attention calls and products.)"""
   path, _ = checkpoints["qwen2"]
   tokens, ids, _ = packed_rows(5, 2, 24)
   batch = jax.tree.map(jnp.asarray, jrf.make_lm_batch(tokens, ids))
-  results = {}
-  for remat in (False, True, "attention"):
+  results, products = {}, {}
+  for remat in (False, True, "attention", "attention_residual"):
     model = models.load_pretrained(path, implementation="xla", remat=remat,
                                    remat_skip=int(remat is True),
                                    scan_layers=False)
@@ -489,12 +490,16 @@ def test_remat_modes_give_the_same_loss_and_gradients(checkpoints):
         lambda p: models.lm_loss(nnx.merge(gdef, p), batch)))
     results[remat] = grad(params)
     jaxpr = str(jax.make_jaxpr(grad)(params))
-    if remat == "attention":  # one attention forward per layer, not two
+    products[remat] = jaxpr.count("dot_general[")
+    if remat in ("attention", "attention_residual"):  # one forward a layer
       assert jaxpr.count("jax_ring_attention_fwd") == 2, jaxpr.count(
           "jax_ring_attention_fwd")
     if remat is True:  # the first block recomputed, the skipped one not
       assert jaxpr.count("remat2[") == 1, jaxpr.count("remat2[")
-  for remat in (True, "attention"):
+  # The output projection's forward: recomputed in each layer's backward
+  # under "attention", not under "attention_residual".
+  assert products["attention"] - products["attention_residual"] == 2, products
+  for remat in (True, "attention", "attention_residual"):
     np.testing.assert_allclose(results[remat][0], results[False][0],
                                rtol=1e-6)
     for a, b in zip(jax.tree.leaves(results[remat][1]),
@@ -512,20 +517,36 @@ def test_remat_modes_give_the_same_loss_and_gradients(checkpoints):
     ("gemma2", 40)])
 def test_vocab_chunked_loss_equals_the_whole_one(name, chunk, checkpoints):
   """The running logsumexp over vocabulary chunks (40: the last chunk is
-  padded) gives the whole-vocabulary loss and gradients."""
+  padded) gives the whole-vocabulary loss and gradients: with the output
+  layer trained, and frozen (its gradient's other form: the hidden states'
+  gradient gathered in the forward, two products fewer in the program)."""
   path, _ = checkpoints[name]
   model = models.load_pretrained(path, implementation="xla")
   tokens, ids, _ = packed_rows(6, 2, 24)
   batch = jax.tree.map(jnp.asarray, jrf.make_lm_batch(tokens, ids))
-  gdef, params = nnx.split(model)
-  grad = lambda **kw: jax.jit(jax.value_and_grad(
-      lambda p: models.lm_loss(nnx.merge(gdef, p), batch, **kw)))(params)
-  (whole, g_whole), (chunked, g_chunked) = grad(), grad(vocab_chunk=chunk)
-  np.testing.assert_allclose(chunked, whole, rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_whole),
-                  strict=True):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
-                               atol=1e-6)
+  head = lambda path, _: path[0] in ("embed", "unembed")
+  products = {}
+  for frozen in (False, True):
+    gdef, fixed, params = nnx.split(model, head if frozen else nnx.Not(...),
+                                    ...)
+
+    def grad(**kw):
+      f = jax.jit(jax.value_and_grad(lambda p: models.lm_loss(
+          nnx.merge(gdef, fixed, p), batch, **kw)))
+      if kw:
+        products[frozen] = str(jax.make_jaxpr(f)(params)).count(
+            "dot_general[")
+      return f(params)
+
+    (whole, g_whole), (chunked, g_chunked) = grad(), grad(vocab_chunk=chunk)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_whole),
+                    strict=True):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                 atol=1e-6)
+  # Trained: one product a chunk forward, three backward (recompute, the
+  # hidden states', the weights'); frozen: two forward, none backward.
+  assert products[False] - products[True] == 2, products
 
 
 def test_natural_order_batches_are_laid_out_once(checkpoints):

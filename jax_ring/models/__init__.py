@@ -18,7 +18,8 @@
 
 from jax_ring.flax.attention import LinearRopeScaling, Llama3RopeScaling
 from jax_ring.models.config import DecoderConfig, model_rules
-from jax_ring.models.decoder import Decoder, lm_loss
+from jax_ring.models.decoder import Decoder
+from jax_ring.models.loss import lm_loss
 from jax_ring.models.generation import Generator, KVCache, Sampling, generate
 from jax_ring.models.hf_checkpoint import load_pretrained, save_pretrained
 from jax_ring.models.hf_config import config_from_hf, config_to_hf

@@ -128,6 +128,10 @@ class DecoderConfig:
                           q, k, v, output and logsumexp are kept, so its
                           forward never runs twice (the projections,
                           norms and MLP are recomputed)
+      ``"attention_``     as ``"attention"``, and the residual stream
+      ``residual"``       after the attention is kept too (``E`` values a
+                          token a layer more), so the output projection
+                          is not recomputed either
       ==================  ==============================================
 
       A policy on names cannot do the last: the attention is a custom-VJP
@@ -181,13 +185,14 @@ class DecoderConfig:
   context_parallel: ContextParallel | None = None
   rules: tuple = ()
   param_rules: tuple | None = None
-  remat: bool | Literal["attention"] = False
+  remat: bool | Literal["attention", "attention_residual"] = False
   remat_skip: int = 0
   scan_layers: bool = True
 
   def __post_init__(self):
-    if self.remat not in (False, True, "attention"):
-      raise ValueError(f"remat must be False, True or 'attention'; got "
+    if self.remat not in (False, True, "attention", "attention_residual"):
+      raise ValueError(f"remat must be False, True, 'attention' or "
+                       f"'attention_residual'; got "
                        f"{self.remat!r}")
     if (isinstance(self.remat_skip, bool) or
         not isinstance(self.remat_skip, (int, np.integer)) or

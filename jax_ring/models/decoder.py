@@ -128,8 +128,15 @@ class Block(nnx.Module):
   def finish(self, x, out):
     """The block after its attention: ``x`` plus the output projection of
     ``out``, then the MLP with its residual."""
+    return self.mlp_residual(self.attn_residual(x, out))
+
+  def attn_residual(self, x, out):
+    """``x`` plus the output projection of the attention's ``out``."""
     y = self.attn.output(out)
-    x = x + (self.attn_post_norm(y) if self.sandwich else y)
+    return x + (self.attn_post_norm(y) if self.sandwich else y)
+
+  def mlp_residual(self, x):
+    """``x`` plus the MLP of its norm."""
     y = self.mlp(self.mlp_norm(x))
     return x + (self.mlp_post_norm(y) if self.sandwich else y)
 
@@ -258,10 +265,13 @@ def _run_block(remat, block: Block, x, positions, segment_ids, cp=None):
   """One block on ``x (B, S, E)``, recomputing in the backward what
   ``remat`` (``DecoderConfig.remat``) says; ``cp``: the attention's
   ``ContextParallel`` in place of the layer's own, or None."""
-  if remat == "attention":
+  if remat in ("attention", "attention_residual"):
     q, k, v = _remat(lambda b, *a: b.project(*a), block, x, positions)
     out = block.attn.attend(q, k, v, segment_ids, cp)
-    return _remat(lambda b, *a: b.finish(*a), block, x, out)
+    if remat == "attention":
+      return _remat(lambda b, *a: b.finish(*a), block, x, out)
+    x = _remat(lambda b, *a: b.attn_residual(*a), block, x, out)
+    return _remat(lambda b, *a: b.mlp_residual(*a), block, x)
   if remat:
     return _remat(lambda b, *a: b(*a, context_parallel=cp), block, x,
                   positions, segment_ids)
@@ -318,72 +328,3 @@ def _scan_blocks(blocks: list, period: int, groups: int, step, x):
 def soft_cap(logits, cap: float | None):
   """``cap * tanh(logits / cap)``; ``logits`` when ``cap`` is None."""
   return logits if cap is None else cap * jnp.tanh(logits / cap)
-
-
-def lm_loss(model: Decoder, batch, *, vocab_chunk: int | None = None
-            ) -> jax.Array:
-  """Mean next-token cross-entropy over ``batch.loss_mask``, for a
-  ``jax_ring.flax.LMBatch`` in any token layout (a masked mean does not
-  depend on the order, so nothing is reordered back).
-
-  Args:
-    model: the :class:`Decoder`.
-    batch: its ``inputs``, ``positions``, ``segment_ids``, ``labels`` and
-      ``loss_mask`` (``(B, S)`` each).
-    vocab_chunk: None: the float32 logits ``(B, S, V)`` are made whole.
-      An int: the vocabulary is taken this many entries at a time, with a
-      running logsumexp, and each chunk's logits are recomputed in the
-      backward, so at most ``(B, S, vocab_chunk)`` of them are live (at 64k
-      tokens and Llama 3's 128256 entries, 33.6 GB whole in float32).
-  """
-  if vocab_chunk is not None and (not isinstance(vocab_chunk, int)
-                                  or vocab_chunk < 1):
-    raise ValueError(f"vocab_chunk must be None or a positive int; got "
-                     f"{vocab_chunk!r}")
-  if vocab_chunk is None:
-    logits = model(batch.inputs, batch.positions, batch.segment_ids)
-    target = jnp.take_along_axis(logits, batch.labels[..., None], -1)[..., 0]
-    ce = jax.nn.logsumexp(logits, -1) - target
-  else:
-    cfg = model.cfg
-    x = model.hidden_states(batch.inputs, batch.positions, batch.segment_ids)
-    ce = _chunked_cross_entropy(x, model.output_weights().astype(x.dtype),
-                                batch.labels, vocab_chunk, cfg.rules,
-                                cfg.final_logits_soft_cap)
-  mask = batch.loss_mask
-  return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-
-def _chunked_cross_entropy(x, w, labels, chunk: int, rules, cap):
-  """``logsumexp(z) - z[label]`` per token with ``z = soft_cap(x @ w,
-  cap)``, ``(B, S)`` float32, over vocabulary chunks of ``chunk`` entries
-  (the last one padded)."""
-  e, v = w.shape
-  n = -(-v // chunk)
-  w = jnp.pad(w, ((0, 0), (0, n * chunk - v)))
-  w = jnp.moveaxis(w.reshape(e, n, chunk), 1, 0)  # (n, E, chunk)
-  starts = jnp.arange(n, dtype=jnp.int32) * chunk
-  low = jnp.float32(-1e30)  # padded entries: finite, so gradients stay 0
-
-  @jax.checkpoint
-  def step(carry, chunk_in):
-    m, total, target = carry
-    wc, start = chunk_in
-    logits = soft_cap(constrain((x @ wc).astype(jnp.float32),
-                                ("batch", "length", VOCAB), rules), cap)
-    ids = start + jnp.arange(chunk, dtype=jnp.int32)
-    logits = jnp.where(ids < v, logits, low)
-    # The running maximum only keeps exp() in range; its gradient cancels.
-    new_m = jax.lax.stop_gradient(jnp.maximum(m, logits.max(-1)))
-    total = total * jnp.exp(m - new_m) + jnp.exp(
-        logits - new_m[..., None]).sum(-1)
-    local = labels - start
-    inside = (local >= 0) & (local < chunk)
-    hit = jnp.take_along_axis(logits, jnp.clip(local, 0, chunk - 1)[..., None],
-                              -1)[..., 0]
-    return (new_m, total, target + jnp.where(inside, hit, 0.0)), None
-
-  zeros = jnp.zeros(labels.shape, jnp.float32)
-  (m, total, target), _ = jax.lax.scan(
-      step, (jnp.full(labels.shape, low), zeros, zeros), (w, starts))
-  return m + jnp.log(total) - target
