@@ -25,10 +25,11 @@ from helpers import (B, H, S, SPEC, check, coded_qkv, collectives,
 run = functools.partial(run_shard_map, ag.all_gather_attention)
 
 
-# MQA, with a soft cap and a scale. GQA (K = 2) is the grid above, K = 4 in
-# groups of 2 the kv_chunk_heads test.
+# MQA, with a soft cap and a scale, on 2 devices (heads need no more). GQA
+# (K = 2) is the grid's (test_strategies.py), K = 4 in groups of 2 the
+# kv_chunk_heads test.
 def test_all_gather_mqa_and_soft_cap():
-  cp = 4
+  cp = 2
   q, k, v, do = coded_qkv(20, cp, 1)
   got = run(q, k, v, do, cp, is_causal=True, logits_soft_cap=3.0, scale=0.3)
   check(got, q, k, v, do, ref.Case(0.3, is_causal=True, soft_cap=3.0))
@@ -54,18 +55,19 @@ def test_all_gather_packed_segments_cross_shard_boundaries():
 
 
 # Padding that empties whole chunks: row 1 has 13 valid queries and 29 valid
-# keys of 48, so at cp = 4 (C = 6) chunks 3 to 7 hold no valid query and
-# chunks 5 to 7 no valid key.
+# keys of 48, so at cp = 2 (C = 12) chunks 2 and 3 hold no valid query and
+# chunk 3 no valid key (at cp = 4, C = 6: chunks 3 to 7 and 5 to 7).
 Q_LENGTHS = np.array([41, 13], np.int32)
 KV_LENGTHS = np.array([45, 29], np.int32)
 
 
 # A causal window (7, 0) with lengths is in the kv_chunk_heads test (cp = 2);
 # which kv rows each call reads, for causal and two-sided windows, in the
-# static-calls test.
+# static-calls test (cp = 4). The windows here on 2 devices: half the
+# branches to compile, and chunks still emptied.
 @pytest.mark.parametrize("cp, load_balance, causal, window", [
-    (4, "dual_chunk", False, (5, 3)),
-    (4, None, False, (2, 13)),
+    (2, "dual_chunk", False, (5, 3)),
+    (2, None, False, (2, 13)),
     (4, "dual_chunk", False, None)],
                          ids=["dual_full_w5_3", "contig_full_w2_13",
                               "dual_full_pad_only"])
@@ -180,11 +182,13 @@ def test_all_gather_16_bit():
 # Collectives sit outside the per-device switch, so the mask does not change
 # them: the causal case has the switch, the cheaper full one two head groups,
 # whose gather, calls and reduce-scatter sit once in a loop of two trips.
-@pytest.mark.parametrize("kv_chunk_heads, causal", [(None, True), (1, False)],
+# The causal one on 2 devices (half the switch's branches to compile), the
+# full one on 4.
+@pytest.mark.parametrize("kv_chunk_heads, causal, cp",
+                         [(None, True, 2), (1, False, 4)],
                          ids=["whole_causal", "g1_full"])
 def test_collectives_forward_gathers_backward_reduce_scatters(kv_chunk_heads,
-                                                              causal):
-  cp = 4
+                                                              causal, cp):
   q, k, v, do = coded_qkv(80, cp, 2)
   seg = jnp.asarray(ref.random_segments(81, B, S, 3))
   f = jax.shard_map(

@@ -1,6 +1,6 @@
 """Sequences of any length under context parallelism: natural-order (and
 contiguous) inputs whose length no layout divides are padded inside the
-call, the padding masked and cut, so every strategy on 8 devices gives
+call, the padding masked and cut, so every strategy on 2 to 8 devices gives
 the float64 reference, output and gradients, for any number of documents
 a row; ``explain`` reports the padding; arrays already in a layout must
 still divide (tests/test_never_silent.py)."""
@@ -35,19 +35,20 @@ def _check(cpc, mesh, *, t=S, s=S, docs=5, seed=0, **kw):
                     **kw)
 
 
+# Each family by default, on few devices (the programs grow with them; the
+# all-gather's dual-chunk one with ids most); -m slow: 8 devices, the
+# striped ring scanned, auto (Ulysses here) and Ulysses, padded by default
+# in test_ulysses_query_and_key_lengths_padded_apart_on_explicit_axes.
 @pytest.mark.parametrize("strategy, options, shape", [
-    ("ring", {}, (8,)),
-    pytest.param("ring", dict(load_balance="striped", loop="scan"), (8,),
-                 marks=pytest.mark.slow),
-    # The padding to a length the layout divides is the API's, before any
-    # strategy: the default run keeps three, -m slow runs them all (the
-    # striped ring scanned: tests/test_ring.py).
-    pytest.param("all_gather", {}, (8,), marks=pytest.mark.slow),
-    ("ulysses", {}, (8,)),
-    pytest.param("hybrid", {}, (2, 4), marks=pytest.mark.slow),
+    ("ring", {}, (4,)), ("all_gather", dict(load_balance=None), (2,)),
+    ("hybrid", {}, (2, 2)), ("ring", {}, (8,)),
+    ("ring", dict(load_balance="striped", loop="scan"), (8,)),
+    ("all_gather", {}, (8,)), ("ulysses", {}, (8,)), ("hybrid", {}, (2, 4)),
     ("auto", dict(load_balance=None), (8,)),
-], ids=["ring", "ring-striped-scan", "all_gather", "ulysses", "hybrid",
+], ids=["ring", "all_gather-contiguous", "hybrid", "ring-8",
+        "ring-striped-scan", "all_gather", "ulysses", "hybrid-2x4",
         "auto-contiguous"])
+@pytest.mark.sample(3)
 def test_every_strategy_at_a_length_no_layout_divides(strategy, options,
                                                       shape):
   names = ("u", "r") if len(shape) == 2 else ("cp",)
@@ -78,9 +79,11 @@ def test_windows_sinks_and_key_lengths_at_an_odd_length():
 
 
 def test_packed_rows_hide_the_padding_by_an_id_of_its_own(monkeypatch):
-  """No causal mask to hide padded keys, and segment ids: the padding is a
-  document of its own, not a key length (cuDNN's packed path takes no
-  lengths beside segment ids): every block's mask has no lengths."""
+  """No causal mask to hide padded keys, and segment ids (a pair, under
+  jit; arrays and ids placed along the sequence, 12 tokens: 4 devices
+  divide it, the layout's 8 do not): the padding is a document of its own,
+  not a key length (cuDNN's packed path takes no lengths beside segment
+  ids): every block's mask has no lengths."""
   seen = []
   xla = registry.BACKENDS["xla"]
 
@@ -90,8 +93,8 @@ def test_packed_rows_hide_the_padding_by_an_id_of_its_own(monkeypatch):
 
   monkeypatch.setitem(registry.BACKENDS, "xla",
                       dataclasses.replace(xla, forward=spied))
-  _check(jax_ring.ContextParallel(), _mesh((4,), ("cp",)), docs=17, seed=4,
-         is_causal=False)
+  _check(jax_ring.ContextParallel(), _mesh((4,), ("cp",)), t=12, s=12,
+         docs=3, seed=4, is_causal=False, pair=True, spec=P(None, "cp"))
   assert seen and all(x is None and y is None for x, y in seen), seen
 
 
@@ -103,8 +106,10 @@ def test_ulysses_query_and_key_lengths_padded_apart_on_explicit_axes():
          s=22, docs=None, seed=3, eager=True)
 
 
+# -m slow: a pair of ids, non-causal, under jit, is
+# test_packed_rows_hide_the_padding_by_an_id_of_its_own's call.
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.sample(1)
+@pytest.mark.sample(0)
 def test_a_pair_of_segment_ids_under_jit(causal):
   _check(jax_ring.ContextParallel(), _mesh((4,), ("cp",)), t=13, s=13,
          docs=3, seed=6, pair=True, is_causal=causal)
@@ -123,8 +128,12 @@ def test_auto_with_lengths_that_pad_alike_stays_ulysses():
   _check(cpc, _mesh((4,), ("cp",)), t=5, s=7, docs=None, seed=7)
 
 
-@pytest.mark.parametrize("causal", [
-    False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "causal"])
+# -m slow: placed arrays the call pads are in
+# test_packed_rows_hide_the_padding_by_an_id_of_its_own (under jit); eager
+# calls on Explicit axes that pad, in
+# test_ulysses_query_and_key_lengths_padded_apart_on_explicit_axes.
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.slow
 def test_packed_rows_sharded_on_explicit_axes(causal):
   """Arrays and segment ids placed along the sequence (12 tokens: 4
   devices divide it, dual-chunk's 8 do not), eagerly on Explicit axes."""

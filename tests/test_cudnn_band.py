@@ -5,8 +5,10 @@ after skipping ``row_start`` rows and ``col_start`` keys) are replayed in
 NumPy, so every causal/window/offset combination is covered without a GPU.
 """
 
+import collections
 import functools
 import itertools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +44,10 @@ def cudnn_visibility(bnd, t, s):
   return vis & (not bnd.empty)
 
 
-def test_band_reproduces_every_causal_window_offset_mask():
+def test_band_reproduces_every_causal_window_offset_mask(monkeypatch):
+  # row_valid's arithmetic on NumPy arrays: op by op in jax, its 471 bands
+  # were most of the time (traced, on GPUs: test_cudnn.py::test_mask_cases).
+  monkeypatch.setattr(sys.modules[row_valid.__module__], "jnp", np)
   checked = 0
   for t, s in ((5, 5), (3, 7), (8, 4)):
     for causal, window, d in itertools.product(
@@ -57,8 +62,8 @@ def test_band_reproduces_every_causal_window_offset_mask():
       if not bnd.empty:
         # cuDNN's own limits: right_bound >= 0 (or none: -1), left >= 1.
         assert bnd.right_bound >= -1 and bnd.left_bound >= 0
-        full = jnp.full((1,), t - bnd.row_start), jnp.full((1,), s - bnd.col_start)
-        valid = np.asarray(row_valid(bnd, *full, t))[0]
+        valid = row_valid(bnd, np.asarray([t - bnd.row_start]),
+                          np.asarray([s - bnd.col_start]), t)[0]
         np.testing.assert_array_equal(valid, want.any(-1))
         if not rows_may_be_empty(bnd, False, t, s):
           assert valid.all()
@@ -218,38 +223,49 @@ def test_packed_layout_counts_the_calls_and_flags_what_does_not_fit(
   import ragged_cudnn
   monkeypatch.setattr(packed, "SMALLEST", 4)
   t = 40
-  # Each function one program a shape and static options (op by op, most
-  # of the time); made after the constants it reads are set.
-  calls_of = jax.jit(lambda ids: packed.calls(
-      packed.documents(ids, ids, same=True), t, t))
-  layout = jax.jit(packed.layout, static_argnums=(2, 3))
+  # Each check a block of 2 rows (a row alone twice); the blocks of one set
+  # of static options in one program (vmapped): a program each was most of
+  # the time. Made after the constants they read are set.
+  two = lambda ids: np.concatenate([ids] * (2 // len(ids)))
+  calls_of = jax.jit(jax.vmap(lambda ids: packed.calls(
+      packed.documents(ids, ids, same=True), t, t)))
+
+  @functools.partial(jax.jit, static_argnums=(2, 3))
+  def layout(q_ids, kv_ids, shift, same):
+    return jax.vmap(lambda q, kv: packed.layout(q, kv, shift, same))(q_ids,
+                                                                     kv_ids)
+
   many = np.arange(t, dtype=np.int32)[None] // 2  # 20 documents of 2
   eights = np.arange(t, dtype=np.int32)[None] // 8  # 5 of 8: class 16, 3 a call
   mixed = np.array([[0] * 17 + list(range(1, 24))], np.int32)
   split = np.array([[1] * 10 + [2] * 10 + [1] * 20], np.int32)  # id 1 twice
   ones = np.ones((1, t), np.int32)
   other = np.array([[7] * 5 + [1] * 35], np.int32)  # keys of no query: fine
-  for ids, want in ((many, 1), (eights, 2), (ones, 1), (mixed, 2),
-                    (np.concatenate([many, eights]), 3)):
-    got = int(calls_of(jnp.asarray(ids)))
-    assert got == want == ragged_cudnn.expected_calls(ids, 4, t), (
-        ids, got, want)
+  counted = ((many, 1), (eights, 2), (ones, 1), (mixed, 2),
+             (np.concatenate([many, eights]), 3))
+  got = calls_of(jnp.asarray(np.stack([two(ids) for ids, _ in counted])))
+  for (ids, want), n in zip(counted, np.asarray(got)):
+    assert n == want == ragged_cudnn.expected_calls(ids, 4, t), (ids, n)
+  # (q ids, kv ids, shift, same, whether they fit), by (shift, same).
+  checks = collections.defaultdict(list)
   for q_ids, kv_ids, shift, want in (
       (ones, other, None, True), (split, split, None, False),
       (ones, split, None, False), (ones, ones, 0, True),
       (np.array([[0] * 3 + [1] * 37], np.int32), ones, 1, False),
       (np.array([[1] * 37 + [2] * 3], np.int32), ones, 1, True)):
-    fits = layout(jnp.asarray(q_ids), jnp.asarray(kv_ids), shift, False)
-    assert bool(fits) == want, (q_ids, kv_ids, shift)
+    checks[shift, False].append((two(q_ids), two(kv_ids), want))
   # One id array: the one-sort check agrees with the general one.
   shuffled = np.array([[3] * 9 + [0] * 11 + [2] * 20], np.int32)
   for ids, want in ((many, True), (eights, True), (mixed, True),
                     (ones, True), (shuffled, True), (split, False),
                     (np.concatenate([many, split]), False)):
-    for shift in (None, 2):
-      both = [bool(layout(jnp.asarray(ids), jnp.asarray(ids), shift, same))
-              for same in (False, True)]
-      assert both == [want, want], (ids, shift, both)
+    for shift, same in itertools.product((None, 2), (False, True)):
+      checks[shift, same].append((two(ids), two(ids), want))
+  for (shift, same), blocks in checks.items():
+    q_ids, kv_ids, want = map(np.stack, zip(*blocks))
+    fits = layout(jnp.asarray(q_ids), jnp.asarray(kv_ids), shift, same)
+    np.testing.assert_array_equal(np.asarray(fits), want,
+                                  err_msg=f"shift {shift}, same {same}")
   # Past MAX_BATCHES virtual batches a call, class 0 loops as well: 20
   # documents, menu (1, 4, 8).
   monkeypatch.setattr(packed, "MAX_BATCHES", 8)

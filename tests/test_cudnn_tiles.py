@@ -173,16 +173,18 @@ def test_tiles_inside_shard_map(small_tiles, monkeypatch):
                  kv_segment_ids=ids))
 
 
+# By default window_ahead; causal blocks of documents longer than a tile
+# run on these kernels in test_pallas_tiles_take_a_ring_steps_block (ids in
+# any layout: ranges that test_pallas_tiles_read_the_tiles_... equates).
 @pytest.mark.parametrize("most, t, kw", [
-    pytest.param(16, 61, dict(is_causal=True),
-                 marks=pytest.mark.slow),  # long_causal_window's too
     (9, 61, dict(window=(2, 6))),
+    (16, 61, dict(is_causal=True)),
     (40, 97, dict(is_causal=True, window=(9, 0))),
     (70, 97, {}),
     (None, 61, dict(is_causal=True)),
-], ids=["causal", "window_ahead", "long_causal_window", "long_full",
+], ids=["window_ahead", "causal", "long_causal_window", "long_full",
         "any_layout_causal"])
-@pytest.mark.sample(2)
+@pytest.mark.sample(1)
 def test_pallas_tiles_interpreted(most, t, kw):
   """The tiles' Pallas kernels (interpreted on the CPU) in tiles of 16 on
   rows of 61 and 97 tokens (a padded last tile), documents shorter and
@@ -314,22 +316,32 @@ def test_pallas_tiles_read_the_tiles_their_documents_reach():
   pairs of 136 causal ones); unmasked, both of its document's tiles (32);
   a window of 8 keys back, the tile before only where the window reaches
   it."""
-  ids = jnp.repeat(jnp.arange(8, dtype=jnp.int32), 64)[None]
-  pairs = lambda lo, hi: int(jnp.sum(hi - lo + 1))
-  q_lo, q_hi, k_lo, k_hi = tiles_pallas.ranges(ids, 32, (None, 0))
+  ids = np.repeat(np.arange(8, dtype=np.int32), 64)[None]
+  split = np.where(np.arange(512) < 480, ids, 0)  # id 0 at tiles 0-1 and 15
+  reaches = ((None, 0), (None, None), (8, 0))  # causal, full, window
+
+  @jax.jit  # one program (op by op, most of the time)
+  def every_range(ids, split):
+    return [(tiles_pallas.ranges(ids, 32, reach),
+             tiles_pallas.ranges(ids, 32, reach, one_run=False))
+            for reach in reaches], tiles_pallas.ranges(split, 32,
+                                                       (None, None), False)
+
+  runs, split = jax.tree.map(np.asarray, every_range(ids, split))
+  (causal, _), (full, _), (window, _) = runs
+  pairs = lambda lo, hi: int(np.sum(hi - lo + 1))
+  q_lo, q_hi, k_lo, k_hi = causal
   assert pairs(q_lo, q_hi) == pairs(k_lo, k_hi) == 24
-  q_lo, q_hi, k_lo, k_hi = tiles_pallas.ranges(ids, 32, (None, None))
+  q_lo, q_hi, k_lo, k_hi = full
   assert pairs(q_lo, q_hi) == pairs(k_lo, k_hi) == 32
-  q_lo, q_hi, _, _ = tiles_pallas.ranges(ids, 32, (8, 0))
+  q_lo, q_hi, _, _ = window
   np.testing.assert_array_equal(q_hi - q_lo, np.tile([0, 1], 8)[None])
   # The same ids found in any layout give the same ranges; an id in two
   # runs reaches from its first token's tile to its last's.
-  for reach in ((None, 0), (None, None), (8, 0)):
-    for a, b in zip(tiles_pallas.ranges(ids, 32, reach),
-                    tiles_pallas.ranges(ids, 32, reach, one_run=False)):
+  for one_run, any_layout in runs:
+    for a, b in zip(one_run, any_layout):
       np.testing.assert_array_equal(a, b)
-  split = ids.at[0, 480:].set(0)  # id 0 at tiles 0-1 and 15
-  q_lo, q_hi, _, _ = tiles_pallas.ranges(split, 32, (None, None), False)
+  q_lo, q_hi, _, _ = split
   assert (q_lo[0, 0], q_hi[0, 0], q_lo[0, 15], q_hi[0, 15]) == (0, 15, 0, 15)
 
 

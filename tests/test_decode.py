@@ -93,12 +93,15 @@ def test_cache_split_inside_shard_map(name):
                    jnp.float32)
 
 
+# Causal: each operation of the eager call is a program of its own (the
+# window, soft cap and sinks on a split cache, against the reference:
+# test_cache_split_inside_shard_map[window_cap_sinks]).
 @pytest.mark.parametrize("cp", [4, 1])
 def test_context_parallel_under_jit_and_eagerly_moves_no_kv(cp):
   """A data x cp mesh: the cache's slots over cp, the batch over data;
   the same numbers eagerly and under jit, and a program whose only
   collectives are the merge's reductions (none where cp is 1)."""
-  kw, window = CASES["window_cap_sinks"]
+  kw, window = CASES["causal"]
   q, k, v, _ = ref.random_qkv(4, B, T, C, N, K, H, hv=HV)
   m = jax.make_mesh((2, cp), ("data", "cp"), devices=jax.devices()[:2 * cp],
                     axis_types=(jax.sharding.AxisType.Auto,) * 2)

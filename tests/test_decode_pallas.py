@@ -116,17 +116,16 @@ def test_uneven_split_of_the_slots(monkeypatch, lane):
       np.int32)
   kv_pos[rng.random((B, 640)) < 0.25] = -1
   q_pos = np.array([[500, 501, 502], [637, 638, 639]], np.int32)
-  q, k, v, dout = ref.random_qkv(9, B, T, 640, N, K, H, hv=HV)
+  q, k, v, _ = ref.random_qkv(9, B, T, 640, N, K, H, hv=HV)
   vis = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= q_pos[:, :, None])
-  want, _, grads = ref.attention(q, k, v, ref.Case(
-      H**-0.5, dense=vis[:, None]), dout=dout)
-  f = lambda q, k, v: jax_ring.decode_attention(
+  want, _ = ref.attention(q, k, v, ref.Case(H**-0.5, dense=vis[:, None]))
+  # The forward alone: the gradient is the XLA path's whatever the split
+  # (test_pallas_matches_reference_with_gradients).
+  out = jax.jit(lambda q, k, v: jax_ring.decode_attention(
       q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), query_positions=q_pos,
-      key_positions=kv_pos, kv_layout="bksh", implementation="pallas")
-  out, got = _vjp(f, q, k, v, dout)
+      key_positions=kv_pos, kv_layout="bksh", implementation="pallas"))(
+          q, k, v)
   ref.assert_close(out, want, jnp.float32)
-  for x, name in zip(got, "qkv"):
-    ref.assert_close(x, grads[name], jnp.float32, "d" + name)
 
 
 @pytest.mark.gpu

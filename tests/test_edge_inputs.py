@@ -112,9 +112,10 @@ def test_layer_takes_numpy_ints_and_nested_list_positions():
 
 
 def test_saving_to_an_integer_dtype_is_refused(tmp_path):
-  model = models.Decoder(models.LlamaConfig(
+  # Refused before any weight is read: the model's shapes serve.
+  model = nnx.eval_shape(lambda: models.Decoder(models.LlamaConfig(
       vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
-      num_heads=2, num_kv_heads=1, head_dim=8), rngs=nnx.Rngs(0))
+      num_heads=2, num_kv_heads=1, head_dim=8), rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match="dtype must be a float dtype"):
     models.save_pretrained(model, tmp_path / "int8", dtype=np.int8)
   assert not (tmp_path / "int8").exists()

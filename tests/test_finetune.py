@@ -68,6 +68,13 @@ def lora(tmp_path_factory):
              "3")
 
 
+@pytest.fixture(scope="module")
+def lora_final(lora):
+  """The LoRA run's final/ read by jax_ring: one load for the tests that
+  read it (none changes it)."""
+  return models.load_pretrained(lora["final"], implementation="xla")
+
+
 # Under -m slow, the full fine-tuning run's tests (``whole``). The default
 # lane runs the example with --lora (``lora``): its final/ read by
 # transformers in test_lora_run_saves_a_checkpoint_transformers_reads, the
@@ -117,20 +124,20 @@ def assert_transformers_reads(final, ours):
       tok.eos_token_id)
 
 
-def test_sample_is_the_models_greedy_continuation(lora):
+def test_sample_is_the_models_greedy_continuation(lora, lora_final):
   """``finetune.sample``, which the run prints before and after training
   (not under --quiet): the generator's greedy text, up to EOS."""
   from jax_ring.models import generation
-  final = lora["final"]
-  encoder = finetune.Encoder(final)
-  model = models.load_pretrained(final)
+  encoder = finetune.Encoder(lora["final"])
+  model = lora_final
   mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1],
                        axis_types=(jax.sharding.AxisType.Auto,))
   text = finetune.sample(model, mesh, encoder, finetune.DEMO_PROMPT, 6)
   ids = encoder.prefix + encoder.tok.encode(
       finetune.DEMO_PROMPT, add_special_tokens=False).ids
-  new, = generation.generate(model, [ids], max_new_tokens=6,
-                             stop_tokens=[encoder.eos])
+  with jax.set_mesh(mesh):  # sample's mesh: its compiled programs again
+    new, = generation.generate(model, [ids], max_new_tokens=6,
+                               stop_tokens=[encoder.eos])
   assert text == encoder.tok.decode(new, skip_special_tokens=True)
 
 
@@ -179,10 +186,9 @@ def test_resume_continues_the_uninterrupted_run(whole, tmp_path):
   assert (tmp_path / "final" / "model.safetensors").read_bytes() == final
 
 
-def test_no_model_with_a_weight_that_is_not_finite_is_written(lora,
-                                                              tmp_path):
-  graphdef, params, rest = nnx.split(models.load_pretrained(lora["final"]),
-                                     nnx.Param, ...)
+def test_no_model_with_a_weight_that_is_not_finite_is_written(
+    lora, lora_final, tmp_path):
+  graphdef, params, rest = nnx.split(lora_final, nnx.Param, ...)
   paths, tree = jax.tree_util.tree_flatten_with_path(params)
   leaves = [x for _, x in paths]
   for i, value in ((0, np.nan), (1, np.inf)):
@@ -441,13 +447,13 @@ def test_lora_run_writes_an_adapter_peft_merges_into_final(lora):
     assert relative_error(x, merged[key].numpy()) <= 1e-6, key
 
 
-def test_lora_run_saves_a_checkpoint_transformers_reads(lora):
+def test_lora_run_saves_a_checkpoint_transformers_reads(lora, lora_final):
   """final/ of the LoRA run (the adapters merged in) holds the tokenizer,
   and transformers reads it with jax_ring's tokens and logits on a real
   example."""
   final = lora["final"]
   assert {"config.json", "model.safetensors", "tokenizer.json",
           "tokenizer_config.json"} <= {f.name for f in final.iterdir()}
-  ours = models.load_pretrained(final, implementation="xla")
+  ours = lora_final
   assert len(jax.tree.leaves(nnx.state(ours, nnx.Param))) == 2 * 9 + 3
   assert_transformers_reads(final, ours)

@@ -61,10 +61,15 @@ def _check(cpc, mesh, spec, *, eager=False, packed=True, layout_in=None):
     ref.assert_close(back(x), g[name], jnp.float32, "d" + name)
 
 
+# -m slow: the default (the ring, dual-chunk) is in
+# test_maxtext_mesh_context_and_in_shardings and, padded, in
+# test_any_length.py::test_every_strategy_at_a_length_no_layout_divides (the
+# all-gather too); Ulysses (auto's pick here) in test_any_length.py::
+# test_ulysses_query_and_key_lengths_padded_apart_on_explicit_axes.
 @pytest.mark.parametrize("strategy, layout", [
-    ("ring", "dual_chunk"), ("auto", "dual_chunk"), ("ring", "striped"),
+    ("ring", "striped"), ("ring", "dual_chunk"), ("auto", "dual_chunk"),
     ("ulysses", "dual_chunk"), ("all_gather", "dual_chunk")])
-@pytest.mark.sample(3)
+@pytest.mark.sample(1)
 def test_natural_inputs_are_exact_by_default(strategy, layout):
   """The first call a user makes: natural order, the default options but
   the strategy and layout, on 4 devices."""
@@ -72,23 +77,43 @@ def test_natural_inputs_are_exact_by_default(strategy, layout):
   _check(cpc, _mesh((4,), ("cp",)), P(None, "cp"))
 
 
-def test_default_with_hybrid_axes_and_eagerly_on_explicit_axes():
-  """A pair of axes (the ring axis's size is the layout's), and the default
-  ContextParallel eagerly on Explicit axes (jax.make_mesh's default)."""
+# -m slow: hybrid on natural inputs is test_any_length.py::
+# test_every_strategy_at_a_length_no_layout_divides[hybrid]'s.
+@pytest.mark.slow
+def test_default_with_hybrid_axes():
+  """A pair of axes (the ring axis's size is the layout's)."""
   cpc = jax_ring.ContextParallel(axis=("u", "r"), strategy="hybrid")
   _check(cpc, _mesh((2, 2), ("r", "u")), P(None, ("r", "u")))
+
+
+# -m slow: eagerly on Explicit axes, placed arrays, is test_never_silent.py::
+# test_automatic_path_eager_and_jit_on_auto_and_explicit_axes' (gradients:
+# test_plain_arrays_under_set_mesh_with_explicit_axes).
+@pytest.mark.slow
+def test_default_eagerly_on_explicit_axes():
+  """The default ContextParallel eagerly on Explicit axes (jax.make_mesh's
+  default)."""
   _check(jax_ring.ContextParallel(), _mesh(
       (4,), ("cp",), jax.sharding.AxisType.Explicit), P(None, "cp"),
          eager=True, packed=False)
 
 
-def test_load_balanced_inputs_permute_nothing():
+# -m slow: arrays in the layout, exact with gradients, are
+# test_never_silent.py::test_eager_autodiff_uses_the_layout's (eagerly).
+@pytest.mark.slow
+def test_load_balanced_inputs_are_exact():
   """``inputs="load_balanced"``: arrays put in the layout by the caller are
-  exact, and the program holds the ring's sends only; natural inputs add
-  the permutation's collectives, chunks sent once each."""
-  mesh = _mesh((4,), ("cp",))
+  exact."""
   laid = jax_ring.ContextParallel(inputs="load_balanced", kv_sends="neighbour")
-  _check(laid, mesh, P(None, "cp"), layout_in=("dual_chunk", 4))
+  _check(laid, _mesh((4,), ("cp",)), P(None, "cp"),
+         layout_in=("dual_chunk", 4))
+
+
+def test_load_balanced_inputs_permute_nothing():
+  """``inputs="load_balanced"``: the program holds the ring's sends only;
+  natural inputs add the permutation's collectives, chunks sent once
+  each."""
+  mesh = _mesh((4,), ("cp",))
   q = jax.device_put(jnp.ones((B, S, N, H)), NamedSharding(mesh, P(None,
                                                                    "cp")))
   counts = {}
@@ -232,7 +257,9 @@ def _padding_reference(q, k, v, do, ids, pad, sinks=None):
   return ref.attention(q, k, v, case, dout=do, sinks=sinks)
 
 
-@pytest.mark.parametrize("pad", [None, 0])
+# -m slow: None, the default, where 0 is a document as in every packed test.
+@pytest.mark.parametrize("pad", [pytest.param(None, marks=pytest.mark.slow),
+                                 0])
 def test_padding_segment_id_on_one_device(pad):
   """``padding_segment_id=0`` (TransformerEngine's and MaxText's
   convention): padding rows give 0, a finite zero gradient and the
@@ -308,8 +335,8 @@ def test_padding_segment_id_is_checked():
 
 def test_plain_arrays_under_set_mesh_with_explicit_axes():
   """``jax.make_mesh``'s default axes (Explicit) and arrays placed nowhere:
-  ``dot_product_attention`` (eager, jit, gradient) and ``decode_attention``
-  with host positions, as on one device."""
+  ``dot_product_attention`` eagerly (its vjp's output and gradients) and
+  under jit, as on one device."""
   mesh = _mesh((4,), ("cp",), jax.sharding.AxisType.Explicit)
   q, k, v, do = ref.random_qkv(7, B, S, S, N, K, H)
   want, _, g = ref.attention(q, k, v, ref.Case(
@@ -318,19 +345,30 @@ def test_plain_arrays_under_set_mesh_with_explicit_axes():
   f = lambda q, k, v: jax_ring.dot_product_attention(
       q, k, v, is_causal=True, segment_ids=IDS,
       context_parallel=jax_ring.ContextParallel())
-  kv_pos = np.arange(S, dtype=np.int32)[None].repeat(B, 0)
-  q_pos = np.full((B, 1), S, np.int32)
   with jax.set_mesh(mesh):
-    eager, jitted = f(q, k, v), jax.jit(f)(q, k, v)
-    grads = jax.vjp(f, q, k, v)[1](do)
-    cache = jax.device_put(k, NamedSharding(mesh, P(None, "cp")))
-    split = jax_ring.decode_attention(
-        q[:, :1], cache, v, query_positions=q_pos, key_positions=kv_pos,
-        context_parallel=jax_ring.ContextParallel())
+    eager, vjp = jax.vjp(f, q, k, v)
+    jitted, grads = jax.jit(f)(q, k, v), vjp(do)
   for got, name in ((eager, "eager"), (jitted, "jit")):
     ref.assert_close(got, want, jnp.float32, name)
   for name, x in zip("qkv", grads):
     ref.assert_close(x, g[name], jnp.float32, "d" + name)
+
+
+# -m slow: decode_attention over cp, eagerly and under jit (Auto axes), is
+# test_decode.py::test_context_parallel_under_jit_and_eagerly_moves_no_kv.
+@pytest.mark.slow
+def test_decode_with_host_positions_under_set_mesh_with_explicit_axes():
+  """``decode_attention`` on Explicit axes, the cache placed, the values
+  and positions not (host positions), as on one device."""
+  mesh = _mesh((4,), ("cp",), jax.sharding.AxisType.Explicit)
+  q, k, v, _ = ref.random_qkv(7, B, S, S, N, K, H)
+  kv_pos = np.arange(S, dtype=np.int32)[None].repeat(B, 0)
+  q_pos = np.full((B, 1), S, np.int32)
+  with jax.set_mesh(mesh):
+    cache = jax.device_put(k, NamedSharding(mesh, P(None, "cp")))
+    split = jax_ring.decode_attention(
+        q[:, :1], cache, v, query_positions=q_pos, key_positions=kv_pos,
+        context_parallel=jax_ring.ContextParallel())
   vis = np.ones((B, 1, 1, S), bool)
   ref.assert_close(split, ref.attention(q[:, :1], k, v, ref.Case(
       H**-0.5, dense=vis))[0], jnp.float32, "decode")

@@ -151,10 +151,10 @@ def cp_setup(strategy, load_balance="dual_chunk"):
 
 
 # The layer's sharding on one sequence axis (ring, with a window, soft cap
-# and sinks, and Ulysses) and on two (hybrid) in the default run; each
-# strategy's masks and layouts are tested against the reference in its own
-# module (the all-gather's windows and packed rows: test_all_gather.py).
-# The other cases with -m slow.
+# and sinks) and on two (hybrid) in the default run; each strategy's masks
+# and layouts are tested against the reference in its own module (the
+# all-gather's windows and packed rows: test_all_gather.py). The other
+# cases with -m slow (Ulysses in the layer: hybrid_packed's all-to-all).
 @pytest.mark.parametrize("strategy, load_balance, kw, segments", [
     pytest.param("ring", "dual_chunk", dict(), False, marks=pytest.mark.slow),
     ("ring", "dual_chunk", dict(sliding_window=7, logits_soft_cap=2.0,
@@ -162,7 +162,8 @@ def cp_setup(strategy, load_balance="dual_chunk"):
     pytest.param("ring", "striped", dict(), True, marks=pytest.mark.slow),
     pytest.param("all_gather", "dual_chunk", dict(sliding_window=7), True,
                  marks=pytest.mark.slow),
-    ("ulysses", "dual_chunk", dict(), True),
+    pytest.param("ulysses", "dual_chunk", dict(), True,
+                 marks=pytest.mark.slow),
     ("hybrid", "dual_chunk", dict(), True),
     pytest.param("ring", "dual_chunk", dict(sinks=True, sliding_window=7),
                  True, marks=pytest.mark.slow),

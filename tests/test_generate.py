@@ -67,13 +67,13 @@ def cp_mesh():
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-# Every family on one device; with the cache sharded under -m slow (Gemma
-# 2, whose window and soft caps the split must respect, in the default run:
-# test_several_tokens_a_call_give_the_same_tokens; Mistral's window:
-# test_other_layouts_give_the_same_tokens).
+# Qwen2 and Mistral (its window) on one device; Llama 3, Gemma 2 and the
+# cache sharded under -m slow (Gemma 2, whose window and soft caps the split
+# must respect, with the cache sharded in the default run:
+# test_several_tokens_a_call_give_the_same_tokens).
 @pytest.mark.parametrize("name, cache", [
-    pytest.param(name, cache, marks=pytest.mark.slow if cache == "sharded"
-                 else ())
+    pytest.param(name, cache, marks=pytest.mark.slow if (
+        cache == "sharded" or name in ("llama3", "gemma2")) else ())
     for name in CONFIGS for cache in ("one_device", "sharded")])
 def test_greedy_tokens_equal_transformers(name, cache, checkpoints):
   path, want = checkpoints[name]
@@ -151,14 +151,13 @@ def test_a_generator_casts_wide_weights_once(checkpoints, monkeypatch):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_a_one_row_step_projects_two_rows():
+def test_a_one_row_step_projects_two_rows(checkpoints):
   """At batch 1 every product with a layer's weights sees two rows (one
   of them the spare), so none is a one-row product; only the logits'
-  product takes the one row kept."""
-  shapes = dict(COMMON, model_type="llama", rms_norm_eps=1e-5)
-  cfg = models.config_from_hf(shapes, dtype=jnp.float32,
-                              param_dtype=jnp.float32)
-  generator = gen.Generator(models.Decoder(cfg, rngs=nnx.Rngs(0)))
+  product takes the one row kept. (Qwen2's prefill of one prompt:
+  test_one_prompt_gives_transformers_tokens compiles it.)"""
+  generator = gen.Generator(models.load_pretrained(checkpoints["qwen2"][0]))
+  cfg = generator.cfg
   _, cache = generator.prefill(PROMPTS[:1], max_new_tokens=NEW)
   text = generator.lower_step(cache, [3]).as_text()
   lhs = re.findall(r"dot_general.*?: \(tensor<([0-9x]+)xf32>", text)
@@ -170,8 +169,10 @@ def test_a_one_row_step_projects_two_rows():
   assert one_row == ["1x32"], one_row
 
 
+# Under -m slow: the step hands decode_implementation to decode_attention,
+# whose kernel test_decode_pallas.py checks against the reference.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mistral", "gemma2"])  # head dims of 16
-@pytest.mark.sample(1)
 def test_the_pallas_decode_kernel_gives_the_same_tokens(name, checkpoints):
   """``Generator(decode_implementation="pallas")`` on one device
   (interpreted off GPUs), a window, soft caps: transformers' greedy
@@ -188,23 +189,22 @@ def test_the_pallas_decode_kernel_gives_the_same_tokens(name, checkpoints):
                          ids=["dp2_cp4_b2", "dp1_cp2_b1", "dp1_cp4_b1"])
 @pytest.mark.sample(1)
 def test_a_step_over_the_context_axis_moves_only_the_merge(data, context,
-                                                           rows):
+                                                           rows, checkpoints):
   """The cache split over 2 or 4 devices: a decode step's only collectives
   are each layer's merge of its attention, one all-reduce; the new token's
   activations are not split over the context axis (one token cannot be,
-  nor one row's spare), so no norm or projection needs one."""
+  nor one row's spare), so no norm or projection needs one. (Gemma 2 on
+  2 x 4: test_several_tokens_a_call_give_the_same_tokens' prefill.)"""
   if len(jax.devices()) < data * context:
     pytest.skip(f"needs {data * context} devices")
   mesh = jax.make_mesh((data, context), ("data", "context"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2,
                        devices=jax.devices()[:data * context])
-  shapes = dict(COMMON, model_type="llama", rms_norm_eps=1e-5)
   with jax.set_mesh(mesh):
-    cfg = models.config_from_hf(
-        shapes, dtype=jnp.float32, param_dtype=jnp.float32,
-        rules=models.model_rules(),
-        context_parallel=jax_ring.ContextParallel(axis="context"))
-    generator = gen.Generator(models.Decoder(cfg, rngs=nnx.Rngs(0)))
+    generator = gen.Generator(models.load_pretrained(
+        checkpoints["gemma2"][0], mesh=mesh, rules=models.model_rules(),
+        context_parallel=jax_ring.ContextParallel(axis="context")))
+    cfg = generator.cfg
     _, cache = generator.prefill(PROMPTS[:rows], max_new_tokens=NEW)
     hlo = generator.lower_step(cache, [3, 4][:rows]).compile().as_text()
   assert collectives(hlo) == {"all-gather": 0, "reduce-scatter": 0,
@@ -212,15 +212,15 @@ def test_a_step_over_the_context_axis_moves_only_the_merge(data, context,
                               "collective-permute": 0, "all-to-all": 0}
 
 
-# Hybrid in the default run, the rest with -m slow. Striped: the prompt
-# goes in natural order, as under the default dual-chunk layout (the
-# sharded cache of test_several_tokens_a_call_give_the_same_tokens); the
-# attention's own permutation: test_first_call.py's
-# test_natural_inputs_are_exact_by_default[ring-striped].
+# Under -m slow: the split cache in the default layout gives transformers'
+# tokens in test_several_tokens_a_call_give_the_same_tokens; each layout's
+# attention is tested in its own module (hybrid: test_flax.py's
+# test_context_parallel_layer_equals_single_device[hybrid_packed];
+# striped: test_first_call.py's
+# test_natural_inputs_are_exact_by_default[ring-striped]).
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [
-    "hybrid", "striped", pytest.param("contiguous", marks=pytest.mark.slow),
-    "context_of_one"])
-@pytest.mark.sample(1)
+    "hybrid", "striped", "contiguous", "context_of_one"])
 def test_other_layouts_give_the_same_tokens(layout, checkpoints):
   """The prompt in the striped layout, contiguous, over a pair of axes
   (Ulysses inside a ring, data=2 x ring=2 x ulysses=2), or on a context
@@ -285,7 +285,11 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy(checkpoints):
       model, PROMPTS, max_new_tokens=NEW, sampling=sampling, seed=seed)
   assert run(hot, 3) == run(hot, 3)
   assert run(hot, 3) != run(hot, 4)
-  assert run(gen.Sampling(temperature=1.0, top_k=1), 5) == want
+  # top_k=1: the draw of generate's steps, jitted, on the prompts' logits
+  # (not a decode program of its own): the first greedy tokens.
+  logits, _ = gen.Generator(model).prefill(PROMPTS, max_new_tokens=NEW)
+  one = jax.jit(gen.Sampling(temperature=1.0, top_k=1).draw)
+  assert one(logits, jax.random.key(5)).tolist() == [w[0] for w in want]
 
 
 @pytest.mark.parametrize("kw", [dict(top_p=0.5), dict(top_p=0.9),
@@ -316,7 +320,7 @@ def test_filtered_tokens_are_transformers_warpers(kw):
 
 
 def test_stop_tokens_end_a_row_and_are_kept(checkpoints):
-  path, want = checkpoints["llama3"]
+  path, want = checkpoints["qwen2"]
   got = gen.generate(models.load_pretrained(path), PROMPTS,
                      max_new_tokens=NEW, stop_tokens=[want[0][2]])
   first = want[0].index(want[0][2])
@@ -329,7 +333,7 @@ def test_several_tokens_a_call_give_the_same_tokens(checkpoints):
   """``tokens_per_call`` steps as one program: transformers' greedy tokens
   with the cache split over the context axis (Gemma 2: its window and soft
   caps; 7 tokens: the prefill's and two calls of 3), the same draws as one
-  token a call with sampling (4 a call: the last call's steps past
+  token a call with sampling (8 a call: the last call's steps past
   max_new_tokens dropped), stops at the same token inside a call, and
   ``on_tokens`` sees every step in order."""
   path, want = checkpoints["gemma2"]
@@ -342,16 +346,17 @@ def test_several_tokens_a_call_give_the_same_tokens(checkpoints):
     got = gen.generate(model, PROMPTS, max_new_tokens=NEW, tokens_per_call=3,
                        on_tokens=lambda step, _: steps.append(step))
   assert got == want and steps == list(range(NEW))
-  generator = gen.Generator(models.load_pretrained(checkpoints["mistral"][0]))
+  # 8 a call: test_sampling_is_reproducible_and_top_k_1_is_greedy's program
+  generator = gen.Generator(models.load_pretrained(checkpoints["qwen2"][0]))
   hot = gen.Sampling(temperature=1.5, top_k=20, top_p=0.9)
   run = lambda n, **kw: generator.generate(
       PROMPTS, max_new_tokens=NEW, sampling=hot, seed=3, tokens_per_call=n,
       **kw)
   one = run(1)
-  assert run(4) == one
-  stop = one[0][3]  # inside the first call of 4 (or earlier)
+  assert run(8) == one
+  stop = one[0][3]  # inside the first call of 8 (or earlier)
   first = one[0].index(stop)
-  assert run(4, stop_tokens=[stop])[0] == one[0][:first + 1]
+  assert run(8, stop_tokens=[stop])[0] == one[0][:first + 1]
 
 
 def test_a_tiny_temperature_is_greedy_and_options_are_named(checkpoints):
@@ -361,8 +366,13 @@ def test_a_tiny_temperature_is_greedy_and_options_are_named(checkpoints):
   path, want = checkpoints["qwen2"]
   generator = gen.Generator(models.load_pretrained(path))
   run = lambda **kw: generator.generate(PROMPTS, max_new_tokens=NEW, **kw)
-  assert run(sampling=gen.Sampling(np.float32(2e-38), top_k=np.int64(5),
-                                   top_p=0.5), seed=np.int64(1)) == want
+  assert run(seed=np.int64(1)) == want
+  # The draw of generate's steps, jitted, on the prompts' logits (not a
+  # decode program of its own): the first greedy tokens.
+  tiny = gen.Sampling(np.float32(2e-38), top_k=np.int64(5), top_p=0.5)
+  logits, _ = generator.prefill(PROMPTS, max_new_tokens=NEW)
+  drawn = jax.jit(tiny.draw)(logits, jax.random.key(1))
+  assert drawn.tolist() == [w[0] for w in want]
   for kw, error, message in (
       (dict(seed=2**32), ValueError, "seed must be an int in [0, 2**32); "
        "got 4294967296"),
@@ -399,9 +409,12 @@ def test_logits_holding_nan_draw_no_token(checkpoints):
   (greedy, top-k and nucleus alike) and generate names the step and row,
   where it used to return token 0."""
   logits = jnp.asarray([[0.0, 1.0, 2.0], [0.5, jnp.nan, 0.1]])
-  for sampling in (gen.Sampling(), gen.Sampling(1.0, top_p=0.5),
-                   gen.Sampling(0.7, top_k=2)):
-    tokens = sampling.draw(logits, jax.random.key(0))
+  samplings = (gen.Sampling(), gen.Sampling(1.0, top_p=0.5),
+               gen.Sampling(0.7, top_k=2))
+  # One program (as generate draws, jitted), not each operation eagerly.
+  drawn = jax.jit(lambda x, key: [s.draw(x, key) for s in samplings])(
+      logits, jax.random.key(0))
+  for sampling, tokens in zip(samplings, drawn):
     assert tokens[1] == -1 and 0 <= tokens[0] <= 2, (sampling, tokens)
   path, _ = checkpoints["qwen2"]
   model = models.load_pretrained(path)
@@ -426,11 +439,12 @@ def test_bad_prompts_steps_and_caches_are_named(checkpoints):
   with pytest.raises(ValueError, match=re.escape(
       "prompts must be a non-empty list of non-empty token lists")):
     generator.prefill([[1], []], max_new_tokens=2)
-  _, cache = generator.prefill([[1, 2]], max_new_tokens=2)
+  # test_one_prompt_gives_transformers_tokens' prefill, compiled once
+  _, cache = generator.prefill(PROMPTS[:1], max_new_tokens=2)
   assert cache.capacity == gen.SLOT_ALIGN
   with pytest.raises(ValueError, match=re.escape(
-      "step 1022 is past the cache: it holds 1022 new tokens per device")):
-    generator.step(cache, [3], gen.SLOT_ALIGN - 2)
+      "step 1015 is past the cache: it holds 1015 new tokens per device")):
+    generator.step(cache, [3], gen.SLOT_ALIGN - 9)
   with pytest.raises(ValueError, match=re.escape(
       "tokens must be 1 int ids in [0, 61)")):
     generator.step(cache, [3, 4], 0)
@@ -446,9 +460,10 @@ def test_bad_prompts_steps_and_caches_are_named(checkpoints):
       "the model is context-parallel over 'context', which the mesh in "
       "scope {} lacks")):
     gen.Generator(parallel).prefill([[1, 2]], max_new_tokens=2)
-  other = models.Decoder(models.DecoderConfig(
+  # Its shapes alone (no weights drawn): both calls are refused first.
+  other = nnx.eval_shape(lambda: models.Decoder(models.DecoderConfig(
       vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=3,
-      num_heads=4, num_kv_heads=2, head_dim=8), rngs=nnx.Rngs(0))
+      num_heads=4, num_kv_heads=2, head_dim=8), rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match=re.escape(
       "the cache is not this model's: it needs 3 layers of (1, 2, 1024, 8); "
       "got 2 of (1, 2, 1024, 8)")):

@@ -50,15 +50,18 @@ def run(q, k, v, do, u, r, *ids, **kw):
 # kv heads against U: K = 2 over U = 2 (one each), K = 8 over U = 2 (four
 # each), K = 2 over U = 4 (each repeated twice) and MQA over U = 4 (repeated
 # four times). K = 2 over U = 2 runs causal and dual-chunk in the default run
-# in the loop test (at R = 4).
+# in the loop test (at R = 4); K = 8 over U = 2 at R = 2 (the heads' point
+# needs no longer ring; R = 4, with -m slow).
 @pytest.mark.parametrize("ur, causal, load_balance, kv_heads", [
     pytest.param((2, 2), True, "dual_chunk", 2, marks=pytest.mark.slow),
     pytest.param((2, 4), True, None, 2, marks=pytest.mark.slow),
-    ((2, 4), False, "dual_chunk", 8),
+    ((2, 2), False, "dual_chunk", 8),
+    pytest.param((2, 4), False, "dual_chunk", 8, marks=pytest.mark.slow),
     pytest.param((4, 2), True, "dual_chunk", 2, marks=pytest.mark.slow),
     ((4, 2), True, None, 1)],
                          ids=["u2_r2_causal_dual_chunk",
                               "u2_r4_causal_contiguous",
+                              "u2_r2_full_dual_chunk_k8",
                               "u2_r4_full_dual_chunk_k8",
                               "u4_r2_causal_dual_chunk",
                               "u4_r2_causal_contiguous_mqa"])
@@ -69,9 +72,14 @@ def test_hybrid_matches_reference(ur, causal, load_balance, kv_heads):
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=causal))
 
 
+# At R = 2 in the default run (documents cross sub-shards and ring shards
+# alike); R = 4 and the pair with -m slow: the ring's steps over packed
+# rows are test_ring.py's, a pair of ids Ulysses' and all-gather's.
 @pytest.mark.parametrize("ur, load_balance, pair", [
-    ((2, 4), "dual_chunk", False), ((4, 2), None, True)],
-                         ids=["u2_r4_dual_chunk", "u4_r2_contiguous_pair"])
+    ((2, 2), "dual_chunk", False), ((2, 4), "dual_chunk", False),
+    ((4, 2), None, True)],
+                         ids=["u2_r2_dual_chunk", "u2_r4_dual_chunk",
+                              "u4_r2_contiguous_pair"])
 @pytest.mark.sample(1)
 def test_hybrid_packed_segments_cross_shard_boundaries(monkeypatch, ur,
                                                        load_balance, pair):

@@ -51,11 +51,13 @@ CASES = {
 }
 
 
-# Cases that another default test checks as they are, through
-# check_kernel (-m slow runs them here too): causal_q_after_kv in
+# Cases that another default test checks as they are, against the
+# reference (-m slow runs them here too): causal_q_after_kv in
 # test_gqa_groups, window_causal_offset in test_lse_cotangent, everything
-# in test_dtypes[everything-float32].
-ELSEWHERE = ("causal_q_after_kv", "window_causal_offset", "everything")
+# in test_dtypes[everything-float32], causal_kv_after_q in
+# test_fully_masked_rows_are_zero_with_finite_grads.
+ELSEWHERE = ("causal_q_after_kv", "window_causal_offset", "everything",
+             "causal_kv_after_q")
 
 
 @pytest.mark.parametrize("name", [
@@ -66,8 +68,9 @@ def test_mask_cases_match_reference(name):
   check_kernel(q, k, v, do, CASES[name])
 
 
+# MHA by default; groups of 2 are every other test's shape (N = 4, K = 2).
 @pytest.mark.parametrize("groups", [
-    1, 4, *(pytest.param(g, marks=pytest.mark.slow) for g in (2, 8))])
+    1, *(pytest.param(g, marks=pytest.mark.slow) for g in (2, 4, 8))])
 def test_gqa_groups(groups):
   kh = 2
   q, k, v, do = ref.random_qkv(groups, B, T, S, kh * groups, kh, H)
@@ -75,8 +78,10 @@ def test_gqa_groups(groups):
 
 
 # Each dtype on "everything" (a causal mask among the rest) in the
-# default run; on "causal" alone too with -m slow.
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+# default run, float16 (bfloat16's path) and "causal" alone with -m slow.
+@pytest.mark.parametrize("dtype", [
+    jnp.float32, jnp.bfloat16,
+    pytest.param(jnp.float16, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", [
     pytest.param("causal", marks=pytest.mark.slow), "everything"])
 def test_dtypes(dtype, name):
@@ -101,15 +106,19 @@ def test_lse_cotangent():
   check_kernel(q, k, v, do, CASES["window_causal_offset"], dlse=dlse)
 
 
-@pytest.mark.parametrize("tiles", [dict(block_q=37, block_kv=29),
-                                   dict(block_q=5, block_kv=7),
-                                   dict(block_q=64, block_kv=3)])
+# tiles2 (a query tile past T: tiles0's one; key tiles of 3: tiles1's
+# partial ones) with -m slow.
+@pytest.mark.parametrize("tiles", [
+    dict(block_q=37, block_kv=29), dict(block_q=5, block_kv=7),
+    pytest.param(dict(block_q=64, block_kv=3), marks=pytest.mark.slow)])
 def test_tile_sizes_do_not_change_the_result(tiles):
   q, k, v, do = ref.random_qkv(11, B, T, S, N, K, H)
   check_kernel(q, k, v, do, CASES["everything"], **tiles)
 
 
 def test_fully_masked_rows_are_zero_with_finite_grads():
+  """Zero where no key is seen, finite gradients, and all of it the
+  reference's (this mask case's check)."""
   q, k, v, do = ref.random_qkv(12, B, T, S, N, K, H)
   case = CASES["causal_kv_after_q"]  # rows p_q < 9 see no key
   out, lse, grads = run_kernel(q, k, v, do, case)
@@ -118,6 +127,11 @@ def test_fully_masked_rows_are_zero_with_finite_grads():
   assert np.all(np.asarray(grads[0][:, :9]) == 0)
   for g in grads[:3]:
     assert np.all(np.isfinite(np.asarray(g)))
+  r_out, r_lse, r_g = ref.attention(q, k, v, case, dout=do)
+  ref.assert_close(out, r_out, q.dtype, "out")
+  ref.assert_close(lse, r_lse, q.dtype, "lse")
+  for name, grad in zip("qkv", grads):
+    ref.assert_close(grad, r_g[name], q.dtype, "d" + name)
 
 
 def test_backward_from_external_global_out_and_lse():
@@ -171,7 +185,12 @@ def test_stacked_dkv_backward_matches_the_reference_and_vmaps():
                                      cfg)
     return dq, dkv, pair[0], jnp.stack(pair[1:3])
 
-  dq, dkv, dq2, dkv2 = jax.jit(both)(q, k, v, out, lse, do, case.q_offset)
+  split = lambda x: x.reshape(3, B, *x.shape[1:])
+  args = [split(x) for x in (q, k, v, out, lse, do)]
+  # Per instance (eagerly); their rows together against the reference's.
+  wants = [both(*(a[i] for a in args), case.q_offset) for i in range(3)]
+  rows = lambda j, axis: jnp.concatenate([w[j] for w in wants], axis)
+  dq, dkv, dq2, dkv2 = rows(0, 0), rows(1, 1), rows(2, 0), rows(3, 1)
   assert dkv.shape == (2,) + k.shape
   np.testing.assert_array_equal(np.asarray(dkv), np.asarray(dkv2))
   np.testing.assert_array_equal(np.asarray(dq), np.asarray(dq2))
@@ -179,14 +198,11 @@ def test_stacked_dkv_backward_matches_the_reference_and_vmaps():
   ref.assert_close(dkv[0], r_g["k"], q.dtype, "dk")
   ref.assert_close(dkv[1], r_g["v"], q.dtype, "dv")
 
-  split = lambda x: x.reshape(3, B, *x.shape[1:])
-  args = [split(x) for x in (q, k, v, out, lse, do)]
   for qo in (jnp.asarray(case.q_offset, jnp.int32),
              jnp.full((3,), case.q_offset, jnp.int32)):
     axes = (0,) * 6 + (None if qo.ndim == 0 else 0,)
     got = jax.jit(jax.vmap(both, axes))(*args, qo)
-    for i in range(3):
-      want = both(*(a[i] for a in args), case.q_offset)
+    for i, want in enumerate(wants):
       for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a[i]), np.asarray(b),
                                    rtol=1e-5, atol=1e-5)
@@ -269,9 +285,18 @@ def test_vmap_bias_gradient_is_per_instance():
 
 
 def test_runs_are_bitwise_deterministic():
+  """Two runs of one program, forward and backward."""
   q, k, v, do = ref.random_qkv(18, B, T, S, N, K, H)
-  a = run_kernel(q, k, v, do, CASES["everything"])
-  b = run_kernel(q, k, v, do, CASES["everything"])
+  case = CASES["everything"]
+  cfg = ref.config(case, **TILES)
+
+  @jax.jit
+  def run(q, k, v, mask):
+    out, vjp = jax.vjp(lambda q, k, v: kernel.attention(q, k, v, None, mask,
+                                                        cfg), q, k, v)
+    return out, vjp((do, jnp.zeros_like(out[1])))
+
+  a, b = (run(q, k, v, ref.block_mask(case)) for _ in range(2))
   chex.assert_trees_all_equal(a, b, strict=True)
 
 

@@ -257,39 +257,54 @@ def test_dropout_draws_afresh_each_call_scanned_or_not(checkpoints):
   np.testing.assert_allclose(b_eval, a_plain, atol=1e-5)
 
 
-def test_remat_of_unrolled_blocks_reads_frozen_weights_of_an_outer_trace(
-    checkpoints):
-  """A train step's pattern: the adapters differentiated, the frozen rest
-  passed into the jitted step and merged inside the gradient's trace.
-  Unrolled blocks under each remat mode give the adapters (on every linear
-  module of every layer, so every block's recompute shows) the same
-  gradients (the remat writes nothing back to the frozen weights); and
-  remat="attention" runs one attention forward per layer, not two."""
+def remat_adapter_grads(path, remat):
+  """The adapters' gradients (on every linear module of every layer, so
+  that every block's recompute shows) of a train step's pattern: the
+  adapters differentiated, the frozen rest passed into the jitted step and
+  merged inside the gradient's trace; unrolled blocks under ``remat``.
+  Returns them and the step's jaxpr, as text (under "attention")."""
   tokens = jnp.asarray(tokens_of(9, (1, 11)))
   positions = jnp.arange(11)[None]
-  grads = {}
-  for remat in (False, True, "attention"):
-    model = models.load_pretrained(checkpoints["llama3"], implementation="xla",
-                                   scan_layers=False, remat=remat)
-    models.add_lora(model, rank=2, alpha=4, base_dtype=None,
-                    rngs=nnx.Rngs(params=0))
-    randomize(model, 5)
-    graph, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+  model = models.load_pretrained(path, implementation="xla",
+                                 scan_layers=False, remat=remat)
+  models.add_lora(model, rank=2, alpha=4, base_dtype=None,
+                  rngs=nnx.Rngs(params=0))
+  randomize(model, 5)
+  graph, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
 
-    @jax.jit
-    def grad(adapters, rest):
-      loss = lambda a: jnp.mean(
-          nnx.merge(graph, a, rest)(tokens, positions) ** 2)
-      return jax.grad(loss)(adapters)
+  @jax.jit
+  def grad(adapters, rest):
+    loss = lambda a: jnp.mean(nnx.merge(graph, a, rest)(tokens, positions)
+                              ** 2)
+    return jax.grad(loss)(adapters)
 
-    grads[remat] = jax.tree.leaves(grad(adapters, rest))
-    if remat == "attention":  # one attention forward per layer, not two
-      jaxpr = str(jax.make_jaxpr(grad)(adapters, rest))
-      assert jaxpr.count("jax_ring_attention_fwd") == 2, jaxpr.count(
-          "jax_ring_attention_fwd")
-  for remat in (True, "attention"):
-    for got, want in zip(grads[remat], grads[False], strict=True):
-      assert relative_error(np.asarray(got), np.asarray(want)) <= 1e-5
+  return jax.tree.leaves(grad(adapters, rest)), (
+      str(jax.make_jaxpr(grad)(adapters, rest)) if remat == "attention"
+      else None)
+
+
+@pytest.fixture(scope="module")
+def grads_without_remat(checkpoints):
+  return remat_adapter_grads(checkpoints["llama3"], False)[0]
+
+
+# "attention" in the default run; True with -m slow (whole blocks
+# recomputed, without adapters: test_models.py's
+# test_remat_modes_give_the_same_loss_and_gradients).
+@pytest.mark.parametrize("remat", ["attention", True])
+@pytest.mark.sample(1)
+def test_remat_of_unrolled_blocks_reads_frozen_weights_of_an_outer_trace(
+    remat, checkpoints, grads_without_remat):
+  """Unrolled blocks under a remat mode give the adapters the gradients
+  they have without (the remat writes nothing back to the frozen weights
+  of the outer trace); and remat="attention" runs one attention forward
+  per layer, not two."""
+  grads, jaxpr = remat_adapter_grads(checkpoints["llama3"], remat)
+  if remat == "attention":  # one attention forward per layer, not two
+    assert jaxpr.count("jax_ring_attention_fwd") == 2, jaxpr.count(
+        "jax_ring_attention_fwd")
+  for got, want in zip(grads, grads_without_remat, strict=True):
+    assert relative_error(np.asarray(got), np.asarray(want)) <= 1e-5
 
 
 def test_lora_errors_name_what_is_wrong(checkpoints, tmp_path):

@@ -52,8 +52,8 @@ def qkv(seed=0, t=T, s=T, n=N, k=K):
 # --- the automatic path: eager equals jit equals the reference -------------
 
 # Auto axes with -m slow: eagerly there, test_eager_autodiff_uses_the_layout
-# [ring-AxisType.Auto] (the same packed dual-chunk call, its forward and
-# gradients); under jit, test_plain_arrays_under_set_mesh_and_jit.
+# [ring-vjp] (the same packed dual-chunk call, its forward and gradients);
+# under jit, test_plain_arrays_under_set_mesh_and_jit.
 @pytest.mark.parametrize("kind", [
     pytest.param(AxisType.Auto, marks=pytest.mark.slow), AxisType.Explicit])
 def test_automatic_path_eager_and_jit_on_auto_and_explicit_axes(kind):
@@ -74,11 +74,17 @@ def test_automatic_path_eager_and_jit_on_auto_and_explicit_axes(kind):
   np.testing.assert_array_equal(np.asarray(eager), np.asarray(jitted))
 
 
-@pytest.mark.parametrize("strategy, kind", [
-    ("ring", AxisType.Auto), ("auto", AxisType.Auto),
-    pytest.param("ring", AxisType.Explicit, marks=pytest.mark.slow)])
+# -m slow: jax.grad of jax.checkpoint (eager gradients in the layout are
+# the vjp case's), auto and Explicit axes (both transforms each).
+@pytest.mark.parametrize("strategy, kind, transforms", [
+    ("ring", AxisType.Auto, ("vjp",)),
+    ("ring", AxisType.Auto, ("checkpoint",)),
+    ("auto", AxisType.Auto, ("vjp", "checkpoint")),
+    pytest.param("ring", AxisType.Explicit, ("vjp", "checkpoint"),
+                 marks=pytest.mark.slow)],
+    ids=["ring-vjp", "ring-checkpoint", "auto", "ring-explicit"])
 @pytest.mark.sample(1)
-def test_eager_autodiff_uses_the_layout(strategy, kind):
+def test_eager_autodiff_uses_the_layout(strategy, kind, transforms):
   """jax.grad, jax.vjp and jax.checkpoint with no jax.jit around them
   (dual-chunk, causal, packed): the forward and every gradient are the
   reference's, as under jit; on Explicit axes too (under jax.set_mesh, as
@@ -87,10 +93,10 @@ def test_eager_autodiff_uses_the_layout(strategy, kind):
   mesh = cp_mesh(kind)
   with jax.set_mesh(mesh) if kind == AxisType.Explicit else (
       contextlib.nullcontext()):
-    _eager_autodiff(mesh, strategy)
+    _eager_autodiff(mesh, strategy, transforms)
 
 
-def _eager_autodiff(mesh, strategy):
+def _eager_autodiff(mesh, strategy, transforms):
   q, k, v = qkv(7)
   do = jax.random.normal(jax.random.key(8), q.shape)
   seg = jnp.asarray(ref.random_segments(9, B, T, 3))
@@ -102,13 +108,15 @@ def _eager_autodiff(mesh, strategy):
   case = ref.Case(H**-0.5, is_causal=True, q_segment_ids=np.asarray(seg),
                   kv_segment_ids=np.asarray(seg))
   r_out, _, g = ref.attention(q, k, v, case, dout=do)
-  out, vjp = jax.vjp(lambda *a: f(*a, seg_p), *args)
-  ref.assert_close(natural(out, CP), r_out, q.dtype, "vjp's out")
-  for name, got in zip("qkv", vjp(do_p)):
-    ref.assert_close(natural(got, CP), g[name], q.dtype, "d" + name)
-  loss = lambda q, k, v: jnp.sum(jax.checkpoint(f)(q, k, v, seg_p) * do_p)
-  for name, got in zip("qkv", jax.grad(loss, (0, 1, 2))(*args)):
-    ref.assert_close(natural(got, CP), g[name], q.dtype, "grad d" + name)
+  if "vjp" in transforms:
+    out, vjp = jax.vjp(lambda *a: f(*a, seg_p), *args)
+    ref.assert_close(natural(out, CP), r_out, q.dtype, "vjp's out")
+    for name, got in zip("qkv", vjp(do_p)):
+      ref.assert_close(natural(got, CP), g[name], q.dtype, "d" + name)
+  if "checkpoint" in transforms:
+    loss = lambda q, k, v: jnp.sum(jax.checkpoint(f)(q, k, v, seg_p) * do_p)
+    for name, got in zip("qkv", jax.grad(loss, (0, 1, 2))(*args)):
+      ref.assert_close(natural(got, CP), g[name], q.dtype, "grad d" + name)
 
 
 def test_flax_attention_fn_eager_uses_the_layout():
@@ -473,7 +481,10 @@ def test_non_finite_inputs_propagate_as_in_jax_nn(where):
   np.testing.assert_allclose(ours[fine], theirs[fine], atol=2e-5)
 
 
+# -m slow: the all-gather and Ulysses, whose kernel sees whole key rows (as
+# in test_non_finite_inputs_propagate_as_in_jax_nn); the ring merges parts.
 @pytest.mark.parametrize("strategy", ["ring", "all_gather", "ulysses"])
+@pytest.mark.sample(1)
 def test_non_finite_inputs_propagate_under_every_strategy(strategy):
   """A NaN in one query row and one key: under context parallelism the
   output's NaN rows are exactly jax.nn's (causal, dual-chunk)."""

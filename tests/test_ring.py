@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_ring
 import reference as ref
@@ -35,7 +35,7 @@ def _default_lane(cp, causal, load_balance, loop):
   default run has the rest elsewhere: the dual-chunk ring causal in both
   loop forms in test_loop_forms_agree_bitwise_and_env_var_selects_scan, the
   striped ring scanned in test_ring_packed_segments_cross_shard_boundaries,
-  cp = 2 in test_gathered_kv_sends_match_reference and
+  cp = 2 in test_ring_gqa_mqa_and_soft_cap and
   test_ring_windows_and_padding, cp = 8 in test_any_length.py (rank-coded
   shards make a misplaced shard show at any cp). The rest runs with ``-m
   slow``."""
@@ -63,7 +63,8 @@ def test_ring_matches_reference(cp, causal, load_balance, loop):
 # A window's chunk pairs compile one static band per chunk distance, so the
 # larger rings and the dual-chunk scans (the slowest programs to compile
 # here) run with ``-m slow``; the default run keeps a causal window
-# (contiguous) and padding (dual-chunk); the striped ring's window with
+# (contiguous) and padding (dual-chunk, on 2 devices: the lengths empty
+# chunks as on 4, which -m slow adds); the striped ring's window with
 # padding is test_automatic_path_under_jit_matches_reference's
 # dp2_cp4_unrolled_striped_packed_window_pad, its two-sided bands
 # test_striped_bands_match_global_positions; the dual-chunk ring's causal
@@ -81,7 +82,8 @@ _SLOW = pytest.mark.slow
      pytest.param(4, None, False, (9, 4), "unrolled", marks=_SLOW),
      pytest.param(2, "dual_chunk", False, (3, 11), "unrolled", marks=_SLOW),
      pytest.param(4, "dual_chunk", False, (3, 11), "scan", marks=_SLOW),
-     (4, "dual_chunk", True, None, "unrolled"),
+     (2, "dual_chunk", True, None, "unrolled"),
+     pytest.param(4, "dual_chunk", True, None, "unrolled", marks=_SLOW),
      pytest.param(4, None, True, None, "scan", marks=_SLOW),
      pytest.param(8, "dual_chunk", True, (4, 0), "unrolled", marks=_SLOW),
      pytest.param(4, "striped", True, (5, 0), "unrolled", marks=_SLOW),
@@ -92,7 +94,8 @@ _SLOW = pytest.mark.slow
     ids=["n2_dual_causal_w5", "n4_dual_causal_w5", "n4_dual_causal_w13_scan", "n2_contig_w7",
          "n4_contig_full_w9_4", "n2_dual_full_w3_11",
          "n4_dual_full_w3_11_scan",
-         "n4_dual_causal_pad_only", "n4_contig_causal_pad_only_scan",
+         "n2_dual_causal_pad_only", "n4_dual_causal_pad_only",
+         "n4_contig_causal_pad_only_scan",
          "n8_dual_causal_w4", "n4_striped_causal_w5", "n4_striped_full_w3_7",
          "n8_striped_causal_w13_scan", "n4_striped_causal_pad_only",
          "n4_striped_full_pad_only_scan"])
@@ -111,15 +114,16 @@ def test_ring_windows_and_padding(cp, load_balance, causal, window, loop):
         dataclasses.replace(case, q_lengths=Q_LENGTHS, kv_lengths=KV_LENGTHS))
 
 
-# MQA in the default run; K = N (one query head a kv head) and striped with
-# -m slow (GQA, K = 2, is every other test's).
-@pytest.mark.parametrize("kv_heads, load_balance",
-                         [(1, "dual_chunk"), (4, "dual_chunk"),
-                          (1, "striped")])
+# MQA in the default run, on 2 devices (heads need no more); K = N (one
+# query head a kv head) and striped with -m slow (GQA, K = 2, is every
+# other test's).
+@pytest.mark.parametrize("kv_heads, load_balance, cp",
+                         [(1, "dual_chunk", 2), (4, "dual_chunk", 4),
+                          (1, "striped", 4)])
 @pytest.mark.sample(1)
-def test_ring_gqa_mqa_and_soft_cap(kv_heads, load_balance):
-  q, k, v, do = rank_coded_qkv(11, 4, kv_heads, load_balance)
-  got = run_ring(q, k, v, do, 4, is_causal=True, load_balance=load_balance,
+def test_ring_gqa_mqa_and_soft_cap(kv_heads, load_balance, cp):
+  q, k, v, do = rank_coded_qkv(11, cp, kv_heads, load_balance)
+  got = run_ring(q, k, v, do, cp, is_causal=True, load_balance=load_balance,
                  logits_soft_cap=3.0)
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True, soft_cap=3.0))
 
@@ -135,20 +139,92 @@ def test_ring_16_bit(dtype):
   check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True))
 
 
+class RingPrograms:
+  """A causal ring on 4 devices (xla blocks; rank-coded inputs in the
+  layout), called in a user's ``shard_map`` or through the automatic path
+  (jit + NamedSharding), compiled once for every test that reads it: the
+  forward alone (its HLO, and its traced jaxpr's text) and forward+backward
+  (its HLO, and its output and grads in natural order)."""
+
+  CP = 4
+
+  def __init__(self):
+    self._cache = {}
+
+  def _program(self, path, loop, kv_sends, load_balance):
+    cp = self.CP
+    q, k, v, do = rank_coded_qkv(15, cp, load_balance=load_balance)
+    args = [jax_ring.reorder_for_load_balance(x, cp, layout=load_balance)
+            for x in (q, k, v, do)]
+    spec = P(None, "cp")
+    kw = dict(is_causal=True, implementation="xla")
+    if path == "shard_map":
+      attn = jax.shard_map(
+          lambda q, k, v: jax_ring.ring_attention(
+              q, k, v, axis_name="cp", load_balance=load_balance, loop=loop,
+              kv_sends=kv_sends, **kw),
+          mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
+    else:
+      args = [jax.device_put(x, NamedSharding(mesh(cp), spec)) for x in args]
+      attn = lambda q, k, v: jax_ring.dot_product_attention(
+          q, k, v, context_parallel=jax_ring.ContextParallel(
+              axis="cp", load_balance=load_balance, loop=loop,
+              kv_sends=kv_sends, inputs="load_balanced"), **kw)
+    return (q, k, v, do), args, attn
+
+  def _once(self, key, make):
+    # The cap on gathered K/V (a test may patch it) is part of the program.
+    key += (jax_ring._src.core.config.GATHER_KV_MAX_BYTES,)
+    if key not in self._cache:
+      self._cache[key] = make()
+    return self._cache[key]
+
+  def forward(self, path, loop="unrolled", kv_sends="neighbour",
+              load_balance="dual_chunk"):
+    """``(hlo, jaxpr)``: the forward's compiled HLO and traced jaxpr."""
+    def make():
+      _, args, attn = self._program(path, loop, kv_sends, load_balance)
+      traced = jax.jit(attn).trace(*args[:3])
+      return traced.lower().compile().as_text(), str(traced.jaxpr)
+    return self._once(("forward", path, loop, kv_sends, load_balance), make)
+
+  def both(self, path, loop="unrolled", kv_sends="neighbour",
+           load_balance="dual_chunk"):
+    """``(hlo, inputs, (out, grads))`` of forward+backward; the inputs and
+    results in natural order."""
+    def make():
+      inputs, args, attn = self._program(path, loop, kv_sends, load_balance)
+
+      def go(q, k, v, do):
+        out, vjp = jax.vjp(attn, q, k, v)
+        return out, vjp(do)
+
+      compiled = jax.jit(go).lower(*args).compile()
+      back = lambda x: jax_ring.reorder_from_load_balance(
+          x, self.CP, layout=load_balance)
+      out, grads = compiled(*args)
+      return (compiled.as_text(), inputs,
+              (back(out), tuple(back(g) for g in grads)))
+    return self._once(("both", path, loop, kv_sends, load_balance), make)
+
+
+@pytest.fixture(scope="module")
+def ring_programs():
+  return RingPrograms()
+
+
+# The unrolled dual-chunk form's forward is test_backward_sends_no_kv_a_
+# second_time[shard_map]'s too; the default run has both loop forms and
+# both layouts, the other pairs -m slow.
 @pytest.mark.parametrize("loop, load_balance", [
-    ("scan", "dual_chunk"), ("scan", "striped"), ("unrolled", "dual_chunk"),
-    ("unrolled", "striped")], ids=["scan-dual_chunk", "scan-striped",
-                                   "unrolled-dual_chunk", "unrolled-striped"])
-def test_forward_permutes_stacked_kv_only(loop, load_balance):
+    ("unrolled", "dual_chunk"), ("scan", "striped"), ("scan", "dual_chunk"),
+    ("unrolled", "striped")], ids=["unrolled-dual_chunk", "scan-striped",
+                                   "scan-dual_chunk", "unrolled-striped"])
+@pytest.mark.sample(2)
+def test_forward_permutes_stacked_kv_only(loop, load_balance, ring_programs):
   cp = 4
-  q, k, v, _ = rank_coded_qkv(13, cp)
-  spec = P(None, "cp")
-  f = jax.jit(jax.shard_map(
-      lambda q, k, v: jax_ring.ring_attention(
-          q, k, v, axis_name="cp", is_causal=True, load_balance=load_balance,
-          loop=loop, kv_sends="neighbour", implementation="xla"),
-      mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec))
-  hlo = f.lower(q, k, v).compile().as_text()
+  hlo, jaxpr = ring_programs.forward("shard_map", loop,
+                                     load_balance=load_balance)
   permutes = re.findall(r"collective-permute(?:-start)?\(", hlo)
   # Unrolled: one permute per step but the last. Scan: the first step's,
   # one in the loop body, none for the peeled last step.
@@ -160,58 +236,43 @@ def test_forward_permutes_stacked_kv_only(loop, load_balance):
   # Block calls traced: step 0's, then a two-way branch per later step
   # (dual_chunk: half-KV / half-Q; striped: inclusive / strict band), in
   # the scan's body once and in the peeled last step.
-  calls = str(f.trace(q, k, v).jaxpr).count("jax_ring_attention_fwd")
+  calls = jaxpr.count("jax_ring_attention_fwd")
   assert calls == (1 + 2 * (cp - 1) if loop == "unrolled" else 5), calls
 
 
-def unrolled_ring_collectives(path, seed, kv_sends):
-  """Collective counts of the forward and of forward+backward of a causal
-  dual-chunk unrolled ring on 4 devices, called through ``shard_map`` or
-  the automatic path (jit + NamedSharding)."""
-  cp = 4
-  q, k, v, do = rank_coded_qkv(seed, cp)
-  spec = P(None, "cp")
-  kw = dict(is_causal=True, implementation="xla")
-  if path == "shard_map":
-    attn = jax.shard_map(
-        lambda q, k, v: jax_ring.ring_attention(
-            q, k, v, axis_name="cp", load_balance="dual_chunk",
-            loop="unrolled", kv_sends=kv_sends, **kw),
-        mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
-  else:
-    q, k, v, do = (jax.device_put(x, jax.sharding.NamedSharding(mesh(cp),
-                                                                spec))
-                   for x in (q, k, v, do))
-    attn = lambda q, k, v: jax_ring.dot_product_attention(
-        q, k, v, context_parallel=jax_ring.ContextParallel(
-            axis="cp", loop="unrolled", kv_sends=kv_sends,
-            inputs="load_balanced"), **kw)
-  g = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
-  return (collectives(jax.jit(attn).lower(q, k, v).compile().as_text()),
-          collectives(g.lower(q, k, v, do).compile().as_text()))
+def check_causal(got, inputs):
+  check(got, *inputs, ref.Case(H**-0.5, is_causal=True))
 
 
 @pytest.mark.parametrize("path", ["shard_map", "automatic",
                                   "automatic_large_kv"])
 @pytest.mark.sample(2)
-def test_backward_sends_no_kv_a_second_time(path, monkeypatch):
+def test_backward_sends_no_kv_a_second_time(path, ring_programs,
+                                            monkeypatch):
   """Forward+backward, cp = 4, unrolled: 3 stacked-KV permutes forward and
   4 dK/dV permutes backward. Under shard_map the backward's K/V sends are
   the forward's (XLA merges them); the automatic path lowers its backward
   apart, so it gathers K/V once there instead of sending them again, up to
-  GATHER_KV_MAX_BYTES of gathered K/V; past that it sends them again."""
+  GATHER_KV_MAX_BYTES of gathered K/V; past that it sends them again.
+  Exact throughout."""
   if path == "automatic_large_kv":
     monkeypatch.setattr(jax_ring._src.core.config, "GATHER_KV_MAX_BYTES", 0)
-  fwd, counts = unrolled_ring_collectives(path.removesuffix("_large_kv"),
-                                          15, "neighbour")
+  path = path.removesuffix("_large_kv")
+  fwd = collectives(ring_programs.forward(path)[0])
+  hlo, inputs, got = ring_programs.both(path)
+  counts = collectives(hlo)
   assert (fwd["collective-permute"], fwd["all-gather"]) == (3, 0), fwd
-  assert counts["all-gather"] == (1 if path == "automatic" else 0), counts
-  assert counts["collective-permute"] == (
-      10 if path == "automatic_large_kv" else 7), counts
+  large = jax_ring._src.core.config.GATHER_KV_MAX_BYTES == 0
+  assert counts["all-gather"] == int(path == "automatic" and not large), (
+      counts)
+  assert counts["collective-permute"] == (10 if large else 7), counts
+  check_causal(got, inputs)
 
 
+# The dual-chunk ring unrolled (cp = 2 and 4) with -m slow: its gathered
+# sends are test_gathered_kv_sends_collectives[shard_map]'s, exact.
 @pytest.mark.parametrize("cp, causal, load_balance, extra", [
-    (2, True, "dual_chunk", {}),
+    pytest.param(2, True, "dual_chunk", {}, marks=pytest.mark.slow),
     pytest.param(4, True, "dual_chunk", {}, marks=pytest.mark.slow),
     (4, True, "dual_chunk", dict(loop="scan")),
     (4, True, None, {}),
@@ -222,7 +283,7 @@ def test_backward_sends_no_kv_a_second_time(path, monkeypatch):
                                      KV_LENGTHS))),
 ], ids=["n2", "n4", "n4_scan", "n4_contiguous", "n8_striped",
         "n4_window_scan", "n8_padding"])
-@pytest.mark.sample(3)
+@pytest.mark.sample(2)
 def test_gathered_kv_sends_match_reference(cp, causal, load_balance, extra):
   """kv_sends="gather": each step's K/V from one all-gather, dK/dV parts
   straight back to their owners (unrolled) or along the ring (scan). GQA
@@ -239,20 +300,29 @@ def test_gathered_kv_sends_match_reference(cp, causal, load_balance, extra):
   check(got, q, k, v, do, case)
 
 
-@pytest.mark.parametrize("path", ["automatic", "shard_map"])
-def test_gathered_kv_sends_collectives(path):
+# -m slow: the automatic path's own backward gather is test_backward_sends_
+# no_kv_a_second_time[automatic]'s (its sends the forward's neighbours).
+@pytest.mark.parametrize("path", ["shard_map", "automatic"])
+@pytest.mark.sample(1)
+def test_gathered_kv_sends_collectives(path, ring_programs):
   """cp = 4, unrolled, kv_sends="gather". Forward: one all-gather, no
   permute. Forward+backward: 3 dK/dV parts sent back, with no final
   return. The backward's K/V come from the forward's gather (shard_map: one
   program) or from a gather of its own (the automatic path's backward is a
-  partitioned call of its own)."""
-  fwd, both = unrolled_ring_collectives(path, 16, "gather")
+  partitioned call of its own). Exact."""
+  fwd = collectives(ring_programs.forward(path, kv_sends="gather")[0])
+  hlo, inputs, got = ring_programs.both(path, kv_sends="gather")
+  both = collectives(hlo)
   assert (fwd["collective-permute"], fwd["all-gather"]) == (0, 1), fwd
   assert both["collective-permute"] == 3, both
   assert both["all-gather"] == 1 + (path == "automatic"), both
+  check_causal(got, inputs)
 
 
-@pytest.mark.parametrize("kv_heads", [K, 1], ids=["gqa", "mqa"])
+# -m slow: MQA (the ring's is test_ring_gqa_mqa_and_soft_cap's default
+# case); the pair's schedule moves K/V the same whatever their heads.
+@pytest.mark.parametrize("kv_heads", [K, pytest.param(1, marks=_SLOW)],
+                         ids=["gqa", "mqa"])
 def test_two_device_contiguous_ring_matches_reference(kv_heads):
   """Contiguous shards on a ring of two, causal: ``ring.pair``'s balanced
   schedule (device 0 takes device 1's late rows against its keys)."""
@@ -292,9 +362,11 @@ def test_natural_inputs_on_two_devices_are_not_permuted(strategy):
 def test_natural_inputs_without_a_causal_mask_are_not_permuted():
   """No causal mask, natural-order arrays, the default layout: contiguous
   shards balance the work, so the call runs them as they are (a two-sided
-  window, padding to a multiple of 4): exact, and its forward program
-  holds no permute, only the ring's K/V gather."""
-  m = mesh(4)
+  window, padding to a multiple of 2): exact, and its forward program
+  holds no permute, only the ring's K/V gather. On 2 devices: the point
+  needs no more (the contiguous ring on 4 is test_ring_matches_reference's
+  and test_ring_skips_steps_no_document_reaches')."""
+  m = mesh(2)
   check_public_call(jax_ring.ContextParallel(axis="cp"), m, (B, N, K, H),
                     t=S - 5, s=S - 5, docs=None, seed=8, is_causal=False,
                     local_window_size=(9, 4))
@@ -304,22 +376,24 @@ def test_natural_inputs_without_a_causal_mask_are_not_permuted():
   with jax.set_mesh(m):
     hlo = jax.jit(f).lower(x, x, x).compile().as_text()
   assert collectives(hlo) == {**collectives(""), "all-gather": 1}
-  why = jax_ring.explain(x.shape, x.shape, cp_size=4,
+  why = jax_ring.explain(x.shape, x.shape, cp_size=2,
                          context_parallel=jax_ring.ContextParallel(axis="cp"))
   assert why.defaults["load_balance"][0] is None
 
 
 _WINDOW_PART = (dict(local_window_size=(20, 0)),
-                ("f32", f"2,{B},{S // 4},{K},{H}"))
+                ("f32", f"2,{B},{S // 2},{K},{H}"))
 
 
+# On 2 devices (the dtype's point needs no more): that each owner gets its
+# part back at cp = 4 is test_gathered_kv_sends_collectives[shard_map]'s.
 @pytest.mark.parametrize("extra, part, values", [
-    ({}, ("bf16", f"2,{B},{S // 4},{K},{H}"), True),
+    ({}, ("bf16", f"2,{B},{S // 2},{K},{H}"), True),
     (*_WINDOW_PART, False),
     pytest.param(*_WINDOW_PART, True, marks=_SLOW),
 ], ids=["cond", "window", "window_values"])
 def test_dkv_parts_go_back_in_the_kernels_dtype(extra, part, values):
-  """kv_sends="gather", unrolled, bf16, cp = 4: each step's dK/dV part goes
+  """kv_sends="gather", unrolled, bf16, cp = 2: each step's dK/dV part goes
   back to its owner in bf16, as the block kernel returned it (nothing
   rounds): the held kv's (2, B, T, K, H); in float32 where a step adds
   several calls (window pairs). The owner sums in float32; the grads hold
@@ -327,8 +401,9 @@ def test_dkv_parts_go_back_in_the_kernels_dtype(extra, part, values):
   compile, with ``-m slow``; the gathered ring's window values, float32,
   are checked in the default run by test_value_head_dim.py's
   window_gather)."""
-  cp = 4
-  q, k, v, do = (x.astype(jnp.bfloat16) for x in rank_coded_qkv(21, cp))
+  cp = 2
+  q, k, v, do = (x.astype(jnp.bfloat16) for x in rank_coded_qkv(
+      21, cp, load_balance="dual_chunk"))
   kw = dict(is_causal=True, load_balance="dual_chunk", loop="unrolled",
             kv_sends="gather") | extra
   spec = P(None, "cp")
@@ -336,24 +411,39 @@ def test_dkv_parts_go_back_in_the_kernels_dtype(extra, part, values):
       lambda q, k, v: jax_ring.ring_attention(q, k, v, axis_name="cp",
                                               implementation="xla", **kw),
       mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
-  g = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
-  # The program as lowered: XLA:CPU widens 16-bit collectives to float32
-  # when it compiles (GPUs send bf16 as it is).
-  hlo = g.lower(q, k, v, do).compiler_ir("hlo").as_hlo_text()
+
+  def go(q, k, v, do):
+    out, vjp = jax.vjp(attn, q, k, v)
+    return out, vjp(do)
+
+  # One lowering, read and (for the values) compiled; the inputs in the
+  # layout. The program as lowered: XLA:CPU widens 16-bit collectives to
+  # float32 when it compiles (GPUs send bf16 as it is).
+  args = [jax_ring.reorder_for_load_balance(x, cp) for x in (q, k, v, do)]
+  lowered = jax.jit(go).lower(*args)
+  hlo = lowered.compiler_ir("hlo").as_hlo_text()
   sent = re.findall(r"(\w+)\[([\d,]+)\][^\n]* collective-permute\(", hlo)
   assert sent == [part] * (cp - 1), sent
   if not values:
     return
-  got = run_ring(q, k, v, do, cp, **kw)
-  assert got[0].dtype == jnp.bfloat16
-  check(got, q, k, v, do, ref.Case(H**-0.5, is_causal=True,
-                                   window=extra.get("local_window_size")))
+  out, grads = lowered.compile()(*args)
+  back = lambda x: jax_ring.reorder_from_load_balance(x, cp)
+  assert out.dtype == jnp.bfloat16
+  check((back(out), tuple(back(g) for g in grads)), q, k, v, do, ref.Case(
+      H**-0.5, is_causal=True, window=extra.get("local_window_size")))
 
 
-@pytest.mark.parametrize("cap", [None, 0])
-def test_default_kv_sends_gather_up_to_the_cap(cap, monkeypatch):
+# The values with -m slow: those of either sends, named, are
+# test_gathered_kv_sends_collectives[shard_map]'s and
+# test_backward_sends_no_kv_a_second_time[shard_map]'s.
+@pytest.mark.parametrize("cap, values", [
+    (None, False), (0, False), pytest.param(None, True, marks=_SLOW),
+    pytest.param(0, True, marks=_SLOW)],
+    ids=["None", "0", "None_values", "0_values"])
+def test_default_kv_sends_gather_up_to_the_cap(cap, values, monkeypatch):
   """kv_sends=None: one K/V all-gather while cp x the local stacked K/V fit
-  GATHER_KV_MAX_BYTES (these do: 12 KiB in all), else the neighbour ring;
+  GATHER_KV_MAX_BYTES (these do: 12 KiB in all), else the neighbour ring
+  (the sends of the forward as emitted: the choice is the library's);
   exact either way."""
   if cap is not None:
     monkeypatch.setattr(jax_ring._src.core.config, "GATHER_KV_MAX_BYTES", cap)
@@ -365,22 +455,25 @@ def test_default_kv_sends_gather_up_to_the_cap(cap, monkeypatch):
           q, k, v, axis_name="cp", is_causal=True, load_balance="dual_chunk",
           loop="unrolled", implementation="xla"),
       mesh=mesh(cp), in_specs=(spec,) * 3, out_specs=spec)
-  counts = collectives(jax.jit(f).lower(q, k, v).compile().as_text())
-  assert (counts["all-gather"], counts["collective-permute"]) == (
-      (1, 0) if cap is None else (0, cp - 1)), counts
-  check(layout_vjp(f, cp, "dual_chunk", q, k, v, do), q, k, v, do,
-        ref.Case(H**-0.5, is_causal=True))
+  emitted = jax.jit(f).lower(q, k, v).as_text()
+  counts = [len(re.findall(rf"stablehlo\.{op}\b", emitted))
+            for op in ("all_gather", "collective_permute")]
+  assert counts == ([1, 0] if cap is None else [0, cp - 1]), counts
+  if values:
+    check(layout_vjp(f, cp, "dual_chunk", q, k, v, do), q, k, v, do,
+          ref.Case(H**-0.5, is_causal=True))
 
 
-def test_loop_forms_agree_bitwise_and_env_var_selects_scan(monkeypatch):
-  q, k, v, do = rank_coded_qkv(14, 4)
-  kw = dict(is_causal=True, load_balance="dual_chunk")
-  scan = run_ring(q, k, v, do, 4, loop="scan", **kw)
-  unrolled = run_ring(q, k, v, do, 4, loop="unrolled", **kw)
+def test_loop_forms_agree_bitwise_and_env_var_selects_scan(ring_programs,
+                                                         monkeypatch):
+  # The unrolled form: test_backward_sends_no_kv_a_second_time[shard_map]'s
+  # program (and values).
+  _, inputs, scan = ring_programs.both("shard_map", "scan")
+  _, _, unrolled = ring_programs.both("shard_map", "unrolled")
   for a, b in zip(jax.tree.leaves(scan), jax.tree.leaves(unrolled)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # The default run's dual-chunk ring, causal, in both loop forms.
-  check(scan, q, k, v, do, ref.Case(H**-0.5, is_causal=True))
+  check_causal(scan, inputs)
   monkeypatch.setenv("NVTE_FUSED_RING_ATTENTION_USE_SCAN", "1")
   assert jax_ring.ContextParallel().with_environment().loop == "scan"
   monkeypatch.setenv("NVTE_FUSED_RING_ATTENTION_USE_SCAN", "0")
@@ -656,7 +749,7 @@ def test_automatic_path_picks_the_backend_on_shard_shapes(monkeypatch):
   takes whole: the choice is made on each shard, not on the global array."""
   from jax_ring._src.core import registry
   from jax_ring._src.backends import xla
-  cp, traced = 4, []
+  cp, traced = 2, []  # two shards make the point
   limit = S // cp  # takes one shard's length, not the whole sequence
 
   def forward(q, *args):
@@ -877,8 +970,14 @@ def test_ring_reach_test_branches_on_nothing():
     assert "cond[" not in text and "switch" not in text, text
 
 
-@pytest.mark.parametrize("load_balance", [None, "dual_chunk"])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+# Contiguous shards causal and dual-chunk ones unmasked in the default run;
+# with -m slow the others, whose marks test_ring_crossing_rows[full] and
+# test_ring_reach_marks_the_steps_documents_cross[dual_chunk] check.
+@pytest.mark.parametrize("causal, load_balance", [
+    (True, None), (False, "dual_chunk"), (False, None),
+    (True, "dual_chunk")], ids=["causal-None", "full-dual_chunk",
+                                "full-None", "causal-dual_chunk"])
+@pytest.mark.sample(2)
 def test_ring_reach_equals_a_set_intersection(load_balance, causal):
   """Random rows of few ids (so ids recur in several runs and chunks), two
   rows a batch: the mask of needed steps is, step by step, whether some

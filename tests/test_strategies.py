@@ -37,16 +37,24 @@ def test_the_table_holds_every_strategy_the_config_names():
 # K = 2 kv heads: Ulysses at cp = 2 splits them (rep 1), at cp = 4 and 8
 # repeats them (rep 2 and 4, one kv head per device).
 def _default_lane(name, cp, causal, load_balance):
-  """Every mask x layout at cp = 4 but two, which the default run has
-  elsewhere: all-gather causal on contiguous shards
-  (test_all_gather_mqa_and_soft_cap), Ulysses unmasked on contiguous shards
-  (a mask is one local call's: test_ulysses_window_and_padding_lengths'
-  window_5_3 has none causal). cp = 2 and 8 with ``-m slow``: the same
-  paths over more or fewer devices (coded chunks make a misplaced chunk
-  show at any cp); all-gather at cp = 2 is test_all_gather.py's (16-bit,
-  kv_chunk_heads), Ulysses at cp = 8 test_any_length.py's."""
-  return cp == 4 and not (load_balance is None and causal == (
-      name == "all_gather"))
+  """At cp = 4: Ulysses causal on both layouts, all-gather causal on
+  dual-chunk shards and unmasked on contiguous ones. The default run has
+  the rest elsewhere: Ulysses unmasked in
+  test_ulysses_window_and_padding_lengths (a mask is one local call's:
+  window_5_3 has none causal); all-gather unmasked on dual-chunk shards
+  is, as on contiguous ones, one call over the whole gathered K/V
+  (test_kernel_calls_are_static_and_see_only_visible_kv[full]), its
+  values, with a window, test_all_gather_windows_and_padding's
+  dual_full_w5_3; all-gather causal on contiguous shards is
+  test_all_gather_mqa_and_soft_cap's. cp = 2 and 8 with ``-m slow``: the
+  same paths over more or fewer devices (coded chunks make a misplaced
+  chunk show at any cp); all-gather at cp = 2 is test_all_gather.py's
+  (16-bit, kv_chunk_heads), Ulysses at cp = 8 test_any_length.py's."""
+  if cp != 4:
+    return False
+  if name == "ulysses":
+    return causal
+  return causal == (load_balance == "dual_chunk")
 
 
 @pytest.mark.parametrize(

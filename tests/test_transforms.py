@@ -84,32 +84,46 @@ def test_vmap_folds_the_mapped_axis_into_the_batch(kind, eager):
     ref.assert_close(x, g[name], jnp.float32, "d" + name)
 
 
-def test_vmap_of_grad_with_shared_keys_and_nested_maps():
-  """The gradient mapped over queries (k, v shared, so each instance has
-  its own dk, dv), and a map inside a map: the same numbers."""
+def _shared_kv():
+  """The instances with every one's k, v and ids the first's; their
+  reference; the mesh; k, v and the ids placed."""
   q, k, v, do, ids, sinks = _instances()
   k, v = jnp.repeat(k[:, :1], V, 1), jnp.repeat(v[:, :1], V, 1)
   ids = np.repeat(ids[:, :1], V, 1)
   want, g = _expected(q, k, v, do, ids, sinks, shared_kv=True)
   mesh = _mesh(jax.sharding.AxisType.Auto)
+  put = lambda x, *spec: jax.device_put(jnp.asarray(x), NamedSharding(
+      mesh, P("data", *spec)))
+  return (q, do, sinks, want, g, mesh, put,
+          [put(x[:, 0], "cp") for x in (k, v, ids)])
+
+
+def test_vmap_of_grad_with_shared_keys():
+  """The gradient mapped over queries (k, v shared, so each instance has
+  its own dk, dv): the same numbers."""
+  q, do, sinks, _, g, mesh, put, (k, v, seg) = _shared_kv()
   with jax.set_mesh(mesh):
-    put = lambda x, *spec: jax.device_put(jnp.asarray(x), NamedSharding(
-        mesh, P("data", *spec)))
-    seg = put(ids[:, 0], "cp")
 
     def loss(q, k, v, do):
       return jnp.sum(_attend(q, k, v, seg, sinks) * do)
 
     grad = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), (1, None, None, 1),
                     out_axes=1)
-    dq, dk, dv = jax.jit(grad)(put(q, None, "cp"), put(k[:, 0], "cp"),
-                               put(v[:, 0], "cp"), jnp.asarray(do))
-    nested = jax.vmap(jax.vmap(_attend, (0, None, None, None, None)),
-                      (0, None, None, None, None))
-    out = jax.jit(nested)(jnp.moveaxis(q, 1, 0)[None], put(k[:, 0], "cp"),
-                          put(v[:, 0], "cp"), seg, sinks)
+    dq, dk, dv = jax.jit(grad)(put(q, None, "cp"), k, v, jnp.asarray(do))
   for name, x in (("q", dq), ("k", dk), ("v", dv)):
     ref.assert_close(x, g[name], jnp.float32, "d" + name)
+
+
+# -m slow: one map, its operands at any axis, differentiated through, is
+# test_vmap_folds_the_mapped_axis_into_the_batch's.
+@pytest.mark.slow
+def test_nested_maps_with_shared_keys():
+  """A map inside a map (k, v shared): the same numbers."""
+  q, _, sinks, want, _, mesh, _, (k, v, seg) = _shared_kv()
+  with jax.set_mesh(mesh):
+    nested = jax.vmap(jax.vmap(_attend, (0, None, None, None, None)),
+                      (0, None, None, None, None))
+    out = jax.jit(nested)(jnp.moveaxis(q, 1, 0)[None], k, v, seg, sinks)
   ref.assert_close(jnp.moveaxis(out[0], 0, 1), want, jnp.float32, "out")
 
 
@@ -126,14 +140,16 @@ def test_forward_mode_is_refused_by_name():
   """jax.jvp and jax.jacfwd of a context-parallel call are a TypeError
   naming forward mode; jax.hessian (forward over reverse) a
   NotImplementedError naming the backward's primitive; each before
-  anything runs (docs/design.md, Transforms)."""
+  anything runs (docs/design.md, Transforms). The Jacobians are taken in
+  a scale of the queries: a basis of one tangent, not one a query entry."""
   q, k, v, _, ids, sinks = _instances()
   mesh = _mesh(jax.sharding.AxisType.Auto)
   with jax.set_mesh(mesh):
     f = lambda q: _attend(q, k[:, 0], v[:, 0], ids[:, 0], sinks)
+    scaled = lambda c: f(c * q[:, 0]).sum()
     with pytest.raises(TypeError, match="forward-mode"):
       jax.jvp(f, (q[:, 0],), (q[:, 0],))
     with pytest.raises(TypeError, match="forward-mode"):
-      jax.jacfwd(lambda x: f(x).sum())(q[:, 0])
+      jax.jacfwd(scaled)(1.0)
     with pytest.raises(NotImplementedError, match="Differentiation rule"):
-      jax.hessian(lambda x: f(x).sum())(q[:, 0])
+      jax.hessian(scaled)(1.0)
