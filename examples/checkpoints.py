@@ -170,9 +170,7 @@ def fingerprint(tree) -> list[dict]:
   import jax
   import numpy as np
   leaves = jax.tree_util.tree_leaves_with_path(tree)
-  # One program per leaf shape, dtype and sharding (the layers share them):
-  # fewer and smaller compiles than one program over every leaf.
-  sums = jax.device_get([_sums_jit()(x) for _, x in leaves])
+  sums = jax.device_get(_sums_jit()([x for _, x in leaves]))
   return [dict(path=jax.tree_util.keystr(p), shape=list(x.shape),
                dtype=str(x.dtype), sum=f"{int(np.asarray(s)):08x}",
                mix=f"{int(np.asarray(m)):08x}", nonfinite=int(np.asarray(n)))
@@ -182,7 +180,7 @@ def fingerprint(tree) -> list[dict]:
 @functools.cache
 def _sums_jit():
   import jax
-  return jax.jit(_leaf_sums)
+  return jax.jit(lambda leaves: [_leaf_sums(x) for x in leaves])
 
 
 def _fmix32(h):
