@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_ring
 from jax_ring import flax as jrf, models
 from jax_ring.models.hf_checkpoint import tensor_map
+from jax_ring.models.loss import chunked_cross_entropy
 from helpers import relative_error
 from hf_models import (CONFIGS, GRAD_TOLERANCE, NEW_FAMILIES, V,
                        assert_logits_close,
@@ -557,6 +558,32 @@ def test_vocab_chunked_loss_equals_the_whole_one(name, chunk, checkpoints):
   # Trained: one product a chunk forward, three backward (recompute, the
   # hidden states', the weights'); frozen: two forward, none backward.
   assert products[False] - products[True] == 2, products
+
+
+def test_chunked_loss_takes_labels_outside_the_vocabulary_as_no_target():
+  """A label outside ``[0, V)`` (past the last chunk's padding or below 0)
+  adds no target to the chunked loss, nor to its gradients, with the
+  output weights trained or frozen, soft-capped or not."""
+  keys = jax.random.split(jax.random.key(3), 3)
+  x = jax.random.normal(keys[0], (2, 7, 16))
+  w = jax.random.normal(keys[1], (16, 45)) * 0.5
+  g = jax.random.normal(keys[2], (2, 7))
+  labels = jnp.asarray(np.random.default_rng(0).integers(0, 45, (2, 7)))
+  labels = labels.at[0, 0].set(45).at[0, 1].set(47).at[1, 2].set(-1)
+  inside = (labels >= 0) & (labels < 45)
+  for cap in (None, 3.0):
+    def whole(x, w):
+      z = x @ w if cap is None else cap * jnp.tanh(x @ w / cap)
+      t = jnp.take_along_axis(z, jnp.clip(labels, 0, 44)[..., None], -1)
+      return jax.nn.logsumexp(z, -1) - jnp.where(inside, t[..., 0], 0.0)
+    chunked = lambda x, w: chunked_cross_entropy(x, w, labels, 8, (), cap)
+    np.testing.assert_allclose(chunked(x, w), whole(x, w), rtol=1e-5)
+    grad = lambda f, argnums: jax.jit(jax.grad(
+        lambda x, w: jnp.sum(f(x, w) * g), argnums))(x, w)
+    for argnums in ((0, 1), 0):  # trained, frozen
+      for a, b in zip(jax.tree.leaves(grad(chunked, argnums)),
+                      jax.tree.leaves(grad(whole, argnums)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_natural_order_batches_are_laid_out_once(checkpoints):

@@ -136,7 +136,8 @@ class _Spec:
     local = labels - start
     hit = jnp.take_along_axis(
         values, jnp.clip(local, 0, self.chunk - 1)[..., None], -1)[..., 0]
-    return jnp.where((local >= 0) & (local < self.chunk), hit, 0.0)
+    return jnp.where((local >= 0) & (local < self.chunk) & (labels < self.v),
+                     hit, 0.0)
 
 
 def _forward(spec: _Spec, x, w, labels, gather_dx: bool):
@@ -184,7 +185,8 @@ def _backward(spec: _Spec, x, w, labels, lse, g):
   def step(dx, chunk_in):
     wc, start = chunk_in
     z, slope = spec.logits(x, wc, start)
-    onehot = jnp.arange(spec.chunk) == (labels - start)[..., None]
+    onehot = ((jnp.arange(spec.chunk) == (labels - start)[..., None])
+              & (labels < spec.v)[..., None])
     d = ((jnp.exp(z - lse[..., None]) - onehot) * slope
          * g[..., None]).astype(x.dtype)
     dx = dx + jnp.einsum("bsc,ec->bse", d, wc,
