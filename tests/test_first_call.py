@@ -5,6 +5,7 @@ inputs (the permutation into the layout and back is the call's own), and
 nothing; options are checked when a ``ContextParallel`` is made."""
 
 import functools
+import logging
 import re
 
 import jax
@@ -372,3 +373,23 @@ def test_decode_with_host_positions_under_set_mesh_with_explicit_axes():
   vis = np.ones((B, 1, 1, S), bool)
   ref.assert_close(split, ref.attention(q[:, :1], k, v, ref.Case(
       H**-0.5, dense=vis))[0], jnp.float32, "decode")
+
+
+def test_an_eager_call_like_an_earlier_one_compiles_nothing(caplog):
+  """Eagerly on Auto axes, a context-parallel call runs the program an
+  earlier call of the same config, mesh and shapes compiled."""
+  mesh = jax.make_mesh((4,), ("cp",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  q = jax.random.normal(jax.random.key(0), (1, 19, 4, 8))
+  call = lambda: jax_ring.dot_product_attention(
+      q, q, q, is_causal=True, implementation="xla",
+      context_parallel=jax_ring.ContextParallel(axis="cp"))
+  compiles = lambda: sum("Compiling" in r.getMessage()
+                         for r in caplog.records)
+  with jax.set_mesh(mesh), jax.log_compiles(True), caplog.at_level(
+      logging.WARNING):
+    first = call()
+    assert compiles() > 0
+    caplog.clear()
+    np.testing.assert_array_equal(call(), first)
+    assert compiles() == 0, [r.getMessage() for r in caplog.records]

@@ -69,9 +69,45 @@ def _jitted(query, key, value, tm: TokenMask, sinks, config: AttentionConfig,
             cp: ContextParallel, mesh):
   """``partition.attention`` of padded global arrays, with the sequence
   placed on the context axes and permuted into the layout and back, in a
-  jitted program."""
-  # The sequence goes to the context axes (hybrid: ring-major) whatever the
-  # arrays' placement: the partition rule needs a mesh with those axes.
+  jitted program.
+
+  Always a jitted program: outside one (eagerly, and under an eager
+  jax.grad, jax.vjp or jax.checkpoint, whose tracers are no jit's),
+  custom_partitioning would run the unpartitioned body on the whole
+  arrays, which knows nothing of the load-balance layout. On Auto axes
+  it is one function per ``(config, cp, mesh)``, so that an eager call
+  like an earlier one runs the program compiled then."""
+  explicit = layout.explicit_axes(mesh)
+  if not explicit:
+    return _program(config, cp, mesh)(query, key, value, tm, sinks)
+  # Arrays whose type names no mesh (plain arrays under jax.set_mesh) are
+  # put on it, replicated: the custom VJP's shardings are theirs.
+  on = lambda x: x if x is None or not jax.typeof(x).sharding.mesh.empty \
+      else jax.sharding.reshard(x, NamedSharding(mesh, P()))
+  query, key, value, sinks = map(on, (query, key, value, sinks))
+  tm = TokenMask(**{f: on(x) for f, x in vars(tm).items()})
+  run = _on_auto_axes(_placer(cp, mesh), permutations(cp, mesh), config, cp,
+                      explicit, query, key, value, sinks)
+  return jax.jit(run)(query, key, value, tm, sinks)
+
+
+@functools.lru_cache(maxsize=64)
+def _program(config: AttentionConfig, cp: ContextParallel, mesh):
+  """The jitted call of :func:`_jitted` on Auto mesh axes."""
+  placed, (to, back) = _placer(cp, mesh), permutations(cp, mesh)
+
+  def call(q, k, v, tm, sinks):
+    out = partition.attention(*placed(to(q), to(k), to(v), _tokens(to, tm),
+                                      sinks), config, cp)
+    return back(out)
+
+  return jax.jit(call)
+
+
+def _placer(cp: ContextParallel, mesh):
+  """``placed(q, k, v, tm, sinks)``: the sequence on the context axes
+  (hybrid: ring-major), whatever the arrays' placement: the partition
+  rule needs a mesh with those axes."""
   seq = cp.sequence_axes
   u = P.UNCONSTRAINED
 
@@ -87,29 +123,7 @@ def _jitted(query, key, value, tm: TokenMask, sinks, config: AttentionConfig,
       sinks = on(sinks, None)
     return q, k, v, tm, sinks
 
-  to, back = permutations(cp, mesh)
-
-  def call(q, k, v, tm, sinks):
-    out = partition.attention(*placed(to(q), to(k), to(v), _tokens(to, tm),
-                                      sinks), config, cp)
-    return back(out)
-
-  run = call
-  explicit = layout.explicit_axes(mesh)
-  if explicit:
-    # Arrays whose type names no mesh (plain arrays under jax.set_mesh)
-    # are put on it, replicated: the custom VJP's shardings are theirs.
-    on = lambda x: x if x is None or not jax.typeof(x).sharding.mesh.empty \
-        else jax.sharding.reshard(x, NamedSharding(mesh, P()))
-    query, key, value, sinks = map(on, (query, key, value, sinks))
-    tm = TokenMask(**{f: on(x) for f, x in vars(tm).items()})
-    run = _on_auto_axes(placed, (to, back), config, cp, explicit, query,
-                        key, value, sinks)
-  # Always a jitted program: outside one (eagerly, and under an eager
-  # jax.grad, jax.vjp or jax.checkpoint, whose tracers are no jit's),
-  # custom_partitioning would run the unpartitioned body on the whole
-  # arrays, which knows nothing of the load-balance layout.
-  return jax.jit(run)(query, key, value, tm, sinks)
+  return placed
 
 
 def permutations(cp: ContextParallel, mesh):
