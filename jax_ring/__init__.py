@@ -9,8 +9,9 @@ Public API (everything else lives in ``jax_ring._src``):
   :func:`explain_decode`: which kernel it runs, and why.
 * Inside ``shard_map``, one function per context-parallel strategy:
   :func:`ring_attention`, :func:`all_gather_attention`,
-  :func:`ulysses_attention`, :func:`hybrid_attention`; and the load-balance reorder helpers
-  :func:`reorder_for_load_balance`, :func:`reorder_from_load_balance`;
+  :func:`ulysses_attention`, :func:`hybrid_attention`; and the
+  load-balance reorder helpers :func:`reorder_for_load_balance`,
+  :func:`reorder_from_load_balance`;
   :func:`balance_documents`, an order of packed rows' documents that
   spreads their work over contiguous shards.
 * :class:`ContextParallel` for the automatic path, and :func:`explain`:

@@ -231,7 +231,8 @@ def test_packed_backward_workspace_is_bounded_by_the_rows():
   tokens), not the virtual batches' total."""
   q, k, v, _ = ref.random_qkv(8, 1, 8192, 8192, 4, 4, 128, jnp.bfloat16)
   ids = jnp.repeat(jnp.arange(3, dtype=jnp.int32),
-                   jnp.array([3000, 4000, 1192]), total_repeat_length=8192)[None]
+                   jnp.array([3000, 4000, 1192]),
+                   total_repeat_length=8192)[None]
 
   def backward_workspace(**kw):
     loss = lambda q, k, v: jax_ring.dot_product_attention(

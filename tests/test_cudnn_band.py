@@ -365,21 +365,18 @@ MANY = {
 }
 
 
-# The default run: SMALLEST = 4 (classes, menus and loops), as one handler
-# a pass, for the one-array rows (causal, window, offset, an id in two
-# runs); as the calls' loop (kept where a pass's stats would be too large),
-# the two-array row. The rest (the library's classes, the other path of
-# each row) under -m slow.
-_DEFAULT_RUN = {(True, 4, name) for name in (
-    "same_causal", "striped_next", "not_contiguous")} | {
-        (False, 4, "different_full")}
+# The default run: SMALLEST = 4 (classes, menus and loops), the causal
+# one-array row as one handler a pass, the two-array row as the calls' loop
+# (kept where a pass's stats would be too large). The rest (the library's
+# classes, the window, offset and split-id rows, the other path of each
+# row) under -m slow.
+_DEFAULT_RUN = {(True, 4, "same_causal"), (False, 4, "different_full")}
 
 
 @pytest.mark.parametrize("name, smallest, one_handler", [
     pytest.param(name, smallest, one_handler, marks=() if (
         one_handler, smallest, name) in _DEFAULT_RUN else pytest.mark.slow)
     for one_handler in (False, True) for smallest in (4, 32) for name in MANY])
-@pytest.mark.sample(2)
 def test_packed_calls_match_the_reference(name, smallest, one_handler,
                                           monkeypatch):
   """The packed forward and backward on cuDNN's ragged semantics (replayed in
@@ -522,7 +519,8 @@ def test_packed_calls_inside_shard_map(load_balance, monkeypatch):
                               kv_segment_ids=ids))
 
 
-@pytest.mark.slow  # on GPUs: test_cudnn.py::test_ring_prepares_the_own_packed_pass
+# On GPUs: test_cudnn.py::test_ring_prepares_the_own_packed_pass.
+@pytest.mark.slow
 def test_ring_prepares_the_own_pass_of_two_id_arrays(monkeypatch):
   """The ring on contiguous shards (2 simulated devices), its packed
   blocks on cuDNN's semantics replayed in jnp, the ids given as a (query,

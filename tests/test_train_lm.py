@@ -159,7 +159,9 @@ def test_fsdp_splits_the_optimizer_moments_as_their_weights():
 
 
 # The loop and its checkpoints are train_lm's for both examples: the
-# default run resumes them in test_finetune.py.
+# default run resumes them on a toy step in
+# test_run_dir.py::test_a_resume_continues_the_uninterrupted_run; this
+# example's own run end to end only here, under -m slow.
 @pytest.mark.slow
 def test_resume_continues_the_uninterrupted_trajectory(tmp_path):
   make_mesh()

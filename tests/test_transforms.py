@@ -139,9 +139,11 @@ def test_vmap_over_an_empty_axis():
 def test_forward_mode_is_refused_by_name():
   """jax.jvp and jax.jacfwd of a context-parallel call are a TypeError
   naming forward mode; jax.hessian (forward over reverse) a
-  NotImplementedError naming the backward's primitive; each before
-  anything runs (docs/design.md, Transforms). The Jacobians are taken in
-  a scale of the queries: a basis of one tangent, not one a query entry."""
+  NotImplementedError naming the backward's primitive; each raised where
+  the transform reaches the attention's differentiation rule (under
+  ``jit``, before anything runs; docs/design.md, Transforms). The
+  Jacobians are taken in a scale of the queries: a basis of one tangent,
+  not one a query entry."""
   q, k, v, _, ids, sinks = _instances()
   mesh = _mesh(jax.sharding.AxisType.Auto)
   with jax.set_mesh(mesh):

@@ -157,7 +157,8 @@ def reorder_size(context_parallel: ContextParallel | None,
                  mesh: jax.sharding.Mesh) -> int:
   """The ``cp_size`` a ``ContextParallel``'s layout is built for: the size of
   its axis, or for ``"hybrid"`` (axis = (ulysses, ring)) of the ring axis
-  (the load balance is a ring-level choice; see ``jax_ring._src.strategies.hybrid``).
+  (the load balance is a ring-level choice; see
+  ``jax_ring._src.strategies.hybrid``).
   1 without context parallelism."""
   if context_parallel is None:
     return 1

@@ -192,7 +192,8 @@ def context_axes(op) -> tuple[str, ...]:
     return axes
   raise ValueError(
       f"logical_axis_rules shard activation_q_length over {axes} (sizes "
-      f"{[mesh.shape[a] for a in axes]}, {math.prod(mesh.shape[a] for a in axes)}"
+      f"{[mesh.shape[a] for a in axes]}, "
+      f"{math.prod(mesh.shape[a] for a in axes)}"
       f" devices); jax_ring serves one axis, or the pair "
       f"(context_sharding, ulysses_context_sharding) = {usp}")
 

@@ -242,7 +242,8 @@ def load_pretrained(path, *, mesh: jax.sharding.Mesh | None = None,
       ``dtype`` default to the checkpoint's own dtype, as transformers
       loads it (``dtype="auto"``): ``config.json``'s ``dtype``
       (``torch_dtype`` in older files), else the stored tensors'; a
-      bfloat16 checkpoint loads, and computes, in bfloat16. Training that keeps float32 master weights asks for
+      bfloat16 checkpoint loads, and computes, in bfloat16. Training
+      that keeps float32 master weights asks for
       ``param_dtype=jnp.float32``.
 
   Returns:
@@ -390,8 +391,10 @@ def save_pretrained(model: Decoder, path, *, dtype=None,
   stored = np.dtype(dtype or _value(flat[tensors[0].key]).dtype)
   if stored.name not in _DTYPES:  # integers would store truncated weights
     raise ValueError(f"save_pretrained: dtype must be a float dtype, one of "
-                     f"bfloat16, float16, float32 or float64; got {stored.name}")
-  hf = hf_config.config_to_save(cfg, extra_config, stored.name)  # errors before I/O
+                     f"bfloat16, float16, float32 or float64; got "
+                     f"{stored.name}")
+  # Its errors come before any I/O.
+  hf = hf_config.config_to_save(cfg, extra_config, stored.name)
   # Files planned from the shapes, so that each name knows the count.
   files, size = [[]], 0
   for t in tensors:

@@ -59,8 +59,9 @@ ALL_LINEAR = tuple(MODULES)
 # Dims of each weight contracted with its input (the rest are its output).
 _IN_DIMS = {"wo": 2}
 _HF_PARENT = {"attn": "self_attn", "mlp": "mlp"}
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?"
-                  r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?"
+                  r"(?:language_model\.)?layers\.(\d+)\.(self_attn|mlp)\."
+                  r"(\w+)\.lora_([AB])\.weight$")
 
 
 def _check_stackable(cfg, adapted: set, what: str) -> None:

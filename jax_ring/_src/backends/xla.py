@@ -1,4 +1,5 @@
-"""Pure-JAX blockwise backend (``implementation="xla"``): flash attention in lax.
+"""Pure-JAX blockwise backend (``implementation="xla"``): flash attention
+in lax.
 
 Shapes: B batch, T query length, S key length, N query heads, K kv heads,
 G = N // K query heads per kv head, H the query/key head dim, Hv the

@@ -356,7 +356,8 @@ def explain_args(query_shape, key_shape, cp_size, dtype_bytes, cp,
   cp_given(cp, key_shape[2])
   axes = cp.axes
   sizes = cp_size if isinstance(cp_size, (tuple, list)) else (cp_size,)
-  if len(sizes) != len(axes) or not all(ints.is_int(c) and c > 0 for c in sizes):
+  if len(sizes) != len(axes) or not all(ints.is_int(c) and c > 0
+                                        for c in sizes):
     want = ("a pair of positive ints (ulysses, ring) for the axes "
             f"{cp.axis!r}" if len(axes) == 2 else "a positive int")
     raise ValueError(f"cp_size must be {want}; got {cp_size!r}")

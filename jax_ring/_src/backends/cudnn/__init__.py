@@ -153,7 +153,8 @@ def _backward(q, k, v, bias, mask, out, lse, dout, dlse, config, stack):
       **attrs(config, bnd, padding))
   dkv = dkv[0] if stack else tuple(dkv)
   if band.rows_may_be_empty(bnd, padding, t, s):
-    dq = jnp.where(band.row_valid(bnd, seq_q, seq_kv, t)[:, :, None, None], dq, 0)
+    valid = band.row_valid(bnd, seq_q, seq_kv, t)[:, :, None, None]
+    dq = jnp.where(valid, dq, 0)
   if padding or bnd.col_start:
     keep = band.col_valid(bnd, seq_kv, s)[:, :, None, None]
     dkv = jax.tree.map(lambda x: jnp.where(keep, x, 0), dkv)

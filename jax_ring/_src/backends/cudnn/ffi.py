@@ -21,8 +21,9 @@ from jax_ring._src.backends.cudnn.band import Band
 
 
 # How to build it, named wherever its absence is reported.
-BUILD_HINT = ("build it on a machine with CUDA and cuDNN with JAX_RING_CUDNN=ON "
-              "pip install --no-build-isolation -e . (README, Install)")
+BUILD_HINT = ("build it on a machine with CUDA and cuDNN with "
+              "JAX_RING_CUDNN=ON pip install --no-build-isolation -e . "
+              "(README, Install)")
 
 try:
   from jax_ring import _cudnn
