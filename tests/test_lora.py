@@ -257,16 +257,17 @@ def test_dropout_draws_afresh_each_call_scanned_or_not(checkpoints):
   np.testing.assert_allclose(b_eval, a_plain, atol=1e-5)
 
 
-def remat_adapter_grads(path, remat):
+def remat_adapter_grads(path, remat, scan=False):
   """The adapters' gradients (on every linear module of every layer, so
   that every block's recompute shows) of a train step's pattern: the
   adapters differentiated, the frozen rest passed into the jitted step and
-  merged inside the gradient's trace; unrolled blocks under ``remat``.
-  Returns them and the step's jaxpr, as text (under "attention")."""
+  merged inside the gradient's trace; blocks under ``remat``, unrolled
+  unless ``scan``. Returns them and the step's jaxpr, as text (under
+  "attention")."""
   tokens = jnp.asarray(tokens_of(9, (1, 11)))
   positions = jnp.arange(11)[None]
   model = models.load_pretrained(path, implementation="xla",
-                                 scan_layers=False, remat=remat)
+                                 scan_layers=scan, remat=remat)
   models.add_lora(model, rank=2, alpha=4, base_dtype=None,
                   rngs=nnx.Rngs(params=0))
   randomize(model, 5)
@@ -305,6 +306,30 @@ def test_remat_of_unrolled_blocks_reads_frozen_weights_of_an_outer_trace(
         "jax_ring_attention_fwd")
   for got, want in zip(grads, grads_without_remat, strict=True):
     assert relative_error(np.asarray(got), np.asarray(want)) <= 1e-5
+
+
+def test_a_scanned_step_picks_the_frozen_base_in_place(checkpoints,
+                                                      grads_without_remat):
+  """Scanned blocks (2 groups) under remat="attention": the adapters get
+  the unrolled blocks' gradients, and the frozen base weights are picked
+  in place, never stacked (no array of a base weight's shape with a
+  leading axis of 2 in the step, where the adapters' stacked ones are):
+  stacked, a frozen 8B base is a 16 GB copy."""
+  path = checkpoints["llama3"]
+  grads, jaxpr = remat_adapter_grads(path, "attention", scan=True)
+  for got, want in zip(grads, grads_without_remat, strict=True):
+    assert relative_error(np.asarray(got), np.asarray(want)) <= 1e-5
+  model = models.load_pretrained(path, implementation="xla")
+  assert model.cfg.num_layers == 2
+  models.add_lora(model, rank=2, alpha=4, base_dtype=None,
+                  rngs=nnx.Rngs(params=0))
+  stacked = lambda x: f"f32[2,{','.join(map(str, x.shape))}]"
+  block = model.layers[0]
+  base = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+  assert all(stacked(x) in jaxpr for x in
+             jax.tree.leaves(nnx.state(block, nnx.LoRAParam)))
+  assert not [stacked(x) for x in jax.tree.leaves(nnx.state(block, base))
+              if x.ndim >= 2 and stacked(x) in jaxpr]
 
 
 def test_lora_errors_name_what_is_wrong(checkpoints, tmp_path):
