@@ -228,9 +228,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction,
                  default=True,
                  help="run the blocks as one lax.scan, so the step compiles "
-                 "one group of layers, over a stacked copy of their weights "
-                 "(DecoderConfig.scan_layers; --no-scan-layers: unrolled, "
-                 "that copy's memory free)")
+                 "one group of layers, over a stacked copy of their trained "
+                 "weights (with --lora and a remat, the frozen base is not "
+                 "copied; DecoderConfig.scan_layers; --no-scan-layers: "
+                 "unrolled)")
   p.add_argument("--lora", type=run_dir.POSITIVE, default=None,
                  metavar="RANK", help="train LoRA adapters of this rank on "
                  "every linear layer instead of every weight: the base stays "

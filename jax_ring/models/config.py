@@ -147,7 +147,9 @@ class DecoderConfig:
       after it), so that the compiled program holds one group: it compiles,
       and XLA prepares it at each run, once rather than once a layer. The
       weights keep their per-layer layout (checkpoints, generation) and
-      are stacked at each call, a copy of the scanned layers' weights.
+      are stacked at each call, a copy of the scanned layers' weights;
+      with ``remat``, a LoRA model's frozen base (``nnx.Param`` beside
+      ``nnx.LoRAParam``) is picked in place instead, a block at a time.
       The unrolled blocks' numbers, up to float rounding (the loop's
       fusions differ). ``False`` unrolls the blocks, each its own copy
       in the program.
