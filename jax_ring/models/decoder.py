@@ -335,9 +335,10 @@ def _scan_blocks(blocks: list, period: int, groups: int, step, x,
   block picks its group's from the blocks themselves (a
   :class:`_Pick`), in the forward and again in the backward, so no copy
   of the base outlives a block's step (a frozen 8B base: 16 GB less)."""
-  frozen = nnx.Nothing
-  if in_place and jax.tree.leaves(nnx.state(blocks[0], nnx.LoRAParam)):
-    frozen = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+  lora = in_place and bool(jax.tree.leaves(nnx.state(blocks[0],
+                                                     nnx.LoRAParam)))
+  frozen = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)) if lora \
+      else nnx.Nothing
   graphs, kept, stacked = [], [], []
   for j in range(period):  # the j-th block of every group
     split = [nnx.split(blocks[g * period + j], frozen, ...)
@@ -351,8 +352,7 @@ def _scan_blocks(blocks: list, period: int, groups: int, step, x,
     index, group = xs
     rng_states = []
     for graph, states, rest in zip(graphs, kept, group):
-      pick = _Pick(frozen, index, states) if frozen is not nnx.Nothing \
-          else None
+      pick = _Pick(frozen, index, states) if lora else None
       # Outside the checkpointed parts (the attention's sinks), the block
       # reads the picked weights as any others.
       block = nnx.merge(graph, pick.state() if pick else states[0], rest)
