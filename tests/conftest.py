@@ -5,10 +5,13 @@
 * on GPUs, no preallocation of GPU memory (the multi-process test starts
   more jax processes on the same GPUs);
 * on a machine without a CUDA plugin, XLA:CPU compiles without LLVM's
-  expensive optimisations and (jax 0.10, where the flag is known) with its
-  older fusion code generator: the tests' programs are tiny and compiling
-  them is most of the suite's time (the sum of the test times halves). The
-  float semantics are the same; only the generated code is slower.
+  expensive optimisations, as one LLVM module rather than parts compiled
+  in parallel (on 2 cores shared by the test workers the parts cost more
+  than they gain: 3-14% of a file's CPU time), and (jax 0.10, where the
+  flag is known) with its older fusion code generator: the tests' programs
+  are tiny and compiling them is most of the suite's time (the sum of the
+  test times halves). The float semantics are the same; only the
+  generated code is slower.
 
 jax's other defaults stand, full Python tracebacks in HLO locations
 included: ``test_compile_default_flags.py`` guards the compile they once
@@ -29,6 +32,7 @@ if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
   os.environ["XLA_FLAGS"] = " ".join(filter(None, (
       os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0",
       "--xla_llvm_disable_expensive_passes=true",
+      "--xla_cpu_parallel_codegen_split_count=1",
       "--xla_cpu_use_fusion_emitters=false" if known else None)))
 
 # On GPUs, the 2-process test starts two more jax processes beside this one:
