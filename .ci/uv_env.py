@@ -21,6 +21,7 @@ KEYS = {"index-url": ("UV_INDEX_URL", " "),
 
 
 def settings(lines) -> dict[str, str]:
+  """uv's environment variables for ``pip config list``'s ``lines``."""
   found = {}
   for line in lines:
     key, sep, value = line.strip().partition("=")
