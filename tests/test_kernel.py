@@ -253,6 +253,7 @@ def test_vmap_folds_into_batch_and_maps_over_offsets():
     return jnp.sum(out * do[:B]) + jnp.sum(lse)
 
   grad = jax.grad(loss, argnums=(0, 1, 2))
+  one = jax.jit(grad)  # per instance: one program for the six
   # Offsets unbatched (fold into B) and batched (map over the axis).
   for qo in (jnp.zeros((), jnp.int32), jnp.array([0, 3, 5], jnp.int32)):
     in_axes = (0, 0, 0, 0, 0, None if qo.ndim == 0 else 0)
@@ -260,8 +261,8 @@ def test_vmap_folds_into_batch_and_maps_over_offsets():
                                            split(seg_q), split(seg_k), qo)
     for i in range(3):
       qi = qo if qo.ndim == 0 else qo[i]
-      want = grad(split(q)[i], split(k)[i], split(v)[i], split(seg_q)[i],
-                  split(seg_k)[i], qi)
+      want = one(split(q)[i], split(k)[i], split(v)[i], split(seg_q)[i],
+                 split(seg_k)[i], qi)
       for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a[i]), np.asarray(b),
                                    rtol=1e-5, atol=1e-5)
@@ -277,10 +278,11 @@ def test_vmap_bias_gradient_is_per_instance():
     out, _ = kernel.attention(q * c, k, v, bias, jax_ring.BlockMask(), cfg)
     return jnp.sum(out * do)
 
-  got = jax.vmap(jax.grad(loss, argnums=1), (0, None))(scales, bias)
+  grad = jax.grad(loss, argnums=1)
+  got = jax.jit(jax.vmap(grad, (0, None)))(scales, bias)
+  one = jax.jit(grad)  # per instance: one program for the three
   for i, c in enumerate(scales):
-    np.testing.assert_allclose(np.asarray(got[i]),
-                               np.asarray(jax.grad(loss, 1)(c, bias)),
+    np.testing.assert_allclose(np.asarray(got[i]), np.asarray(one(c, bias)),
                                rtol=1e-5, atol=1e-6)
 
 

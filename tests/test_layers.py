@@ -3,6 +3,7 @@ their direction, no hidden contracts (names computed at run time, other
 modules' private names, tests importing tests), and the size limits."""
 
 import ast
+import functools
 import io
 import pathlib
 import re
@@ -176,6 +177,7 @@ def test_no_module_is_imported_by_a_computed_name():
       assert pattern not in text, (path, pattern)
 
 
+@functools.cache
 def python_files():
   dirs = ("jax_ring", "tests", "examples", "benchmarks")
   return sorted(p for d in dirs for p in (ROOT / d).rglob("*.py"))
