@@ -89,8 +89,7 @@ def gemma2():
 
 # All-gather and Ulysses reach MaxText by the same door as the ring (only
 # the strategy's name differs); the main suite checks each strategy.
-# By default: auto on this layout in test_gemma2_window_and_soft_cap, ring
-# in test_striped_layout_read_from_maxtexts_auto_rule.
+# By default: auto on this layout in test_gemma2_window_and_soft_cap.
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["auto", "ring", "all_gather",
                                       "ulysses"])
@@ -116,6 +115,11 @@ def test_uninstall_restores_maxtexts_program(gemma2):
   assert gemma2.run.lower(*gemma2.args) == stock
 
 
+# -m slow: its parts run by default (the layout read from MaxText's rule:
+# test_the_batch_layout_is_read_as_maxtexts_pipeline_makes_it; the plan
+# passes the layout's name through as in test_gemma2_window_and_soft_cap;
+# the striped ring on packed rows: tests/test_ring.py).
+@pytest.mark.slow
 def test_striped_layout_read_from_maxtexts_auto_rule(caplog):
   # MaxText's 'auto' reorder: striped for packed ring training on GPUs.
   c = case("striped", packing="true", context_parallel_strategy="ring",
