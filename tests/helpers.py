@@ -27,6 +27,18 @@ case_id = lambda x: {None: "contiguous", True: "causal", False: "full"}.get(
     x, str(x))
 
 
+def lowering_for_gpus(shape=(1,), names=("x",)):
+  """A context in which programs trace and lower for CUDA as on NVIDIA
+  GPUs, on any machine: an abstract mesh of ``shape`` over ``names`` (Auto
+  axes) whose devices are H100s, from which Pallas' Triton lowering reads
+  the GPU where none is attached (jax 0.11 reads no other)."""
+  gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H100",
+                                    num_cores=None, platform="cuda")
+  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
+      shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names),
+      abstract_device=gpu))
+
+
 def mesh(cp):
   if len(jax.devices()) < cp:
     pytest.skip(f"needs {cp} devices")

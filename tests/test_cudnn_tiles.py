@@ -16,7 +16,7 @@ from jax_ring._src.backends import cudnn
 from jax_ring._src.backends.cudnn import ffi, passes, tiles, tiles_pallas
 from jax_ring._src.backends.cudnn.band import band
 from jax_ring._src.core.mask import BlockMask
-from helpers import check, cudnn_blocks_on_the_cpu
+from helpers import check, cudnn_blocks_on_the_cpu, lowering_for_gpus
 import reference as ref
 
 
@@ -380,9 +380,10 @@ def test_pallas_tiles_lower_for_nvidia_gpus(causal, p):
       1, 1024, dt=jnp.int32)
   lse = sds(1, 1024, 16, dt=jnp.float32)
   fwd = jax.jit(lambda q, k, v, ids: tiles_pallas.forward(
-      q, k, v, ids, cfg, p)).trace(q, k, k, ids)
+      q, k, v, ids, cfg, p)), (q, k, k, ids)
   bwd = jax.jit(lambda q, k, v, ids, o, lse, do: tiles_pallas.backward(
-      q, k, v, ids, o, lse, do, cfg, p)).trace(q, k, k, ids, q, lse, q)
-  for traced, kernels in ((fwd, 1), (bwd, 2)):
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+      q, k, v, ids, o, lse, do, cfg, p)), (q, k, k, ids, q, lse, q)
+  for (f, args), kernels in ((fwd, 1), (bwd, 2)):
+    with lowering_for_gpus():
+      text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("jax_ring_band_tiles") >= kernels, text[:2000]

@@ -10,6 +10,7 @@ import pytest
 
 import jax_ring
 import reference as ref
+from helpers import lowering_for_gpus
 from jax_ring._src.backends import pallas_decode
 
 # 256 slots (two of the kernel's blocks) in no particular order, a quarter
@@ -201,7 +202,8 @@ def test_the_kernel_lowers_to_triton_for_gpus(dtype):
   args = (spec((2, 3, 8, 128)), spec((2, 2, 1152, 128)),
           spec((2, 2, 1152, 64)), spec((2, 3), jnp.int32),
           spec((2, 1152), jnp.int32))
-  text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  with lowering_for_gpus():
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 1
 
 
@@ -238,18 +240,17 @@ def test_the_default_on_gpus_is_the_kernel(monkeypatch):
   def lowered(slots):
     f = jax.jit(lambda q, k, v, qp, kp: jax_ring.decode_attention(
         q, k, v, query_positions=qp, key_positions=kp, kv_layout="bksh"))
-    return f.trace(spec((1, 1, 8, 64)), spec((1, 2, slots, 64)),
-                   spec((1, 2, slots, 64)), spec((1, 1), jnp.int32),
-                   spec((1, slots), jnp.int32)).lower(
-                       lowering_platforms=("cuda",)).as_text()
+    with lowering_for_gpus():
+      return f.trace(spec((1, 1, 8, 64)), spec((1, 2, slots, 64)),
+                     spec((1, 2, slots, 64)), spec((1, 1), jnp.int32),
+                     spec((1, slots), jnp.int32)).lower(
+                         lowering_platforms=("cuda",)).as_text()
 
   assert lowered(512).count("__gpu$xla.gpu.triton") == 1
   assert "triton" not in lowered(500)
   # The cache split over two devices: each runs the kernel on its slots.
-  m = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2],
-                    axis_types=(jax.sharding.AxisType.Auto,))
   split = jax_ring.ContextParallel(axis="cp")
-  with jax.set_mesh(m):
+  with lowering_for_gpus((2,), ("cp",)):
     text = jax.jit(lambda q, k, v, qp, kp: jax_ring.decode_attention(
         q, k, v, query_positions=qp, key_positions=kp, kv_layout="bksh",
         context_parallel=split)).trace(

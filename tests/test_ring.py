@@ -33,7 +33,7 @@ def _default_lane(cp, causal, load_balance, loop):
   """The default run's share of the full matrix, at cp = 4: the contiguous
   ring causal and scanned, the dual-chunk unmasked and unrolled. The
   default run has the rest elsewhere: the dual-chunk ring causal in both
-  loop forms in test_loop_forms_agree_bitwise_and_env_var_selects_scan, the
+  loop forms in test_loop_forms_agree_and_env_var_selects_scan, the
   striped ring scanned in test_ring_packed_segments_cross_shard_boundaries,
   cp = 2 in test_ring_gqa_mqa_and_soft_cap and
   test_ring_windows_and_padding, cp = 8 in test_any_length.py (rank-coded
@@ -465,14 +465,17 @@ def test_default_kv_sends_gather_up_to_the_cap(cap, values, monkeypatch):
           ref.Case(H**-0.5, is_causal=True))
 
 
-def test_loop_forms_agree_bitwise_and_env_var_selects_scan(ring_programs,
-                                                         monkeypatch):
+def test_loop_forms_agree_and_env_var_selects_scan(ring_programs,
+                                                  monkeypatch):
   # The unrolled form: test_backward_sends_no_kv_a_second_time[shard_map]'s
-  # program (and values).
+  # program (and values). Two programs, which XLA may fuse apart: equal to
+  # float32 rounding (jax 0.11's CPU code differs by 1 ulp in 6 of 6,144
+  # gradient entries; 0.10's is bitwise equal).
   _, inputs, scan = ring_programs.both("shard_map", "scan")
   _, _, unrolled = ring_programs.both("shard_map", "unrolled")
   for a, b in zip(jax.tree.leaves(scan), jax.tree.leaves(unrolled)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
+                               atol=1e-6)
   # The default run's dual-chunk ring, causal, in both loop forms.
   check_causal(scan, inputs)
   monkeypatch.setenv("NVTE_FUSED_RING_ATTENTION_USE_SCAN", "1")

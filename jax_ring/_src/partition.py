@@ -140,7 +140,8 @@ def _functions(present: tuple[str, ...]):
 
     def lowered(*args):
       (q, k, v), tm = split(args)
-      return strategy.forward(q, k, v, tm, local(cfg, q, k, v, tm), plan)
+      with _on_auto(mesh):
+        return strategy.forward(q, k, v, tm, local(cfg, q, k, v, tm), plan)
 
     return mesh, lowered, (tok, stat), (tok, tok, tok) + masks
 
@@ -169,8 +170,9 @@ def _functions(present: tuple[str, ...]):
 
     def lowered(*args):
       (q, k, v, out, lse, dout), tm = split(args)
-      return strategy.backward(q, k, v, tm, out, lse, dout,
-                                local(cfg, q, k, v, tm), plan)
+      with _on_auto(mesh):
+        return strategy.backward(q, k, v, tm, out, lse, dout,
+                                  local(cfg, q, k, v, tm), plan)
 
     return (mesh, lowered, (tok, tok, tok),
             (tok, tok, tok, tok, stat, tok) + masks)
@@ -223,6 +225,17 @@ def _concrete(mesh, scope, arg_shapes):
         "with a NamedSharding, or call it under jax.set_mesh(mesh)")
   return jax.sharding.Mesh(np.array(devices).reshape(scope.axis_sizes),
                            scope.axis_names, axis_types=scope.axis_types)
+
+
+def _on_auto(mesh):
+  """A context in which a rule's body is traced: ``mesh``'s axes, all Auto.
+  On Explicit axes (the caller's ``jax.set_mesh``, still in effect while
+  XLA runs the rule) each op of the body would carry a sharding of its
+  own, which jax 0.11's XLA keeps inside the partitioned body as custom
+  calls that no CPU implements."""
+  auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+  return jax.sharding.use_abstract_mesh(
+      mesh.abstract_mesh.update_axis_types(dict(zip(mesh.axis_names, auto))))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
