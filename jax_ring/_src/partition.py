@@ -140,10 +140,9 @@ def _functions(present: tuple[str, ...]):
 
     def lowered(*args):
       (q, k, v), tm = split(args)
-      with _on_auto(mesh):
-        return strategy.forward(q, k, v, tm, local(cfg, q, k, v, tm), plan)
+      return strategy.forward(q, k, v, tm, local(cfg, q, k, v, tm), plan)
 
-    return mesh, lowered, (tok, stat), (tok, tok, tok) + masks
+    return mesh, _on_auto(mesh, lowered), (tok, stat), (tok, tok, tok) + masks
 
   def fwd_infer(cfg, cpc, scope, mesh, arg_shapes, result_shape):
     mesh = _concrete(mesh, scope, arg_shapes)
@@ -170,11 +169,10 @@ def _functions(present: tuple[str, ...]):
 
     def lowered(*args):
       (q, k, v, out, lse, dout), tm = split(args)
-      with _on_auto(mesh):
-        return strategy.backward(q, k, v, tm, out, lse, dout,
-                                  local(cfg, q, k, v, tm), plan)
+      return strategy.backward(q, k, v, tm, out, lse, dout,
+                                local(cfg, q, k, v, tm), plan)
 
-    return (mesh, lowered, (tok, tok, tok),
+    return (mesh, _on_auto(mesh, lowered), (tok, tok, tok),
             (tok, tok, tok, tok, stat, tok) + masks)
 
   def bwd_infer(cfg, cpc, scope, mesh, arg_shapes, result_shape):
@@ -227,15 +225,21 @@ def _concrete(mesh, scope, arg_shapes):
                            scope.axis_names, axis_types=scope.axis_types)
 
 
-def _on_auto(mesh):
-  """A context in which a rule's body is traced: ``mesh``'s axes, all Auto.
-  On Explicit axes (the caller's ``jax.set_mesh``, still in effect while
-  XLA runs the rule) each op of the body would carry a sharding of its
-  own, which jax 0.11's XLA keeps inside the partitioned body as custom
-  calls that no CPU implements."""
-  auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
-  return jax.sharding.use_abstract_mesh(
-      mesh.abstract_mesh.update_axis_types(dict(zip(mesh.axis_names, auto))))
+def _on_auto(mesh, body):
+  """A rule's ``body``, traced on ``mesh``'s axes all Auto. On Explicit
+  axes (the caller's ``jax.set_mesh``, still in effect while XLA runs the
+  rule) each op of the body would carry a sharding of its own, which jax
+  0.11's XLA keeps inside the partitioned body as custom calls that no
+  CPU implements."""
+  auto = jax.sharding.AxisType.Auto
+  on_auto = mesh.abstract_mesh.update_axis_types(
+      {name: auto for name in mesh.axis_names})
+
+  def traced(*args):
+    with jax.sharding.use_abstract_mesh(on_auto):
+      return body(*args)
+
+  return traced
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
